@@ -1,0 +1,3 @@
+"""bitserve: a Python inference server."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,177 @@
+"""The `torch` backend: a `torch.export` program (`model.pt2`) or TorchScript (`model.pt`).
+
+Both formats carry the graph with the weights, so serving needs no Python model code.
+`model.pt2` is preferred when both are present: it is the format torch maintains.
+
+Never unpickle an untrusted file. `torch.export.load` (torch 2.13) reads raw tensor bytes
+for weights, but it would still run a pickle in several places; `_check_pt2` refuses an
+archive that takes any of them, before torch sees it:
+
+- a weight or constant whose payload config says `use_pickle` (read with
+  `torch.load(weights_only=False)`), a legacy `data/weights/<model>.pt` state dict and
+  the pre-2.8 archive layout (both tried with `weights_only=True`, then silently retried
+  with `weights_only=False`), `opaque_obj_*` constants (plain `pickle.loads`) and
+  `custom_obj_*` constants (TorchScript objects);
+- `data/sample_inputs/*.pt`, which torch loads with `weights_only=True` but retries
+  unrestricted when that fails: we load it with `weights_only=True` first and refuse
+  the archive if that fails;
+- `data/aotinductor/` (a compiled shared library that `torch.export.load` dlopens).
+
+What remains is JSON and raw tensor bytes. The graph itself may only call torch
+operators: torch's own verifier refuses any other callable when the program is built.
+
+TorchScript (`torch.jit.load`) uses TorchScript's own unpickler, which builds tensors
+and TorchScript types only and resolves no Python globals; its code is TorchScript IR,
+not Python. It is accepted as the older, still common export format.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import warnings
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from bitserve.backends.base import LoadError, Model, set_threads
+from bitserve.tensors import DATATYPES
+
+# Request arrays decoded from the binary protocol are read-only views of the request
+# body; torch warns on every such `from_numpy`. A torch.export program is functional
+# and does not write its inputs, so the warning is noise on the hot path.
+warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+
+_BF16 = DATATYPES["BF16"]
+
+# Entries a plain `torch.export.save` archive holds (paths below the archive's root folder).
+_PT2_FIXED = {"archive_format", "archive_version", "byteorder", ".data/version"}
+_PT2_PREFIXES = ("models/", "extra/", ".data/", "data/sample_inputs/")
+
+
+class TorchModel(Model):
+    platform = "pytorch_libtorch"
+
+    def load(self) -> None:
+        path = self.require_file("model.pt2", "model.pt")
+        for spec in self.config.input:
+            if spec.datatype == "BYTES":
+                raise LoadError(f"{path}: input {spec.name!r} is BYTES; torch takes numeric tensors")
+        set_threads(self.config.instance_group.threads)
+        device = torch.device(self.device)
+        try:
+            if path.suffix == ".pt2":
+                self.platform = "torch_export"
+                _check_pt2(path)
+                program = torch.export.load(path)
+                self.module = program.module().to(device)
+            else:
+                self.module = torch.jit.load(str(path), map_location=device)
+                self.module.eval()
+        except LoadError:
+            raise
+        except Exception as e:
+            raise LoadError(f"{path}: cannot load: {type(e).__name__}: {e}") from e
+        self.path = path
+        self.torch_device = device
+        # Positional argument order: each input, then the mask the batcher adds for it.
+        self.arg_names: list[tuple[str, bool]] = []
+        for spec in self.config.input:
+            self.arg_names.append((spec.name, spec.optional))
+            if spec.mask:
+                self.arg_names.append((spec.mask, False))
+
+    def predict(self, inputs: dict[str, np.ndarray]) -> dict[str, Any]:
+        args = []
+        for name, optional in self.arg_names:
+            array = inputs.get(name)
+            if array is None:
+                if not optional:
+                    raise ValueError(f"{self.path}: input {name!r} is missing")
+                args.append(None)
+            else:
+                args.append(_to_tensor(array).to(self.torch_device, non_blocking=True))
+        with torch.inference_mode():
+            result = self.module(*args)
+        return self._outputs(result)
+
+    def _outputs(self, result: Any) -> dict[str, Any]:
+        names = [spec.name for spec in self.config.output]
+        if isinstance(result, dict):
+            missing = [n for n in names if n not in result]
+            if missing:
+                raise ValueError(f"{self.path}: the model returned no {missing}")
+            return {n: result[n] for n in names}
+        values = list(result) if isinstance(result, tuple | list) else [result]
+        if len(values) != len(names):
+            raise ValueError(
+                f"{self.path}: the model returned {len(values)} outputs, the config "
+                f"declares {len(names)} ({names})"
+            )
+        return dict(zip(names, values, strict=True))
+
+
+def _to_tensor(array: np.ndarray) -> torch.Tensor:
+    """A tensor sharing the array's memory (copying only a layout torch cannot view)."""
+    if array.dtype == _BF16:
+        return _to_tensor(array.view(np.int16)).view(torch.bfloat16)
+    try:
+        return torch.from_numpy(array)
+    except ValueError:  # negative strides (a reversed view) or a non-native byte order
+        return torch.from_numpy(np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("=")))
+
+
+def _check_pt2(path: Path) -> None:
+    """Refuse a .pt2 archive whose loading would run a pickle or native code (see above)."""
+    try:
+        archive = zipfile.ZipFile(path)
+    except (zipfile.BadZipFile, OSError) as e:
+        raise LoadError(f"{path}: not a torch.export archive: {e}") from e
+    with archive:
+        entries = {name.split("/", 1)[1]: name for name in archive.namelist() if "/" in name}
+        if "archive_version" not in entries:
+            raise LoadError(
+                f"{path}: an old torch.export layout, which torch may read with an "
+                "unrestricted pickle; re-export it with torch.export.save from torch >= 2.8"
+            )
+        for entry, name in entries.items():
+            if entry in _PT2_FIXED or entry.endswith("/") or entry.startswith(_PT2_PREFIXES):
+                pass
+            elif entry.startswith(("data/weights/", "data/constants/")):
+                _check_payload(path, archive, entry, name)
+            else:
+                raise LoadError(f"{path}: refusing archive entry {entry!r}: it is not plain data")
+            if entry.startswith("data/sample_inputs/"):
+                try:
+                    torch.load(io.BytesIO(archive.read(name)), weights_only=True)
+                except Exception as e:
+                    raise LoadError(
+                        f"{path}: {entry} needs an unrestricted pickle; refusing it ({e})"
+                    ) from None
+
+
+def _check_payload(path: Path, archive: zipfile.ZipFile, entry: str, name: str) -> None:
+    """A weights/constants entry must be raw tensor bytes or a config that says so."""
+    folder, file = entry.rsplit("/", 1)
+    if not file.endswith("_config.json"):
+        if file.startswith(("weight_", "tensor_")) and "." not in file:
+            return
+        raise LoadError(f"{path}: refusing {entry}: not a raw tensor payload (a pickle?)")
+    try:
+        config = json.loads(archive.read(name))["config"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise LoadError(f"{path}: {entry} is not a payload config: {e}") from None
+    for fqn, meta in config.items():
+        if meta.get("use_pickle") or not str(meta.get("path_name", "")).startswith(
+            ("weight_", "tensor_")
+        ):
+            raise LoadError(
+                f"{path}: {folder} entry {fqn!r} is stored as a pickle "
+                f"({meta.get('path_name')}); refusing to unpickle it"
+            )
+
+
+BACKEND = TorchModel

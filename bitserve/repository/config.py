@@ -1,0 +1,202 @@
+"""The schema of a model's `config.toml`, in Triton's vocabulary.
+
+A model folder holds `config.toml` and numeric version folders:
+
+    models/mlp/config.toml
+    models/mlp/1/model.pt2
+
+The fields mirror Triton's `config.pbtxt` (`max_batch_size`, `input`, `output`,
+`dynamic_batching`, `instance_group`, `version_policy`, `model_warmup`) so that a Triton
+user reads them without a manual; times are in milliseconds rather than microseconds.
+A config that does not validate is refused with an error naming the file and the field.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from bitserve.tensors import DATATYPES
+
+
+class ConfigError(Exception):
+    """A model config that cannot be used; the message names the file and the field."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class TensorSpec(_Strict):
+    """One input or output. `dims` exclude the batch dimension when `max_batch_size > 0`."""
+
+    name: Annotated[str, Field(min_length=1)]
+    datatype: str
+    dims: list[int]
+    optional: bool = False
+    # Variable-length inputs (token ids): requests in one batch are padded to the
+    # longest along the first -1 dimension with `pad_value`; `mask` names the extra
+    # input (1 = real, 0 = pad) that the batcher then passes to the model.
+    ragged: bool = False
+    pad_value: float = 0
+    mask: str | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> TensorSpec:
+        if self.datatype not in DATATYPES:
+            raise ValueError(f"datatype {self.datatype!r} is not one of {sorted(DATATYPES)}")
+        if any(d < -1 or d == 0 for d in self.dims):
+            raise ValueError(f"dims {self.dims} may hold positive sizes or -1 only")
+        if self.ragged and -1 not in self.dims:
+            raise ValueError("ragged=true needs a -1 dimension to pad along")
+        if self.mask is not None and not self.ragged:
+            raise ValueError("mask is only meaningful with ragged=true")
+        return self
+
+
+class DynamicBatching(_Strict):
+    """Triton's `dynamic_batching` block.
+
+    A batch leaves when it reaches `max_batch_size` rows (or the largest preferred size
+    that the queue can form), or when its oldest request has waited `max_queue_delay_ms`
+    since arrival. `dispatch_when_idle` (a bitserve addition, on by default) sends a
+    request that finds an empty queue and a free instance at once: there is nothing to
+    batch it with, and waiting would only add latency at low load. Set it false for
+    Triton's exact behaviour.
+    """
+
+    max_queue_delay_ms: Annotated[float, Field(ge=0)] = 0.0
+    preferred_batch_sizes: list[Annotated[int, Field(gt=0)]] = []
+    max_queue_size: Annotated[int, Field(ge=0)] = 0  # 0 = unbounded
+    default_timeout_ms: Annotated[float, Field(ge=0)] = 0.0  # 0 = none
+    allow_timeout_override: bool = True  # a request may only shorten the timeout
+    priority_levels: Annotated[int, Field(ge=1)] = 1
+    default_priority_level: Annotated[int, Field(ge=0)] = 0  # 0 = lowest level
+    dispatch_when_idle: bool = True
+
+    @model_validator(mode="after")
+    def _check(self) -> DynamicBatching:
+        if self.default_priority_level > self.priority_levels:
+            raise ValueError(
+                f"default_priority_level {self.default_priority_level} exceeds "
+                f"priority_levels {self.priority_levels}"
+            )
+        return self
+
+
+class InstanceGroup(_Strict):
+    count: Annotated[int, Field(ge=1)] = 1
+    kind: Literal["cpu", "gpu", "auto"] = "auto"
+    # torch / onnxruntime intra-op threads per instance; 0 leaves the library default.
+    threads: Annotated[int, Field(ge=0)] = 0
+
+
+class VersionPolicy(_Strict):
+    """Exactly one of `latest` (the N highest versions), `all`, or `specific`."""
+
+    latest: Annotated[int, Field(ge=1)] | None = None
+    all: bool | None = None
+    specific: list[Annotated[int, Field(ge=1)]] | None = None
+
+    @model_validator(mode="after")
+    def _one_of(self) -> VersionPolicy:
+        chosen = [k for k in ("latest", "all", "specific") if getattr(self, k) is not None]
+        if len(chosen) > 1:
+            raise ValueError(f"give one of latest, all, specific; got {', '.join(chosen)}")
+        return self
+
+    def select(self, available: list[int]) -> list[int]:
+        available = sorted(available)
+        if self.all:
+            return available
+        if self.specific is not None:
+            return sorted(v for v in self.specific if v in available)
+        return available[-(self.latest or 1) :]
+
+
+class WarmupInput(_Strict):
+    dims: list[Annotated[int, Field(ge=1)]] = []
+    zero_data: bool = False
+    random_data: bool = False
+    data: list[Any] | None = None  # literal values, flattened row-major
+
+
+class Warmup(_Strict):
+    name: str
+    batch_size: Annotated[int, Field(ge=1)] = 1
+    count: Annotated[int, Field(ge=1)] = 1
+    inputs: dict[str, WarmupInput]
+
+
+class ModelConfig(_Strict):
+    name: str
+    backend: Literal["python", "torch", "onnx", "hf"]
+    max_batch_size: Annotated[int, Field(ge=0)] = 0
+    input: list[TensorSpec] = []
+    output: list[TensorSpec] = []
+    dynamic_batching: DynamicBatching | None = None
+    instance_group: InstanceGroup = InstanceGroup()
+    version_policy: VersionPolicy = VersionPolicy()
+    model_warmup: list[Warmup] = []
+    # Backend-specific settings (e.g. hf: path, task, pooling).
+    parameters: dict[str, Any] = {}
+
+    @model_validator(mode="after")
+    def _check(self) -> ModelConfig:
+        names = [t.name for t in self.input] + [t.name for t in self.output]
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        if duplicates:
+            raise ValueError(f"tensor names must be unique; repeated: {duplicates}")
+        if self.dynamic_batching is not None and self.max_batch_size == 0:
+            raise ValueError("dynamic_batching needs max_batch_size > 0")
+        for size in self.dynamic_batching.preferred_batch_sizes if self.dynamic_batching else []:
+            if size > self.max_batch_size:
+                raise ValueError(
+                    f"preferred batch size {size} exceeds max_batch_size {self.max_batch_size}"
+                )
+        masks = {t.mask for t in self.input if t.mask}
+        if masks & {t.name for t in self.input}:
+            raise ValueError(f"mask names {sorted(masks)} collide with declared inputs")
+        if any(t.ragged for t in self.input) and self.max_batch_size == 0:
+            raise ValueError("ragged inputs need max_batch_size > 0")
+        for w in self.model_warmup:
+            if w.batch_size > max(self.max_batch_size, 1):
+                raise ValueError(f"warmup {w.name!r}: batch_size exceeds max_batch_size")
+            unknown = set(w.inputs) - {t.name for t in self.input}
+            if unknown:
+                raise ValueError(f"warmup {w.name!r}: unknown inputs {sorted(unknown)}")
+        return self
+
+    def input_spec(self, name: str) -> TensorSpec | None:
+        return next((t for t in self.input if t.name == name), None)
+
+    def full_shape(self, spec: TensorSpec) -> list[int]:
+        """The shape a client sees: the batch dimension (-1) first when batching."""
+        return ([-1] if self.max_batch_size > 0 else []) + list(spec.dims)
+
+
+def load_config(path: Path) -> ModelConfig:
+    """Read and validate `path`; the model name defaults to the folder's name."""
+    try:
+        raw = tomllib.loads(path.read_text())
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read: {e.strerror}") from e
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: invalid TOML: {e}") from e
+    raw.setdefault("name", path.parent.name)
+    if raw["name"] != path.parent.name:
+        raise ConfigError(
+            f"{path}: field 'name': {raw['name']!r} differs from the folder name "
+            f"{path.parent.name!r}"
+        )
+    try:
+        return ModelConfig.model_validate(raw)
+    except ValidationError as e:
+        problems = "; ".join(
+            f"field '{'.'.join(str(p) for p in err['loc']) or '(root)'}': {err['msg']}"
+            for err in e.errors()
+        )
+        raise ConfigError(f"{path}: {problems}") from None

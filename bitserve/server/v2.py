@@ -1,0 +1,243 @@
+"""The KServe v2 / Open Inference Protocol infer request and response, with Triton's
+binary tensor extension.
+
+A request body is JSON, or JSON followed by raw tensor bytes when the header
+`Inference-Header-Content-Length` gives the JSON's length; each input with a
+`binary_data_size` parameter takes its bytes from there, in input order. Every problem
+becomes an `InvalidRequest` whose message names the field, which the app turns into a
+400 `{"error": ...}`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import orjson
+
+from bitserve.repository.config import ModelConfig, TensorSpec
+from bitserve.tensors import DATATYPES, TensorError, from_binary, from_json, to_binary, to_json
+
+HEADER_LENGTH = "inference-header-content-length"
+
+
+class InvalidRequest(ValueError):
+    """The caller's mistake (HTTP 400)."""
+
+
+@dataclass
+class InferRequest:
+    inputs: dict[str, np.ndarray]
+    rows: int
+    shape_key: tuple
+    id: str | None = None
+    outputs: list[str] = field(default_factory=list)  # requested names, in order
+    binary: dict[str, bool] = field(default_factory=dict)  # per-output binary choice
+    priority: int = 0
+    timeout_us: int = 0
+
+
+def parse_infer(config: ModelConfig, body: bytes, header_length: int | None) -> InferRequest:
+    header, binary = _split_body(body, header_length)
+    try:
+        doc = orjson.loads(header)
+    except orjson.JSONDecodeError as e:
+        raise InvalidRequest(f"malformed JSON in request body: {e}") from None
+    if not isinstance(doc, dict):
+        raise InvalidRequest("request body must be a JSON object")
+    raw_inputs = doc.get("inputs")
+    if not isinstance(raw_inputs, list) or not raw_inputs:
+        raise InvalidRequest("field 'inputs' must be a non-empty list")
+    params = _params(doc, "request")
+    inputs = _read_inputs(config, raw_inputs, binary)
+    rows = _check_inputs(config, inputs)
+    outputs, choices = _read_outputs(config, doc.get("outputs"), params)
+    request_id = doc.get("id")
+    if request_id is not None and not isinstance(request_id, str):
+        raise InvalidRequest("field 'id' must be a string")
+    return InferRequest(
+        inputs=inputs,
+        rows=rows,
+        shape_key=tuple(
+            (name, a.shape[1:])
+            for name, a in inputs.items()
+            if not _spec(config, name).ragged and config.max_batch_size > 0
+        ),
+        id=request_id,
+        outputs=outputs,
+        binary=choices,
+        priority=_int_param(params, "priority"),
+        timeout_us=_int_param(params, "timeout"),
+    )
+
+
+def _split_body(body: bytes, header_length: int | None) -> tuple[bytes, memoryview]:
+    if header_length is None:
+        return body, memoryview(b"")
+    if header_length < 0 or header_length > len(body):
+        raise InvalidRequest(
+            f"header Inference-Header-Content-Length is {header_length} but the body has "
+            f"{len(body)} bytes"
+        )
+    view = memoryview(body)
+    return bytes(view[:header_length]), view[header_length:]
+
+
+def _params(doc: dict, where: str) -> dict:
+    params = doc.get("parameters") or {}
+    if not isinstance(params, dict):
+        raise InvalidRequest(f"field 'parameters' of the {where} must be an object")
+    return params
+
+
+def _int_param(params: dict, key: str) -> int:
+    value = params.get(key, 0)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise InvalidRequest(f"parameter '{key}' must be a non-negative integer")
+    return value
+
+
+def _spec(config: ModelConfig, name: str) -> TensorSpec:
+    spec = config.input_spec(name)
+    if spec is None:
+        expected = [t.name for t in config.input]
+        raise InvalidRequest(f"unknown input '{name}'; model '{config.name}' expects {expected}")
+    return spec
+
+
+def _read_inputs(config: ModelConfig, raw: list, binary: memoryview) -> dict[str, np.ndarray]:
+    inputs: dict[str, np.ndarray] = {}
+    offset = 0
+    for item in raw:
+        if not isinstance(item, dict) or not isinstance(item.get("name"), str):
+            raise InvalidRequest("each entry of 'inputs' must be an object with a 'name'")
+        name = item["name"]
+        spec = _spec(config, name)
+        if name in inputs:
+            raise InvalidRequest(f"input '{name}' is given twice")
+        datatype, shape = item.get("datatype"), item.get("shape")
+        if datatype != spec.datatype:
+            raise InvalidRequest(
+                f"input '{name}': datatype {datatype!r}, model '{config.name}' expects "
+                f"{spec.datatype}"
+            )
+        if not isinstance(shape, list) or not all(
+            isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
+        ):
+            raise InvalidRequest(f"input '{name}': 'shape' must be a list of non-negative ints")
+        size = _params(item, f"input '{name}'").get("binary_data_size")
+        try:
+            if size is not None:
+                if not isinstance(size, int) or size < 0:
+                    raise InvalidRequest(f"input '{name}': binary_data_size must be an integer")
+                if offset + size > len(binary):
+                    raise InvalidRequest(
+                        f"input '{name}': binary data truncated: binary_data_size is {size} "
+                        f"but {len(binary) - offset} bytes remain"
+                    )
+                inputs[name] = from_binary(name, datatype, shape, binary[offset : offset + size])
+                offset += size
+            elif "data" in item:
+                inputs[name] = from_json(name, datatype, shape, item["data"])
+            else:
+                raise InvalidRequest(f"input '{name}': needs 'data' or binary_data_size")
+        except TensorError as e:
+            raise InvalidRequest(str(e)) from None
+    if offset != len(binary):
+        raise InvalidRequest(
+            f"body holds {len(binary) - offset} bytes of binary data that no input claims"
+        )
+    return inputs
+
+
+def _check_inputs(config: ModelConfig, inputs: dict[str, np.ndarray]) -> int:
+    """Check shapes against the config; return the request's batch size (rows)."""
+    missing = [t.name for t in config.input if t.name not in inputs and not t.optional]
+    if missing:
+        raise InvalidRequest(f"missing inputs {missing} for model '{config.name}'")
+    batched = config.max_batch_size > 0
+    rows = None
+    for name, array in inputs.items():
+        spec = _spec(config, name)
+        shape = list(array.shape)
+        dims = shape[1:] if batched else shape
+        expected = config.full_shape(spec)
+        if len(dims) != len(spec.dims) or any(
+            d != e and e != -1 for d, e in zip(dims, spec.dims, strict=True)
+        ):
+            raise InvalidRequest(
+                f"input '{name}': shape {shape} does not match the model's {expected}"
+            )
+        if batched:
+            if not 1 <= shape[0] <= config.max_batch_size:
+                raise InvalidRequest(
+                    f"input '{name}': batch size {shape[0]} is outside 1..{config.max_batch_size}"
+                )
+            if rows is not None and shape[0] != rows:
+                raise InvalidRequest(f"input '{name}': batch size {shape[0]} differs from {rows}")
+            rows = shape[0]
+    return rows or 1
+
+
+def _read_outputs(
+    config: ModelConfig, raw: Any, params: dict
+) -> tuple[list[str], dict[str, bool]]:
+    default_binary = bool(params.get("binary_data_output", False))
+    declared = [t.name for t in config.output]
+    if raw is None:
+        return declared, dict.fromkeys(declared, default_binary)
+    if not isinstance(raw, list):
+        raise InvalidRequest("field 'outputs' must be a list")
+    names, choices = [], {}
+    for item in raw:
+        if not isinstance(item, dict) or not isinstance(item.get("name"), str):
+            raise InvalidRequest("each entry of 'outputs' must be an object with a 'name'")
+        name = item["name"]
+        if name not in declared:
+            raise InvalidRequest(
+                f"unknown output '{name}'; model '{config.name}' has {declared}"
+            )
+        names.append(name)
+        choices[name] = bool(_params(item, f"output '{name}'").get("binary_data", default_binary))
+    return names, choices
+
+
+def encode_response(
+    model: str, version: int, request: InferRequest, outputs: dict[str, np.ndarray]
+) -> tuple[bytes, int | None]:
+    """The response body and, when some output is binary, the JSON header's length."""
+    entries, blobs = [], []
+    for name in request.outputs:
+        array = outputs[name]
+        entry: dict[str, Any] = {
+            "name": name,
+            "datatype": _datatype(array),
+            "shape": list(array.shape),
+        }
+        if request.binary.get(name):
+            blob = to_binary(array)
+            entry["parameters"] = {"binary_data_size": len(blob)}
+            blobs.append(blob)
+        else:
+            try:
+                entry["data"] = to_json(array)
+            except TensorError as e:
+                raise InvalidRequest(f"output '{name}': {e}") from None
+        entries.append(entry)
+    doc: dict[str, Any] = {"model_name": model, "model_version": str(version), "outputs": entries}
+    if request.id is not None:
+        doc["id"] = request.id
+    header = orjson.dumps(doc, option=orjson.OPT_SERIALIZE_NUMPY)
+    if not blobs:
+        return header, None
+    return b"".join([header, *blobs]), len(header)
+
+
+def _datatype(array: np.ndarray) -> str:
+    if array.dtype == object:
+        return "BYTES"
+    for name, dtype in DATATYPES.items():
+        if dtype == array.dtype:
+            return name
+    raise InvalidRequest(f"output dtype {array.dtype} has no v2 datatype")
