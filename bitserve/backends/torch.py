@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import io
 import json
-import warnings
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -39,11 +38,6 @@ import torch
 
 from bitserve.backends.base import LoadError, Model, set_threads
 from bitserve.tensors import DATATYPES
-
-# Request arrays decoded from the binary protocol are read-only views of the request
-# body; torch warns on every such `from_numpy`. A torch.export program is functional
-# and does not write its inputs, so the warning is noise on the hot path.
-warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
 
 _BF16 = DATATYPES["BF16"]
 
@@ -59,7 +53,9 @@ class TorchModel(Model):
         path = self.require_file("model.pt2", "model.pt")
         for spec in self.config.input:
             if spec.datatype == "BYTES":
-                raise LoadError(f"{path}: input {spec.name!r} is BYTES; torch takes numeric tensors")
+                raise LoadError(
+                    f"{path}: input {spec.name!r} is BYTES; torch takes numeric tensors"
+                )
         set_threads(self.config.instance_group.threads)
         device = torch.device(self.device)
         try:
@@ -115,7 +111,12 @@ class TorchModel(Model):
 
 
 def _to_tensor(array: np.ndarray) -> torch.Tensor:
-    """A tensor sharing the array's memory (copying only a layout torch cannot view)."""
+    """A tensor sharing the array's memory (copying only a layout torch cannot view).
+
+    Arrays decoded from the binary protocol are read-only views of the request body;
+    torch warns once per process about those. A torch.export program is functional and
+    does not write to its inputs.
+    """
     if array.dtype == _BF16:
         return _to_tensor(array.view(np.int16)).view(torch.bfloat16)
     try:

@@ -63,7 +63,9 @@ class ManualClock:
         return timer
 
     def advance(self, seconds: float) -> None:
-        end = self._now + seconds
+        self.advance_to(self._now + seconds)
+
+    def advance_to(self, end: float) -> None:
         while self._timers and self._timers[0][0] <= end:
             when, _, timer, callback = heapq.heappop(self._timers)
             if not timer.cancelled:

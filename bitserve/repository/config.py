@@ -146,10 +146,11 @@ class ModelConfig(_Strict):
 
     @model_validator(mode="after")
     def _check(self) -> ModelConfig:
-        names = [t.name for t in self.input] + [t.name for t in self.output]
-        duplicates = sorted({n for n in names if names.count(n) > 1})
-        if duplicates:
-            raise ValueError(f"tensor names must be unique; repeated: {duplicates}")
+        for kind, tensors in (("input", self.input), ("output", self.output)):
+            names = [t.name for t in tensors]
+            duplicates = sorted({n for n in names if names.count(n) > 1})
+            if duplicates:
+                raise ValueError(f"{kind} names must be unique; repeated: {duplicates}")
         if self.dynamic_batching is not None and self.max_batch_size == 0:
             raise ValueError("dynamic_batching needs max_batch_size > 0")
         for size in self.dynamic_batching.preferred_batch_sizes if self.dynamic_batching else []:

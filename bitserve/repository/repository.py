@@ -131,6 +131,15 @@ class Repository:
             return f"model '{entry.name}' is not available: {entry.error}"
         return f"model '{entry.name}' is not ready (loading)"
 
+    def not_ready_reason(self) -> str | None:
+        """Why the server is not ready (None when it is): loading, or which model failed."""
+        for entry in self.models.values():
+            if entry.error:
+                return f"model '{entry.name}' failed: {entry.error}"
+        if not self.all_ready():
+            return "loading"
+        return None
+
     def all_ready(self) -> bool:
         """Every model the repository asks for is loaded and warmed (strict readiness)."""
         return self.loaded and all(

@@ -70,7 +70,8 @@ class V2App:
         return Response(status_code=200)
 
     async def ready(self, request: Request) -> Response:
-        return Response(status_code=200 if self.repository.all_ready() else 503)
+        reason = self.repository.not_ready_reason()
+        return Response(status_code=200) if reason is None else error(503, reason)
 
     # -------------------------------------------------------------- metadata
 

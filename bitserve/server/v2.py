@@ -126,6 +126,7 @@ def _read_inputs(config: ModelConfig, raw: list, binary: memoryview) -> dict[str
             isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
         ):
             raise InvalidRequest(f"input '{name}': 'shape' must be a list of non-negative ints")
+        _check_shape(config, spec, shape)
         size = _params(item, f"input '{name}'").get("binary_data_size")
         try:
             if size is not None:
@@ -151,38 +152,37 @@ def _read_inputs(config: ModelConfig, raw: list, binary: memoryview) -> dict[str
     return inputs
 
 
+def _check_shape(config: ModelConfig, spec: TensorSpec, shape: list[int]) -> None:
+    """The shape a request declares must fit the config, before any data is decoded."""
+    batched = config.max_batch_size > 0
+    dims = shape[1:] if batched else shape
+    if len(dims) != len(spec.dims) or any(
+        d != e and e != -1 for d, e in zip(dims, spec.dims, strict=True)
+    ):
+        raise InvalidRequest(
+            f"input '{spec.name}': shape {shape} does not match the model's "
+            f"{config.full_shape(spec)}"
+        )
+    if batched and not 1 <= shape[0] <= config.max_batch_size:
+        raise InvalidRequest(
+            f"input '{spec.name}': batch size {shape[0]} is outside 1..{config.max_batch_size}"
+        )
+
+
 def _check_inputs(config: ModelConfig, inputs: dict[str, np.ndarray]) -> int:
-    """Check shapes against the config; return the request's batch size (rows)."""
+    """Every required input is there and all agree on the batch size (rows)."""
     missing = [t.name for t in config.input if t.name not in inputs and not t.optional]
     if missing:
         raise InvalidRequest(f"missing inputs {missing} for model '{config.name}'")
-    batched = config.max_batch_size > 0
-    rows = None
-    for name, array in inputs.items():
-        spec = _spec(config, name)
-        shape = list(array.shape)
-        dims = shape[1:] if batched else shape
-        expected = config.full_shape(spec)
-        if len(dims) != len(spec.dims) or any(
-            d != e and e != -1 for d, e in zip(dims, spec.dims, strict=True)
-        ):
-            raise InvalidRequest(
-                f"input '{name}': shape {shape} does not match the model's {expected}"
-            )
-        if batched:
-            if not 1 <= shape[0] <= config.max_batch_size:
-                raise InvalidRequest(
-                    f"input '{name}': batch size {shape[0]} is outside 1..{config.max_batch_size}"
-                )
-            if rows is not None and shape[0] != rows:
-                raise InvalidRequest(f"input '{name}': batch size {shape[0]} differs from {rows}")
-            rows = shape[0]
-    return rows or 1
+    if config.max_batch_size == 0:
+        return 1
+    rows = {name: a.shape[0] for name, a in inputs.items()}
+    if len(set(rows.values())) > 1:
+        raise InvalidRequest(f"inputs disagree on the batch size: {rows}")
+    return next(iter(rows.values()))
 
 
-def _read_outputs(
-    config: ModelConfig, raw: Any, params: dict
-) -> tuple[list[str], dict[str, bool]]:
+def _read_outputs(config: ModelConfig, raw: Any, params: dict) -> tuple[list[str], dict[str, bool]]:
     default_binary = bool(params.get("binary_data_output", False))
     declared = [t.name for t in config.output]
     if raw is None:
@@ -195,9 +195,7 @@ def _read_outputs(
             raise InvalidRequest("each entry of 'outputs' must be an object with a 'name'")
         name = item["name"]
         if name not in declared:
-            raise InvalidRequest(
-                f"unknown output '{name}'; model '{config.name}' has {declared}"
-            )
+            raise InvalidRequest(f"unknown output '{name}'; model '{config.name}' has {declared}")
         names.append(name)
         choices[name] = bool(_params(item, f"output '{name}'").get("binary_data", default_binary))
     return names, choices

@@ -1,0 +1,44 @@
+# `make serve` and `make test` work on a fresh machine: each creates .venv when missing.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+# The CPU build of torch; pyproject keeps a range so a CUDA machine may bring its own.
+TORCH_CPU := torch==2.13.0
+BENCH_VENV := .venv-bench
+HOST ?= 127.0.0.1
+PORT ?= 8000
+
+.PHONY: serve test test-all bench lint format models clean
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q $(TORCH_CPU) || echo "no $(TORCH_CPU) here; pyproject's torch range applies"
+	$(PIP) install -q -e '.[test]'
+	touch $@
+
+models: $(VENV)/.installed
+	$(PY) tools/build_models.py --repository models
+
+serve: models
+	$(VENV)/bin/bitserve serve --repository models --host $(HOST) --port $(PORT)
+
+test: $(VENV)/.installed
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(PY) -m pytest
+
+test-all: $(VENV)/.installed
+	$(PY) -m pytest -m ""
+
+lint: $(VENV)/.installed
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: $(VENV)/.installed
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
+
+clean:
+	rm -rf $(VENV) $(BENCH_VENV) build *.egg-info

