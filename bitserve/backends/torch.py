@@ -42,7 +42,7 @@ from bitserve.tensors import DATATYPES
 _BF16 = DATATYPES["BF16"]
 
 # Entries a plain `torch.export.save` archive holds (paths below the archive's root folder).
-_PT2_FIXED = {"archive_format", "archive_version", "byteorder", ".data/version"}
+_PT2_FIXED = {"archive_format", "archive_version", "byteorder"}
 _PT2_PREFIXES = ("models/", "extra/", ".data/", "data/sample_inputs/")
 
 

@@ -89,11 +89,13 @@ def test_lookup_picks_the_highest_ready_version(tmp_path):
         ("backend = 'python'\n[[input]]\nname='x'\ndatatype='FP32'\ndims=[0]\n", ["dims"]),
         ("backend = 'python'\n[dynamic_batching]\n", ["max_batch_size > 0"]),
         (
-            "backend = 'python'\nmax_batch_size = 4\n[dynamic_batching]\npreferred_batch_sizes=[8]\n",
+            "backend = 'python'\nmax_batch_size = 4\n"
+            "[dynamic_batching]\npreferred_batch_sizes=[8]\n",
             ["preferred batch size 8"],
         ),
         (
-            "backend = 'python'\nmax_batch_size = 4\n[dynamic_batching]\nmax_queue_delay_ms = 'x'\n",
+            "backend = 'python'\nmax_batch_size = 4\n"
+            "[dynamic_batching]\nmax_queue_delay_ms = 'x'\n",
             ["dynamic_batching.max_queue_delay_ms"],
         ),
         ("backend = 'python'\n[version_policy]\nlatest = 1\nall = true\n", ["latest, all"]),
