@@ -19,6 +19,9 @@ from bitserve.repository.version import ModelVersion
 
 log = logging.getLogger("bitserve.repository")
 
+# A model folder holding this file is skipped (e.g. one whose backend is not built yet).
+IGNORE_MARKER = ".bitserve-ignore"
+
 
 class ModelNotFound(LookupError):
     """Unknown model or version (HTTP 404)."""
@@ -55,7 +58,7 @@ class Repository:
         if not self.path.is_dir():
             raise ConfigError(f"{self.path}: model repository folder does not exist")
         for model_dir in sorted(p for p in self.path.iterdir() if p.is_dir()):
-            if model_dir.name.startswith((".", "_")):
+            if model_dir.name.startswith((".", "_")) or (model_dir / IGNORE_MARKER).exists():
                 continue
             entry = self.models.setdefault(model_dir.name, ModelEntry(model_dir.name))
             config_path = model_dir / "config.toml"
