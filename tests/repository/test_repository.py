@@ -167,3 +167,13 @@ def test_broken_models_are_refused_and_the_rest_serve(tmp_path):
         assert server.alive()
     finally:
         server.stop()
+
+
+def test_marked_and_hidden_folders_are_skipped(tmp_path):
+    versioned(tmp_path, "m", [1])
+    versioned(tmp_path, "wip", [1])
+    (tmp_path / "wip" / ".bitserve-ignore").touch()
+    versioned(tmp_path, ".hidden", [1])
+    repo = Repository(tmp_path)
+    repo.scan()
+    assert list(repo.models) == ["m"]
