@@ -32,6 +32,18 @@ test: $(VENV)/.installed
 test-all: $(VENV)/.installed
 	$(PY) -m pytest -m ""
 
+# Benchmarks run in their own environment: the peers they compare against (LitServe,
+# FastAPI) are never dependencies of bitserve.
+$(BENCH_VENV)/.installed: bench/requirements.txt pyproject.toml
+	test -x $(BENCH_VENV)/bin/python || $(PYTHON) -m venv $(BENCH_VENV)
+	$(BENCH_VENV)/bin/pip install -q $(TORCH_CPU) || echo "no $(TORCH_CPU) here"
+	$(BENCH_VENV)/bin/pip install -q -e '.[bench]' -r bench/requirements.txt
+	touch $@
+
+bench: $(BENCH_VENV)/.installed
+	$(BENCH_VENV)/bin/python tools/build_models.py --repository models
+	$(BENCH_VENV)/bin/python bench/batching.py $(BENCH_ARGS)
+
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .

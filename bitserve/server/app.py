@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import gc
 import logging
 import time
 import zlib
@@ -333,6 +334,7 @@ def create_app(
             async def load_models() -> None:
                 await repository.load_all()
                 log.info("repository loaded in %.2f s", time.perf_counter() - started)
+                _quiet_gc()
 
             task = asyncio.create_task(load_models())
         yield
@@ -343,6 +345,20 @@ def create_app(
     # A bare Router: the handlers turn their own errors into responses, so Starlette's
     # two exception middlewares would only add cost to every request.
     return Router(routes=routes, lifespan=lifespan, default=_not_found)
+
+
+def _quiet_gc() -> None:
+    """Keep the garbage collector from pausing the server under load.
+
+    Loaded models leave millions of long-lived objects (torch modules, tokenizers); every
+    full collection walks them all, and at thousands of requests per second those walks
+    stalled whole batches for 70-190 ms (the p99 at concurrency 64 was 10x the p50).
+    Freezing what exists after loading takes it out of every later collection, and a
+    larger first-generation threshold makes collections rarer; request objects are
+    freed by reference counting anyway."""
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(50_000, 20, 20)
 
 
 async def _not_found(scope, receive, send) -> None:

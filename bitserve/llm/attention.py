@@ -1,0 +1,130 @@
+"""Paged attention on CPU: write new K/V into the block pool, attend per sequence.
+
+Layout (research/cpu-facts.md §2): each layer's pool is head-major,
+`[num_kv_heads, num_blocks, block_size, head_dim]`, so gathering a sequence's blocks
+along dim 1 leaves every head's keys contiguous, which is what SDPA wants. Gathers go
+into preallocated buffers (a fresh allocation page-faults and costs up to 10x).
+
+Three cases per sequence, chosen so SDPA keeps its fast paths:
+- a fresh prefill (nothing cached before this chunk): attend to the new K/V directly,
+  `is_causal=True`, no gather;
+- a decode (one query token): gather the context, fold the GQA group into the query
+  length (`[kv_heads, group, D]`), no mask;
+- a later prefill chunk: gather the context, bottom-right causal mask.
+The KV cache stays fp32 on CPU: bf16 SDPA there is 4-8x slower.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class SeqSlice:
+    start: int  # first row of this sequence in the flattened batch
+    end: int
+    context_len: int  # tokens in the cache after this step (computed + new)
+    block_table: torch.Tensor  # the blocks covering context_len, int64
+
+    @property
+    def num_new(self) -> int:
+        return self.end - self.start
+
+    @property
+    def fresh(self) -> bool:
+        return self.num_new == self.context_len
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T]: block_id * block_size + offset of each new token
+    seqs: list[SeqSlice]
+    workspace: GatherWorkspace | None = None
+
+
+@dataclass
+class GatherWorkspace:
+    """Preallocated gather buffers, shared by all layers (they run one after another)."""
+
+    keys: torch.Tensor = field(default_factory=lambda: torch.empty(0))
+    values: torch.Tensor = field(default_factory=lambda: torch.empty(0))
+
+    def gather(self, pool: torch.Tensor, which: str, block_table: torch.Tensor) -> torch.Tensor:
+        heads, _, block_size, dim = pool.shape
+        need = heads * len(block_table) * block_size * dim
+        buf = getattr(self, which)
+        if buf.numel() < need or buf.dtype != pool.dtype:
+            buf = torch.empty(max(need, 2 * buf.numel()), dtype=pool.dtype)
+            setattr(self, which, buf)
+        out = buf[:need].view(heads, len(block_table), block_size, dim)
+        torch.index_select(pool, 1, block_table, out=out)
+        return out.view(heads, len(block_table) * block_size, dim)
+
+
+def write_kv(cache: tuple[torch.Tensor, torch.Tensor], k, v, slot_mapping) -> None:
+    """Scatter this step's K/V ([T, Hkv, D]) into their slots of the layer's pool."""
+    k_pool, v_pool = cache
+    heads, num_blocks, block_size, dim = k_pool.shape
+    k_flat = k_pool.view(heads, num_blocks * block_size, dim)
+    v_flat = v_pool.view(heads, num_blocks * block_size, dim)
+    k_flat.index_copy_(1, slot_mapping, k.transpose(0, 1).to(k_pool.dtype))
+    v_flat.index_copy_(1, slot_mapping, v.transpose(0, 1).to(v_pool.dtype))
+
+
+def paged_attention(q, k, v, cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """q: [T, Hq, D]; k, v: [T, Hkv, D] for the new tokens. Returns [T, Hq, D]."""
+    write_kv(cache, k, v, meta.slot_mapping)
+    out = torch.empty_like(q)
+    for s in meta.seqs:
+        if s.fresh:
+            out[s.start : s.end] = prefill_attention(
+                q[s.start : s.end], k[s.start : s.end], v[s.start : s.end], scale
+            )
+        else:
+            keys = meta.workspace.gather(cache[0], "keys", s.block_table)[:, : s.context_len]
+            values = meta.workspace.gather(cache[1], "values", s.block_table)[:, : s.context_len]
+            attend = decode_attention if s.num_new == 1 else chunk_attention
+            out[s.start : s.end] = attend(q[s.start : s.end], keys, values, scale)
+    return out
+
+
+def prefill_attention(q, k, v, scale: float) -> torch.Tensor:
+    """A chunk with no cached context: plain causal attention on the new K/V."""
+    q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+    o = F.scaled_dot_product_attention(
+        q,
+        k.to(q.dtype),
+        v.to(q.dtype),
+        is_causal=q.shape[2] > 1,
+        scale=scale,
+        enable_gqa=q.shape[1] != k.shape[1],
+    )
+    return o[0].transpose(0, 1)
+
+
+def decode_attention(q, keys, values, scale: float) -> torch.Tensor:
+    """One query token against the context [Hkv, L, D]: the GQA group becomes the query
+    length, so each KV head is read once and no mask is needed."""
+    kv_heads = keys.shape[0]
+    qg = q.view(kv_heads, -1, q.shape[-1]).unsqueeze(0).to(keys.dtype)
+    o = F.scaled_dot_product_attention(qg, keys.unsqueeze(0), values.unsqueeze(0), scale=scale)
+    return o.view(1, -1, q.shape[-1]).to(q.dtype)
+
+
+def chunk_attention(q, keys, values, scale: float) -> torch.Tensor:
+    """A prefill chunk after cached tokens: query i sees context up to L - n + i."""
+    n, context = q.shape[0], keys.shape[1]
+    mask = torch.ones(n, context, dtype=torch.bool).tril(diagonal=context - n)
+    qh = q.transpose(0, 1).unsqueeze(0).to(keys.dtype)
+    o = F.scaled_dot_product_attention(
+        qh,
+        keys.unsqueeze(0),
+        values.unsqueeze(0),
+        attn_mask=mask,
+        scale=scale,
+        enable_gqa=qh.shape[1] != keys.shape[0],
+    )
+    return o[0].transpose(0, 1).to(q.dtype)

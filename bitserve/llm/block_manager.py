@@ -1,0 +1,171 @@
+"""PagedAttention's memory manager: fixed-size KV blocks, block tables, prefix caching.
+
+The KV cache is a pool of `num_blocks` blocks of `block_size` token slots. A sequence
+owns a block table (the ids of its blocks, in order), so its KV is non-contiguous and
+only its last block can hold unused slots — the waste PagedAttention bounds.
+
+Automatic prefix caching (vLLM v1, `block_pool.py`): every full block gets a chained
+hash `hash((parent_hash, tokens))`, so equal prefixes map to equal hashes. A freed
+block keeps its hash and goes to the tail of an LRU free queue; a later request with
+the same prefix takes it back ("touch") instead of recomputing it. Allocation evicts
+from the head. The queue is an OrderedDict: append, remove and pop are O(1).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from bitserve.llm.config import EngineConfig
+from bitserve.llm.sequence import Sequence
+
+NO_PARENT = 0x5EED  # the parent hash of a sequence's first block
+
+
+@dataclass(eq=False)
+class Block:
+    block_id: int
+    ref_count: int = 0
+    hash: int | None = None
+    token_ids: tuple[int, ...] = field(default=(), repr=False)  # checked on a hit: no collisions
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def chain_hash(parent: int, token_ids: tuple[int, ...]) -> int:
+    return hash((parent, token_ids))
+
+
+class BlockManager:
+    def __init__(self, config: EngineConfig, num_blocks: int):
+        self.block_size = config.block_size
+        self.enable_prefix_caching = config.enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.hash_to_block: dict[int, int] = {}
+        self.prefix_cache_queries = 0  # prompt tokens looked up
+        self.prefix_cache_hits = 0  # of which found in the cache
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_queue)
+
+    # -- prefix caching -------------------------------------------------------------
+    def block_hashes(self, seq: Sequence, num_full_blocks: int) -> list[int]:
+        """Chained hashes of `seq`'s first full blocks, computed once and kept on the seq."""
+        bs, hashes = self.block_size, seq.block_hashes
+        while len(hashes) < num_full_blocks:
+            i = len(hashes)
+            parent = hashes[-1] if hashes else NO_PARENT
+            hashes.append(chain_hash(parent, tuple(seq.token_ids[i * bs : (i + 1) * bs])))
+        return hashes[:num_full_blocks]
+
+    def get_computed_blocks(self, seq: Sequence) -> list[int]:
+        """The longest cached prefix of a new request, in block ids (references not taken).
+
+        The last prompt token is always recomputed: its logits are needed to sample.
+        Requests that want prompt logprobs skip the cache (cached tokens have no logits).
+        """
+        if not self.enable_prefix_caching or seq.sampling_params.prompt_logprobs is not None:
+            return []
+        num_full = (seq.num_tokens - 1) // self.block_size
+        hits = []
+        for i, h in enumerate(self.block_hashes(seq, num_full)):
+            block_id = self.hash_to_block.get(h)
+            tokens = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
+            if block_id is None or self.blocks[block_id].token_ids != tokens:
+                break
+            hits.append(block_id)
+        if seq.num_preemptions == 0:
+            self.prefix_cache_queries += seq.num_tokens
+            self.prefix_cache_hits += len(hits) * self.block_size
+        return hits
+
+    def _register_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
+        """Enter the blocks that `num_tokens` computed tokens fill into the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = num_tokens // self.block_size
+        hashes = self.block_hashes(seq, num_full)
+        bs = self.block_size
+        for i in range(seq.num_registered_blocks, num_full):
+            block = self.blocks[seq.block_table[i]]
+            if block.hash is None and hashes[i] not in self.hash_to_block:
+                block.hash = hashes[i]
+                block.token_ids = tuple(seq.token_ids[i * bs : (i + 1) * bs])
+                self.hash_to_block[block.hash] = block.block_id
+        seq.num_registered_blocks = max(seq.num_registered_blocks, num_full)
+
+    # -- allocation -------------------------------------------------------------------
+    def allocate_slots(
+        self, seq: Sequence, num_new_tokens: int, computed_blocks: list[int] = ()
+    ) -> bool:
+        """Give `seq` the blocks it needs for `num_new_tokens` more tokens; False if short.
+
+        `computed_blocks` (a prefix-cache hit, only on a request's first allocation) are
+        taken with their K/V; the request's computed tokens jump past them.
+        """
+        num_tokens = seq.num_computed_tokens + len(computed_blocks) * self.block_size
+        num_required = cdiv(num_tokens + num_new_tokens, self.block_size)
+        num_new_blocks = num_required - len(seq.block_table) - len(computed_blocks)
+        evictable_hits = sum(1 for b in computed_blocks if self.blocks[b].ref_count == 0)
+        if num_new_blocks > self.num_free_blocks - evictable_hits:
+            return False
+        for block_id in computed_blocks:
+            self._touch(block_id)
+            seq.block_table.append(block_id)
+        if computed_blocks:
+            seq.num_computed_tokens = num_tokens
+            seq.num_cached_tokens = num_tokens
+            seq.num_registered_blocks = len(computed_blocks)
+        for _ in range(num_new_blocks):
+            seq.block_table.append(self._pop_free_block())
+        self._register_full_blocks(seq, num_tokens + num_new_tokens)
+        return True
+
+    def free(self, seq: Sequence) -> None:
+        """Return a sequence's blocks. Tail blocks go first into the LRU queue, so the
+        longest prefixes are evicted first; blocks with no hash go to the head."""
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_queue[block_id] = None
+                if block.hash is None:
+                    self.free_queue.move_to_end(block_id, last=False)
+        seq.block_table = []
+        seq.num_registered_blocks = 0
+
+    def _touch(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            del self.free_queue[block_id]
+        block.ref_count += 1
+
+    def _pop_free_block(self) -> int:
+        block_id, _ = self.free_queue.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.hash is not None:  # evict it from the prefix cache
+            if self.hash_to_block.get(block.hash) == block_id:
+                del self.hash_to_block[block.hash]
+            block.hash, block.token_ids = None, ()
+        block.ref_count = 1
+        return block_id
+
+    # -- metrics ------------------------------------------------------------------------
+    def usage(self) -> float:
+        """Fraction of blocks held by requests (cached free blocks count as free)."""
+        return 1.0 - self.num_free_blocks / max(self.num_blocks, 1)
+
+    def reset_prefix_cache(self) -> None:
+        for block_id in self.free_queue:
+            block = self.blocks[block_id]
+            if block.hash is not None:
+                self.hash_to_block.pop(block.hash, None)
+                block.hash, block.token_ids = None, ()

@@ -1,0 +1,85 @@
+"""One engine configuration, validated once and passed whole to every component.
+
+Follows nano-vllm's `Config`: a dataclass whose `__post_init__` checks the values
+and reads the model's `config.json`, so the scheduler, block manager and model
+runner never take long argument lists.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "auto": "float32"}
+KV_CACHE_MEMORY_CAP = 8 << 30  # never take more than 8 GiB for KV by default
+KV_CACHE_MEMORY_FRACTION = 0.25  # of the memory that is available when the engine starts
+
+
+def available_memory() -> int:
+    """Bytes the kernel says a new allocation can get (MemAvailable), without psutil."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 4 << 30
+
+
+def default_kv_cache_memory() -> int:
+    return int(min(available_memory() * KV_CACHE_MEMORY_FRACTION, KV_CACHE_MEMORY_CAP))
+
+
+@dataclass
+class EngineConfig:
+    """Everything the engine needs to know; `model` may be None in unit tests."""
+
+    model: str | Path | None = None
+    dtype: str = "float32"
+    block_size: int = 16
+    kv_cache_memory: int | None = None  # bytes; None: a share of available memory
+    num_kv_blocks: int | None = None  # overrides kv_cache_memory (tests, benchmarks)
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    enable_prefix_caching: bool = True
+    scheduling_policy: str = "fcfs"
+    seed: int = 0
+    hf_config: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        self.dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be positive, got {self.block_size}")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(
+                f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}"
+            )
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
+        if self.model is not None:
+            self.model = Path(self.model)
+            config_file = self.model / "config.json"
+            if not config_file.is_file():
+                raise FileNotFoundError(f"{config_file} not found: not a Hugging Face model folder")
+            self.hf_config = json.loads(config_file.read_text())
+        if self.max_model_len is None:
+            self.max_model_len = int(
+                self.hf_config.get(
+                    "max_position_embeddings", self.hf_config.get("n_positions", 4096)
+                )
+            )
+        if self.kv_cache_memory is None and self.num_kv_blocks is None:
+            self.kv_cache_memory = default_kv_cache_memory()
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]

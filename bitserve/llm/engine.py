@@ -1,0 +1,252 @@
+"""The engine loop: schedule -> execute -> update, and the offline `LLM` API.
+
+`LLMEngine.step()` is vLLM v1's EngineCore step: the scheduler picks tokens under one
+budget, the model runner computes them in one flattened batch, and the outputs
+(new tokens, stop checks, freed blocks) are applied before the next step.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bitserve.llm.block_manager import BlockManager
+from bitserve.llm.config import EngineConfig
+from bitserve.llm.detokenizer import IncrementalDetokenizer
+from bitserve.llm.metrics import EngineMetrics, kv_slots
+from bitserve.llm.model_runner import ModelOutput, ModelRunner
+from bitserve.llm.outputs import CompletionOutput, RequestOutput
+from bitserve.llm.sampler import Sampler
+from bitserve.llm.sampling_params import SamplingParams
+from bitserve.llm.scheduler import Scheduler, SchedulerOutput
+from bitserve.llm.sequence import Sequence, SequenceStatus
+
+Prompt = str | list[int]
+
+
+def load_tokenizer(folder: Path) -> Any | None:
+    if (
+        not (folder / "tokenizer.json").is_file()
+        and not (folder / "tokenizer_config.json").is_file()
+    ):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+
+
+def eos_token_ids(folder: Path, hf_config: dict) -> set[int]:
+    """generation_config.json wins over config.json; either may hold an int or a list."""
+    generation = folder / "generation_config.json"
+    value = hf_config.get("eos_token_id")
+    if generation.is_file():
+        value = json.loads(generation.read_text()).get("eos_token_id", value)
+    if value is None:
+        return set()
+    return set(value) if isinstance(value, list) else {int(value)}
+
+
+@dataclass
+class RequestState:
+    seq: Sequence
+    prompt: str | None
+    detokenizer: IncrementalDetokenizer | None
+    first_token_time: float | None = None
+    stop_reason: str | int | None = None
+
+
+class LLMEngine:
+    def __init__(self, model: str | Path, **kwargs: Any):
+        self.config = EngineConfig(model=model, **kwargs)
+        torch.manual_seed(self.config.seed)
+        self.runner = ModelRunner(self.config)
+        self.block_manager = BlockManager(self.config, self.runner.num_blocks)
+        self.scheduler = Scheduler(self.config, self.block_manager)
+        self.sampler = Sampler()
+        self.tokenizer = load_tokenizer(self.config.model)
+        self.eos_token_ids = eos_token_ids(self.config.model, self.config.hf_config)
+        self.requests: dict[str, RequestState] = {}
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+        self._ids = itertools.count()
+
+    # -- requests ---------------------------------------------------------------------
+    def add_request(
+        self,
+        request_id: str | None,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        priority: int = 0,
+    ) -> str:
+        """Validate and queue a request; raises ValueError if it can never run."""
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already running")
+        params = params or SamplingParams()
+        text = prompt if isinstance(prompt, str) else None
+        token_ids = self.encode(prompt)
+        vocab = self.config.hf_config.get("vocab_size")
+        if vocab and any(not 0 <= t < vocab for t in token_ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        seq = Sequence(request_id, token_ids, params, priority=priority)
+        self.scheduler.add(seq)
+        detok = None
+        if self.tokenizer is not None:
+            detok = IncrementalDetokenizer(self.tokenizer, token_ids, params)
+        self.requests[request_id] = RequestState(seq, text, detok)
+        self.prompt_tokens_total += len(token_ids)
+        return request_id
+
+    def encode(self, prompt: Prompt) -> list[int]:
+        if not isinstance(prompt, str):
+            return list(prompt)
+        if self.tokenizer is None:
+            raise ValueError("this model folder has no tokenizer: pass token ids")
+        return self.tokenizer.encode(prompt)
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now; its blocks go back to the pool before this returns."""
+        state = self.requests.pop(request_id, None)
+        if state is None:
+            return None
+        self.scheduler.finish(state.seq, SequenceStatus.FINISHED_ABORTED)
+        return self.make_output(state)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- the loop -----------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        if not batch:
+            return []
+        output = self.runner.execute(batch)
+        return self.update(batch, output)
+
+    def update(self, batch: SchedulerOutput, output: ModelOutput) -> list[RequestOutput]:
+        for seq, num_new in batch.scheduled:
+            seq.num_computed_tokens += num_new
+        for request_id, (first, logits) in output.prompt_logits.items():
+            self.sampler.prompt_logprobs(self.requests[request_id].seq, first, logits)
+        if not output.sample_seqs:
+            return []
+        tokens = self.sampler(output.logits, output.sample_seqs, self.eos_token_ids)
+        results = []
+        now = time.monotonic()
+        for seq, token in zip(output.sample_seqs, tokens, strict=True):
+            state = self.requests[seq.request_id]
+            state.first_token_time = state.first_token_time or now
+            seq.append_token(token)
+            self.generation_tokens_total += 1
+            status = self.check_stop(state, token)
+            if status is not None:
+                self.scheduler.finish(seq, status)
+                del self.requests[seq.request_id]
+            results.append(self.make_output(state))
+        return results
+
+    def check_stop(self, state: RequestState, token: int) -> SequenceStatus | None:
+        seq, params = state.seq, state.seq.sampling_params
+        past_min = seq.num_output_tokens > params.min_tokens
+        stop_string = None
+        if state.detokenizer is not None:
+            stop_string = state.detokenizer.add_token(token, check_stop=past_min)
+        if past_min and not params.ignore_eos and token in self.eos_token_ids:
+            return SequenceStatus.FINISHED_STOPPED
+        if past_min and token in params.stop_token_ids:
+            state.stop_reason = token
+            return SequenceStatus.FINISHED_STOPPED
+        if stop_string is not None:
+            state.stop_reason = stop_string
+            return SequenceStatus.FINISHED_STOPPED
+        if (
+            seq.num_output_tokens >= params.max_tokens
+            or seq.num_tokens >= self.config.max_model_len
+        ):
+            return SequenceStatus.FINISHED_LENGTH
+        return None
+
+    def make_output(self, state: RequestState) -> RequestOutput:
+        seq = state.seq
+        finished = seq.is_finished
+        text, delta = "", ""
+        if state.detokenizer is not None:
+            delta = state.detokenizer.new_text(finished)
+            text = state.detokenizer.text[: state.detokenizer.num_emitted]
+        params = seq.sampling_params
+        completion = CompletionOutput(
+            index=0,
+            text=text,
+            token_ids=seq.output_token_ids,
+            logprobs=list(seq.logprobs) if params.logprobs is not None else None,
+            finish_reason=seq.status.value if finished else None,
+            stop_reason=state.stop_reason,
+            delta_text=delta,
+        )
+        return RequestOutput(
+            request_id=seq.request_id,
+            prompt=state.prompt,
+            prompt_token_ids=seq.prompt_token_ids,
+            outputs=[completion],
+            finished=finished,
+            prompt_logprobs=seq.prompt_logprobs if params.prompt_logprobs is not None else None,
+            num_cached_tokens=seq.num_cached_tokens,
+            metrics={
+                "arrival_time": seq.arrival_time,
+                "first_token_time": state.first_token_time or 0.0,
+            },
+        )
+
+    # -- metrics --------------------------------------------------------------------------
+    def metrics(self) -> EngineMetrics:
+        bm = self.block_manager
+        allocated, used = kv_slots(self.scheduler.running, bm.block_size)
+        tokens_per_expert = getattr(self.runner.model, "tokens_per_expert", None)
+        return EngineMetrics(
+            num_requests_running=len(self.scheduler.running),
+            num_requests_waiting=len(self.scheduler.waiting),
+            kv_num_blocks=bm.num_blocks,
+            kv_block_size=bm.block_size,
+            kv_cache_usage=bm.usage(),
+            kv_slots_allocated=allocated,
+            kv_slots_used=used,
+            kv_waste=(allocated - used) / allocated if allocated else 0.0,
+            prefix_cache_queries=bm.prefix_cache_queries,
+            prefix_cache_hits=bm.prefix_cache_hits,
+            num_preemptions=self.scheduler.num_preemptions,
+            prompt_tokens_total=self.prompt_tokens_total,
+            generation_tokens_total=self.generation_tokens_total,
+            tokens_per_expert=tokens_per_expert() if tokens_per_expert else [],
+        )
+
+
+class LLM:
+    """Offline batch generation: `LLM(path).generate(prompts, SamplingParams(...))`."""
+
+    def __init__(self, model: str | Path, **kwargs: Any):
+        self.engine = LLMEngine(model, **kwargs)
+
+    def generate(
+        self,
+        prompts: Prompt | list[Prompt],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = sampling_params or SamplingParams()
+        params = params if isinstance(params, list) else [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError("pass one SamplingParams or one per prompt")
+        ids = [self.engine.add_request(None, p, sp) for p, sp in zip(prompts, params, strict=True)]
+        finals: dict[str, RequestOutput] = {}
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                if out.finished:
+                    finals[out.request_id] = out
+        return [finals[i] for i in ids]

@@ -1,0 +1,103 @@
+"""Turns a scheduler decision into one forward pass over a flattened, padding-free batch.
+
+All scheduled tokens of all requests are concatenated into one row each
+(`input_ids`, `positions`); `slot_mapping` says where each token's K/V goes in the
+block pool, and each request's block table says where its context lives. Only the
+rows that need a next token (the last row of a request whose prompt is done) go
+through the LM head, plus prompt rows when prompt logprobs were asked for.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from bitserve.llm.attention import AttentionMetadata, GatherWorkspace, SeqSlice
+from bitserve.llm.config import EngineConfig
+from bitserve.llm.models import load_model
+from bitserve.llm.scheduler import SchedulerOutput
+from bitserve.llm.sequence import Sequence
+
+KV_DTYPE_CPU = torch.float32  # bf16 SDPA on CPU is 4-8x slower (research/cpu-facts.md §2)
+
+
+@dataclass
+class ModelOutput:
+    sample_seqs: list[Sequence] = field(default_factory=list)  # those that get a new token
+    logits: torch.Tensor | None = None  # [len(sample_seqs), vocab], fp32
+    prompt_logits: dict[str, tuple[int, torch.Tensor]] = field(default_factory=dict)
+    # request_id -> (first position predicted, logits rows [n, vocab])
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.model = load_model(config)
+        self.attentions = self.model.attentions
+        self.num_blocks = self.plan_num_blocks()
+        self.allocate_kv_cache()
+        self.workspace = GatherWorkspace()
+
+    # -- the KV pool ------------------------------------------------------------------
+    def bytes_per_block(self) -> int:
+        attn = self.attentions[0]
+        per_layer = 2 * attn.num_kv_heads * self.config.block_size * attn.head_dim
+        return per_layer * len(self.attentions) * KV_DTYPE_CPU.itemsize
+
+    def plan_num_blocks(self) -> int:
+        if self.config.num_kv_blocks is not None:
+            return self.config.num_kv_blocks
+        num_blocks = self.config.kv_cache_memory // self.bytes_per_block()
+        if num_blocks < 1:
+            raise ValueError(
+                f"kv_cache_memory={self.config.kv_cache_memory} bytes holds no KV block "
+                f"({self.bytes_per_block()} bytes each)"
+            )
+        return num_blocks
+
+    def allocate_kv_cache(self) -> None:
+        """Per layer, K and V pools `[kv_heads, num_blocks, block_size, head_dim]`."""
+        for attn in self.attentions:
+            shape = (attn.num_kv_heads, self.num_blocks, self.config.block_size, attn.head_dim)
+            attn.kv_cache = (
+                torch.zeros(shape, dtype=KV_DTYPE_CPU),
+                torch.zeros(shape, dtype=KV_DTYPE_CPU),
+            )
+
+    # -- one step ---------------------------------------------------------------------
+    def prepare(self, batch: SchedulerOutput):
+        input_ids, positions, slots, slices, sample_rows = [], [], [], [], []
+        out = ModelOutput()
+        bs, row = self.config.block_size, 0
+        prompt_rows: dict[str, tuple[int, list[int]]] = {}
+        for seq, n in batch.scheduled:
+            start = seq.num_computed_tokens
+            end = start + n
+            input_ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            table = seq.block_table
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            num_ctx_blocks = -(-end // bs)
+            slices.append(SeqSlice(row, row + n, end, torch.tensor(table[:num_ctx_blocks])))
+            if end == seq.num_tokens:
+                out.sample_seqs.append(seq)
+                sample_rows.append(row + n - 1)
+            if seq.wants_prompt_logprobs:
+                last = min(end, seq.num_prompt_tokens - 1)  # rows predicting prompt tokens
+                if last > start:
+                    prompt_rows[seq.request_id] = (start + 1, list(range(row, row + last - start)))
+            row += n
+        tensors = (torch.tensor(input_ids), torch.tensor(positions), torch.tensor(slots))
+        meta = AttentionMetadata(tensors[2], slices, self.workspace)
+        return tensors, meta, out, sample_rows, prompt_rows
+
+    @torch.inference_mode()
+    def execute(self, batch: SchedulerOutput) -> ModelOutput:
+        (input_ids, positions, _), meta, out, sample_rows, prompt_rows = self.prepare(batch)
+        hidden = self.model(input_ids, positions, meta)
+        if sample_rows:
+            out.logits = self.model.compute_logits(hidden[sample_rows]).float()
+        for request_id, (first, rows) in prompt_rows.items():
+            out.prompt_logits[request_id] = (first, self.model.compute_logits(hidden[rows]).float())
+        return out

@@ -1,0 +1,72 @@
+"""Model registry and the safetensors loader.
+
+`architectures` in config.json picks the class; anything else is refused by name.
+Weights are read with `safetensors.safe_open` (memory-mapped), never unpickled.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from bitserve.llm.config import EngineConfig
+from bitserve.llm.models.gpt2 import GPT2LMHeadModel
+from bitserve.llm.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
+from bitserve.llm.models.mixtral import MixtralForCausalLM
+
+ARCHITECTURES: dict[str, type[nn.Module]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": MistralForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
+    "GPT2LMHeadModel": GPT2LMHeadModel,
+}
+
+
+class UnsupportedArchitecture(ValueError):
+    pass
+
+
+def model_class(config: EngineConfig) -> type[nn.Module]:
+    names = config.hf_config.get("architectures") or ["<none in config.json>"]
+    for name in names:
+        if name in ARCHITECTURES:
+            return ARCHITECTURES[name]
+    raise UnsupportedArchitecture(
+        f"architecture {', '.join(names)} is not supported by bitserve's LLM engine "
+        f"(supported: {', '.join(ARCHITECTURES)})"
+    )
+
+
+def load_model(config: EngineConfig) -> nn.Module:
+    """Build the model in the configured dtype and fill it from `*.safetensors`."""
+    cls = model_class(config)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(config.torch_dtype)
+    try:
+        with torch.device("meta"):
+            model = cls(config.hf_config, config.max_model_len)
+        model = model.to_empty(device="cpu")
+    finally:
+        torch.set_default_dtype(previous)
+    for module in model.modules():  # tables computed in __init__ were built on meta
+        if hasattr(module, "reset_buffers"):
+            module.reset_buffers()
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()  # to_empty made the tied parameters two
+    load_safetensors(model, Path(config.model))
+    return model.eval().requires_grad_(False)
+
+
+def load_safetensors(model: nn.Module, folder: Path) -> None:
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {folder} (pickled checkpoints are refused)")
+    params = dict(model.named_parameters())
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                model.load_weight(params, name, f.get_tensor(name))

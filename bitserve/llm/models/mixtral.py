@@ -1,0 +1,82 @@
+"""Mixtral: the Llama decoder with a sparse Mixture-of-Experts MLP.
+
+A router (linear `gate`) scores every expert per token; the top-k experts (softmax,
+then renormalised over the k) each run a SwiGLU MLP on the tokens routed to them, and
+the weighted outputs are summed. `tokens_per_expert` counts routed tokens: the
+per-expert load metric.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from bitserve.llm.models.llama import DecoderLayer, LlamaForCausalLM, attention_shape
+
+
+class SparseMoE(nn.Module):
+    def __init__(self, hf: dict[str, Any]):
+        super().__init__()
+        hidden, inter = hf["hidden_size"], hf["intermediate_size"]
+        self.num_experts, self.top_k, self.intermediate = (
+            hf["num_local_experts"],
+            hf["num_experts_per_tok"],
+            inter,
+        )
+        self.gate = nn.Linear(hidden, self.num_experts, bias=False)
+        self.w13 = nn.Parameter(torch.empty(self.num_experts, 2 * inter, hidden))  # gate, up
+        self.w2 = nn.Parameter(torch.empty(self.num_experts, hidden, inter))
+        self.reset_buffers()
+
+    def reset_buffers(self) -> None:
+        self.tokens_per_expert = torch.zeros(self.num_experts, dtype=torch.int64, device="cpu")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        probs = F.softmax(self.gate(x).float(), dim=-1)
+        weights, experts = torch.topk(probs, self.top_k, dim=-1)
+        weights /= weights.sum(dim=-1, keepdim=True)
+        self.tokens_per_expert += torch.bincount(experts.flatten(), minlength=self.num_experts)
+        out = torch.zeros_like(x)
+        for e in experts.unique().tolist():
+            token_idx, k_idx = torch.where(experts == e)
+            gate, up = F.linear(x[token_idx], self.w13[e]).split(self.intermediate, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.w2[e]) * weights[token_idx, k_idx, None]
+            out.index_add_(0, token_idx, y.to(out.dtype))
+        return out
+
+
+class MixtralDecoderLayer(DecoderLayer):
+    def make_mlp(self, hf: dict[str, Any]) -> nn.Module:
+        return SparseMoE(hf)
+
+
+EXPERT = re.compile(r"block_sparse_moe\.experts\.(\d+)\.(w1|w2|w3)\.weight$")
+
+
+class MixtralForCausalLM(LlamaForCausalLM):
+    layer_class = MixtralDecoderLayer
+
+    def load_weight(self, params, name: str, tensor: torch.Tensor) -> None:
+        match = EXPERT.search(name)
+        if match is None:
+            name = name.replace("block_sparse_moe.gate", "mlp.gate")
+            return super().load_weight(params, name, tensor)
+        prefix = name[: match.start()].removeprefix("model.")
+        expert, which = int(match.group(1)), match.group(2)
+        inter = self.hf["intermediate_size"]
+        if which == "w2":
+            params[f"{prefix}mlp.w2"].data[expert].copy_(tensor)
+        else:
+            rows = slice(0, inter) if which == "w1" else slice(inter, 2 * inter)
+            params[f"{prefix}mlp.w13"].data[expert, rows].copy_(tensor)
+
+    def tokens_per_expert(self) -> list[int]:
+        counts = sum(layer.mlp.tokens_per_expert for layer in self.layers)
+        return counts.tolist()
+
+
+__all__ = ["MixtralForCausalLM", "attention_shape"]

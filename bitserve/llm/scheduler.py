@@ -1,0 +1,173 @@
+"""Continuous batching, vLLM v1 style: one token budget per step, no prefill/decode phases.
+
+Each step the scheduler walks the running requests, then the waiting ones, and gives
+each `min(num_tokens - num_computed_tokens, budget left)` tokens. A decode gets one
+token; a long prompt gets a chunk (chunked prefill) and decodes share the step with it.
+When the block pool runs dry, the newest running request (lowest priority under the
+priority policy) is preempted: its blocks are freed and it will be recomputed.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from dataclasses import dataclass, field
+
+from bitserve.llm.block_manager import BlockManager, cdiv
+from bitserve.llm.config import EngineConfig
+from bitserve.llm.sequence import Sequence, SequenceStatus
+
+
+class RequestTooLong(ValueError):
+    """The request can never fit: refused at admission instead of waiting forever."""
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[tuple[Sequence, int]] = field(default_factory=list)  # (seq, num new tokens)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+    def __bool__(self) -> bool:
+        return bool(self.scheduled)
+
+
+class WaitingQueue:
+    """FCFS: a deque (preempted requests go back to the front). Priority: a heap on
+    (priority, arrival order)."""
+
+    def __init__(self, policy: str):
+        self.policy = policy
+        self.items: deque[Sequence] | list[tuple[int, int, Sequence]] = (
+            deque() if policy == "fcfs" else []
+        )
+
+    def add(self, seq: Sequence, front: bool = False) -> None:
+        if self.policy == "priority":
+            heapq.heappush(self.items, (seq.priority, seq.order, seq))
+        elif front:
+            self.items.appendleft(seq)
+        else:
+            self.items.append(seq)
+
+    def peek(self) -> Sequence:
+        return self.items[0] if self.policy == "fcfs" else self.items[0][2]
+
+    def pop(self) -> Sequence:
+        return self.items.popleft() if self.policy == "fcfs" else heapq.heappop(self.items)[2]
+
+    def remove(self, seq: Sequence) -> None:
+        if self.policy == "fcfs":
+            self.items.remove(seq)
+        else:
+            self.items = [item for item in self.items if item[2] is not seq]
+            heapq.heapify(self.items)
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __iter__(self):
+        return iter(self.items) if self.policy == "fcfs" else (item[2] for item in self.items)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager):
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting = WaitingQueue(config.scheduling_policy)
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    # -- admission --------------------------------------------------------------------
+    def check_fits(self, seq: Sequence) -> None:
+        total = seq.num_prompt_tokens + seq.sampling_params.max_tokens
+        if seq.num_prompt_tokens == 0:
+            raise ValueError("the prompt is empty")
+        if total > self.config.max_model_len:
+            raise RequestTooLong(
+                f"prompt ({seq.num_prompt_tokens} tokens) + max_tokens "
+                f"({seq.sampling_params.max_tokens}) = {total} exceeds max_model_len "
+                f"({self.config.max_model_len})"
+            )
+        num_blocks = cdiv(total, self.config.block_size)
+        if num_blocks > self.block_manager.num_blocks:
+            raise RequestTooLong(
+                f"the request needs {num_blocks} KV blocks ({total} tokens) but the pool "
+                f"has only {self.block_manager.num_blocks}: raise kv_cache_memory"
+            )
+
+    def add(self, seq: Sequence) -> None:
+        self.check_fits(seq)
+        self.waiting.add(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.running) or len(self.waiting) > 0
+
+    # -- one step -----------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        if self.config.scheduling_policy == "priority":  # the victim is always the tail
+            self.running.sort(key=lambda s: (s.priority, s.order))
+        budget = self._schedule_running(out, budget)
+        if not out.preempted:
+            self._schedule_waiting(out, budget)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self.block_manager.allocate_slots(seq, num_new):
+                victim = self._pick_victim()
+                self.preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                out.scheduled.append((seq, num_new))
+                budget -= num_new
+                i += 1
+        return budget
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting.peek()
+            hits = self.block_manager.get_computed_blocks(seq)
+            num_computed = len(hits) * self.config.block_size
+            num_new = min(seq.num_tokens - num_computed, budget)
+            if not self.block_manager.allocate_slots(seq, num_new, hits):
+                break
+            self.waiting.pop()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.scheduled.append((seq, num_new))
+            budget -= num_new
+
+    def _pick_victim(self) -> Sequence:
+        """The tail of `running`: the newest admitted (fcfs) or lowest priority (priority);
+        never a request already scheduled in this step, which all sit before it."""
+        return self.running.pop()
+
+    def preempt(self, seq: Sequence) -> None:
+        """Preemption by recompute: drop the KV, go back to waiting, start over later."""
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.add(seq, front=True)
+
+    # -- after the model ran --------------------------------------------------------------
+    def finish(self, seq: Sequence, status: SequenceStatus) -> None:
+        """End a request (finished or aborted) and free its blocks now."""
+        if seq.status == SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status == SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        seq.status = status
+        self.block_manager.free(seq)

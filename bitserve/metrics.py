@@ -1,0 +1,90 @@
+"""Prometheus metrics: real histograms, labels bounded to model and version.
+
+Triton's latency metrics are cumulative counters that cannot give a p99; here request,
+queue and compute duration and the executed batch size are histograms. Counters and
+gauges that the batcher already keeps (queue depth, rows inferred) are read at scrape
+time by a collector, so the request path pays only for the histogram observations.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
+
+LATENCY_BUCKETS = (
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0
+)  # fmt: skip
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+FAILURE_REASONS = ("rejected", "timeout", "cancelled", "backend", "invalid", "unavailable", "other")
+
+
+class Metrics:
+    """Every metric of one server, on its own registry (so tests can run several)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r, mv = self.registry, ("model", "version")
+        self.request_duration = Histogram(
+            "bitserve_request_duration_seconds",
+            "Server-side time of an infer request, from body read to response built.",
+            mv,
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.queue_duration = Histogram(
+            "bitserve_queue_duration_seconds",
+            "Time a request waited in the batcher's queue before its batch started.",
+            mv,
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.compute_duration = Histogram(
+            "bitserve_compute_duration_seconds",
+            "Time one batch took on its instance: merge, predict and split.",
+            mv,
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.batch_size = Histogram(
+            "bitserve_batch_size",
+            "Rows in each executed batch.",
+            mv,
+            buckets=BATCH_BUCKETS,
+            registry=r,
+        )
+        self.success = Counter(
+            "bitserve_request_success", "Infer requests answered 200.", mv, registry=r
+        )
+        self.failure = Counter(
+            "bitserve_request_failure",
+            "Infer requests that failed, by reason.",
+            (*mv, "reason"),
+            registry=r,
+        )
+        self.inflight = Gauge(
+            "bitserve_inflight_requests", "Infer requests being handled.", mv, registry=r
+        )
+        self.load_seconds = Gauge(
+            "bitserve_model_load_seconds", "Time to load and warm a model version.", mv, registry=r
+        )
+        self.warmup_seconds = Gauge(
+            "bitserve_model_warmup_seconds", "Time the warmup requests took.", mv, registry=r
+        )
+
+    def add_collector(self, collect: Callable[[], Iterator[Metric]]) -> None:
+        """Register a scrape-time collector (a function yielding metric families)."""
+
+        class _Collector:
+            def collect(self) -> Iterator[Metric]:
+                return collect()
+
+        self.registry.register(_Collector())
+
+
+def gauge(name: str, doc: str, samples: list[tuple[tuple[str, str], float]]) -> Metric:
+    family = GaugeMetricFamily(name, doc, labels=["model", "version"])
+    for labels, value in samples:
+        family.add_metric(list(labels), value)
+    return family
