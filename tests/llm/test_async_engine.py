@@ -1,0 +1,78 @@
+"""The async engine: streams tokens, runs apart from the event loop, aborts free blocks."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import pytest
+
+from bitserve.llm import SamplingParams
+from bitserve.llm.async_engine import AsyncLLMEngine
+from tests.llm.test_engine import GREEDY, MIXED, reference
+
+
+@pytest.fixture
+def engine(llama_dir):
+    engine = AsyncLLMEngine(llama_dir, num_kv_blocks=64)
+    yield engine
+    engine.shutdown()
+    bm = engine.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+
+
+async def collect(engine, prompt, params, request_id):
+    outputs = [out async for out in engine.generate(prompt, params, request_id)]
+    return outputs
+
+
+async def test_concurrent_streams_match_transformers(engine, llama_dir):
+    results = await asyncio.gather(
+        *(collect(engine, p, GREEDY, f"r{i}") for i, p in enumerate(MIXED))
+    )
+    for prompt, outputs in zip(MIXED, results, strict=True):
+        assert outputs[-1].finished and not any(o.finished for o in outputs[:-1])
+        assert len(outputs) > 1  # streamed, not one final answer
+        assert outputs[-1].outputs[0].token_ids == reference(llama_dir, prompt)
+
+
+async def test_the_event_loop_keeps_running_while_the_engine_works(engine):
+    ticks = 0
+
+    async def ticker():
+        nonlocal ticks
+        while True:
+            ticks += 1
+            await asyncio.sleep(0.001)
+
+    task = asyncio.create_task(ticker())
+    await collect(engine, MIXED[4], GREEDY, "long")
+    task.cancel()
+    assert ticks > 5
+
+
+async def test_abort_frees_blocks_and_ends_the_stream(engine):
+    params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    stream = engine.generate(MIXED[4], params, "victim")
+    first = await anext(stream)
+    assert not first.finished
+    await engine.abort("victim")
+    bm = engine.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks  # freed before abort() returned
+    rest = [out async for out in stream]
+    assert rest and rest[-1].finished and rest[-1].outputs[0].finish_reason == "abort"
+
+
+async def test_leaving_the_stream_early_aborts_the_request(engine):
+    params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    async with contextlib.aclosing(engine.generate(MIXED[2], params, "gone")) as stream:
+        async for _ in stream:
+            break  # the server closes the stream when the client disconnects
+    bm = engine.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+    assert not engine.engine.has_unfinished_requests()
+
+
+async def test_a_bad_request_fails_at_once(engine):
+    with pytest.raises(ValueError, match="max_model_len"):
+        await collect(engine, [5] * 500, SamplingParams(max_tokens=100), "too-long")
