@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import os
+import sys
 from pathlib import Path
 
 import click
@@ -35,29 +38,58 @@ def main() -> None:
     show_default=True,
     help="Model repository folder: one folder per model with config.toml and versions.",
 )
-@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--host", default="127.0.0.1", show_default=True, help="Bind address.")
 @click.option("--port", default=8000, show_default=True, type=int)
 @click.option(
-    "--max-body-size",
-    default="64MiB",
+    "--max-body-size", default="64MiB", show_default=True, help="Bigger request bodies get 413."
+)
+@click.option("--threads", default=0, type=int, help="torch intra-op threads (0: default).")
+@click.option(
+    "--model-control",
+    type=click.Choice(["none", "explicit", "poll"]),
+    default="none",
     show_default=True,
-    help="Largest request body; bigger ones get 413.",
+    help="none: load all at start, no load/unload API. explicit: load --load-model at "
+    "start and allow the API. poll: also follow the repository folder.",
 )
 @click.option(
-    "--threads",
-    default=0,
-    type=int,
-    help="torch intra-op threads for the whole process (0: library default).",
+    "--load-model", multiple=True, help="explicit mode: a model to load at start (* = all)."
+)
+@click.option("--repository-poll-secs", default=15.0, show_default=True, type=float)
+@click.option(
+    "--admin-token",
+    envvar="BITSERVE_ADMIN_TOKEN",
+    default=None,
+    help="Bearer token for /v2/repository/*; without one those endpoints are off.",
+)
+@click.option(
+    "--drain-timeout",
+    default=30.0,
+    show_default=True,
+    type=float,
+    help="On SIGTERM: seconds to let in-flight requests finish before exiting.",
+)
+@click.option(
+    "--access-log", default=None, help="JSON line per infer request to FILE ('-': stdout)."
 )
 @click.option("--log-level", default="info", show_default=True)
 def serve(
-    repository_path: Path, host: str, port: int, max_body_size: str, threads: int, log_level: str
+    repository_path: Path,
+    host: str,
+    port: int,
+    max_body_size: str,
+    threads: int,
+    model_control: str,
+    load_model: tuple[str, ...],
+    repository_poll_secs: float,
+    admin_token: str | None,
+    drain_timeout: float,
+    access_log: str | None,
+    log_level: str,
 ) -> None:
     """Serve every model in a repository on HTTP (v2 / Open Inference Protocol)."""
-    import uvicorn
-
     from bitserve.repository.repository import Repository
-    from bitserve.server.app import create_app
+    from bitserve.server.app import ServerOptions, create_app
 
     logging.basicConfig(
         level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -66,10 +98,46 @@ def serve(
         import torch
 
         torch.set_num_threads(threads)
-    repository = Repository(repository_path)
-    repository.scan()
-    app = create_app(repository, max_body=_size(max_body_size))
-    uvicorn.run(
+    log_file = None
+    if access_log == "-":
+        log_file = sys.stdout
+    elif access_log:
+        log_file = open(access_log, "a", buffering=1)  # noqa: SIM115 - lives as long as serve
+    options = ServerOptions(
+        max_body=_size(max_body_size),
+        admin_token=admin_token or None,
+        model_control=model_control,
+        startup_models=list(load_model) if model_control == "explicit" else None,
+        poll_seconds=repository_poll_secs,
+        access_log=log_file,
+    )
+    repository = Repository(repository_path, drain_timeout=drain_timeout)
+    repository.model_names()  # a missing folder fails here, before the port opens
+    app = create_app(repository, options)
+    _run(app, host, port, log_level, drain_timeout)
+
+
+def _run(app, host: str, port: int, log_level: str, drain_timeout: float) -> None:
+    """uvicorn, with SIGTERM turned into a graceful drain."""
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        """First SIGTERM/SIGINT: unready, 503 to new requests, wait for in-flight ones
+        (at most --drain-timeout), then exit 0. A second signal exits at once."""
+
+        draining_task: asyncio.Task | None = None
+
+        def handle_exit(self, sig: int, frame) -> None:
+            if self.draining_task is not None:
+                return super().handle_exit(sig, frame)
+            loop = asyncio.get_event_loop()
+            self.draining_task = loop.create_task(self._drain())
+
+        async def _drain(self) -> None:
+            await app.server.drain(drain_timeout)
+            self.should_exit = True
+
+    config = uvicorn.Config(
         app,
         host=host,
         port=port,
@@ -79,7 +147,10 @@ def serve(
         access_log=False,
         backlog=4096,
         timeout_keep_alive=30,
+        timeout_graceful_shutdown=5,
     )
+    DrainingServer(config).run()
+    os._exit(0)  # abandoned (wedged) instance threads must not hold the exit
 
 
 if __name__ == "__main__":

@@ -63,6 +63,10 @@ class Request:
     on_done: Callable[[Any, BaseException | None], None] = lambda out, err: None
     seq: int = field(default_factory=lambda: next(_seq))
     state: str = "new"  # new -> queued -> running -> done | cancelled
+    # Filled in on the way, for metrics and the access log.
+    queue_seconds: float = 0.0
+    compute_seconds: float = 0.0
+    batch_rows: int = 0
 
     def finish(self, outputs: Any = None, error: BaseException | None = None) -> None:
         if self.state != "done":

@@ -92,6 +92,12 @@ class InstanceGroup(_Strict):
     kind: Literal["cpu", "gpu", "auto"] = "auto"
     # torch / onnxruntime intra-op threads per instance; 0 leaves the library default.
     threads: Annotated[int, Field(ge=0)] = 0
+    # "thread": the model runs on a thread of the server (no copies). "process": in a
+    # child process, so a crash or a kill takes down only that instance.
+    isolation: Literal["thread", "process"] = "thread"
+    # A batch running longer than this marks the instance wedged: liveness fails and
+    # the instance is restarted. 0 disables the check.
+    execution_timeout_ms: Annotated[float, Field(ge=0)] = 60_000
 
 
 class VersionPolicy(_Strict):

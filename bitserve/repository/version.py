@@ -1,187 +1,243 @@
-"""One served model version: its instances, their worker threads, and its batcher.
+"""One served model version: its instances, its batcher, its health and its drain.
 
-Each instance is a backend `Model` with one worker thread of its own. The event loop
-only queues and routes; merging the batch, running the model and slicing the outputs
-happen on the instance's thread (torch, onnxruntime and numpy release the GIL there),
-so a slow batch never stalls the HTTP side.
+States: loading → ready → draining → unloaded, or loading → failed. A version is
+`healthy` while every instance is alive and no batch has run past
+`instance_group.execution_timeout_ms`; the watchdog restarts an instance that is not,
+failing the batch it held so that no request hangs.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import queue
-import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
-from bitserve.backends import Model, backend_class
 from bitserve.backends.base import LoadError
 from bitserve.batching.batcher import DynamicBatcher, Request
 from bitserve.batching.clock import LoopClock
-from bitserve.batching.collate import dummy_inputs, merge, split
+from bitserve.metrics import Metrics
 from bitserve.repository.config import ModelConfig
+from bitserve.repository.instance import Instance
 
 log = logging.getLogger("bitserve.repository")
 
 
 class ExecutionError(Exception):
-    """The model raised while running a batch; every request in it gets this error."""
-
-
-class Worker:
-    """One instance's thread. Jobs go in through a SimpleQueue and results come back to
-    the event loop with one `call_soon_threadsafe`: the cheapest hop there is, cheaper
-    than `run_in_executor`'s two futures per call."""
-
-    def __init__(self, name: str, loop: asyncio.AbstractEventLoop):
-        self.loop = loop
-        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self.thread = threading.Thread(target=self._serve, name=name, daemon=True)
-        self.thread.start()
-
-    def submit(self, fn: Callable, args: tuple, done: Callable[[Any, BaseException | None], None]):
-        """Run fn(*args) on the thread; call done(result, error) on the loop."""
-        self.jobs.put((fn, args, done))
-
-    def call(self, fn: Callable, *args: Any) -> asyncio.Future:
-        future = self.loop.create_future()
-
-        def done(result: Any, error: BaseException | None) -> None:
-            if not future.done():
-                future.set_exception(error) if error else future.set_result(result)
-
-        self.submit(fn, args, done)
-        return future
-
-    def stop(self) -> None:
-        self.jobs.put(None)
-
-    def _serve(self) -> None:
-        while (job := self.jobs.get()) is not None:
-            fn, args, done = job
-            try:
-                result, error = fn(*args), None
-            except BaseException as e:  # delivered to the caller, never lost
-                result, error = None, e
-            try:
-                self.loop.call_soon_threadsafe(done, result, error)
-            except RuntimeError:  # the loop closed during shutdown
-                return
+    """The model failed on a batch; every request in it gets this error (HTTP 500)."""
 
 
 class ModelVersion:
-    def __init__(self, config: ModelConfig, version: int, version_dir: Path):
+    def __init__(
+        self, config: ModelConfig, version: int, version_dir: Path, metrics: Metrics | None = None
+    ):
         self.config = config
         self.version = version
         self.version_dir = version_dir
-        self.state = "loading"  # loading -> ready | failed -> unloaded
+        self.state = "loading"
         self.error: str | None = None
-        self.instances: list[Model] = []
-        self.workers: list[Worker] = []
+        self.instances: list[Instance] = []
+        self.unhealthy: set[int] = set()  # slots being restarted
+        self.running: dict[int, tuple[int, list[Request]]] = {}  # slot -> (generation, batch)
+        self.generation = 0
         self.batcher: DynamicBatcher | None = None
+        self.pending = 0  # submitted and not yet finished
         self.load_seconds = 0.0
-        self._loop: asyncio.AbstractEventLoop | None = None
+        self._idle = asyncio.Event()
+        self._idle.set()
+        labels = (config.name, str(version))
+        self._m = _bind(metrics, labels) if metrics else None
 
     @property
     def ready(self) -> bool:
-        return self.state == "ready"
+        return self.state == "ready" and not self.unhealthy
+
+    @property
+    def platform(self) -> str:
+        return self.instances[0].platform if self.instances else self.config.backend
 
     # ------------------------------------------------------------ lifecycle
 
     async def load(self) -> None:
-        """Build every instance on its own thread, warm it up, then open the queue."""
-        self._loop = asyncio.get_running_loop()
+        """Start every instance (load and warm up), then open the queue."""
         started = time.perf_counter()
         count = self.config.instance_group.count
-        name = f"{self.config.name}-v{self.version}"
-        self.workers = [Worker(f"{name}-{i}", self._loop) for i in range(count)]
-        try:
-            self.instances = list(
-                await asyncio.gather(*(w.call(self._build_instance) for w in self.workers))
-            )
-        except Exception as e:
+        device = _device(self.config.instance_group.kind)
+        self.instances = [Instance(self.config, self.version_dir, i, device) for i in range(count)]
+        results = await asyncio.gather(*(i.start() for i in self.instances), return_exceptions=True)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
             self.state = "failed"
+            e = errors[0]
             self.error = str(e) if isinstance(e, LoadError) else f"{type(e).__name__}: {e}"
-            self._stop_threads()
+            await asyncio.gather(*(i.stop() for i in self.instances), return_exceptions=True)
             raise LoadError(self.error) from e
+        loop = asyncio.get_running_loop()
         self.batcher = DynamicBatcher(
             self.config.name,
             self.config.max_batch_size,
             self.config.dynamic_batching,
             count,
             self._execute,
-            LoopClock(self._loop),
+            LoopClock(loop),
         )
         self.load_seconds = time.perf_counter() - started
+        if self._m:
+            self._m["load"].set(self.load_seconds)
         self.state = "ready"
 
-    def _build_instance(self) -> Model:
-        device = _device(self.config.instance_group.kind)
-        model = backend_class(self.config.backend)(self.config, self.version_dir, device)
-        model.load()
-        for warmup in self.config.model_warmup:
-            request = Request(
-                dummy_inputs(self.config, warmup.batch_size, warmup.inputs),
-                warmup.batch_size,
-                0.0,
-            )
-            for _ in range(warmup.count):
-                try:
-                    # The same path as a real batch: merge adds masks for ragged inputs.
-                    outputs = model.predict(merge(self.config, [request]))
-                    split(self.config, [request], outputs)
-                except Exception as e:
-                    raise LoadError(
-                        f"{self.version_dir}: warmup '{warmup.name}' failed: "
-                        f"{type(e).__name__}: {e}"
-                    ) from e
-        return model
+    async def drain(self, timeout: float | None = None) -> bool:
+        """Stop taking requests and wait for the submitted ones; False on timeout."""
+        if self.state == "ready":
+            self.state = "draining"
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+            return True
+        except TimeoutError:
+            return False
 
-    async def unload(self) -> None:
+    async def unload(self, timeout: float | None = 30.0) -> None:
+        """Drain, then release every instance."""
+        await self.drain(timeout)
         self.state = "unloaded"
-        for model, worker in zip(self.instances, self.workers, strict=True):
-            await worker.call(model.unload)
-        self._stop_threads()
+        await asyncio.gather(*(i.stop() for i in self.instances), return_exceptions=True)
         self.instances = []
-
-    def _stop_threads(self) -> None:
-        for worker in self.workers:
-            worker.stop()
 
     # ------------------------------------------------------------- requests
 
     def submit(self, request: Request) -> None:
+        """Queue a request; its on_done fires once whatever happens."""
         assert self.batcher is not None
-        self.batcher.submit(request)
+        on_done = request.on_done
+
+        def finished(outputs: Any, error: BaseException | None) -> None:
+            self.pending -= 1
+            if not self.pending:
+                self._idle.set()
+            on_done(outputs, error)
+
+        request.on_done = finished
+        self.pending += 1
+        self._idle.clear()
+        try:
+            self.batcher.submit(request)
+        except BaseException:
+            request.on_done = on_done
+            self.pending -= 1
+            if not self.pending:
+                self._idle.set()
+            raise
+
+    def cancel(self, request: Request, error: BaseException) -> bool:
+        """Take a request that has not started off the queue; it finishes with `error`."""
+        assert self.batcher is not None
+        if not self.batcher.cancel(request):
+            return False
+        request.finish(None, error)
+        return True
 
     def _execute(self, slot: int, batch: list[Request]) -> None:
-        self.workers[slot].submit(
-            self._run, (slot, batch), lambda result, error: self._finish(slot, batch, result, error)
+        generation = self.generation = self.generation + 1
+        self.running[slot] = (generation, batch)
+        now = asyncio.get_running_loop().time()
+        rows = sum(r.rows for r in batch)
+        for request in batch:
+            request.queue_seconds = now - request.arrival
+            request.batch_rows = rows
+        if self._m:
+            self._m["batch"].observe(rows)
+            for request in batch:
+                self._m["queue"].observe(request.queue_seconds)
+        self.instances[slot].run(
+            batch, lambda result, error: self._finish(slot, generation, result, error)
         )
 
-    def _run(self, slot: int, batch: list[Request]) -> list[dict[str, np.ndarray]]:
-        """On the instance's thread: merge, predict, split."""
-        try:
-            outputs = self.instances[slot].predict(merge(self.config, batch))
-            return split(self.config, batch, outputs)
-        except Exception as e:
-            log.exception("model %s v%s failed on a batch", self.config.name, self.version)
-            raise ExecutionError(f"model '{self.config.name}': {type(e).__name__}: {e}") from e
-
-    def _finish(
-        self, slot: int, batch: list[Request], results: Any, error: BaseException | None
-    ) -> None:
-        assert self.batcher is not None
+    def _finish(self, slot: int, generation: int, result: Any, error: BaseException | None) -> None:
+        current = self.running.get(slot)
+        if current is None or current[0] != generation:
+            return  # a restarted instance's late answer: its requests already failed
+        del self.running[slot]
+        batch = current[1]
         if error is not None:
-            results = [None] * len(batch)
-        for request, result in zip(batch, results, strict=True):
-            request.finish(result, error)
+            if not isinstance(error, ExecutionError):
+                log.error(
+                    "model %s v%d failed on a batch: %s: %s",
+                    self.config.name,
+                    self.version,
+                    type(error).__name__,
+                    error,
+                )
+                error = ExecutionError(
+                    f"model '{self.config.name}': {type(error).__name__}: {error}"
+                )
+            outputs: list[Any] = [None] * len(batch)
+        else:
+            outputs, seconds = result
+            for request in batch:
+                request.compute_seconds = seconds
+            if self._m:
+                self._m["compute"].observe(seconds)
+        for request, output in zip(batch, outputs, strict=True):
+            request.finish(output, error)
+        assert self.batcher is not None
         self.batcher.release(slot)
+
+    # --------------------------------------------------------------- health
+
+    def check(self) -> list[tuple[int, str]]:
+        """(slot, why) for instances dead or wedged right now, not already restarting."""
+        limit = self.config.instance_group.execution_timeout_ms / 1000.0
+        bad = []
+        for instance in self.instances:
+            if instance.slot in self.unhealthy:
+                continue
+            busy = instance.busy_for()
+            if not instance.alive():
+                bad.append((instance.slot, "died"))
+            elif limit > 0 and busy > limit:
+                bad.append((instance.slot, f"wedged (a batch ran {busy:.1f} s)"))
+        return bad
+
+    async def restart(self, slot: int, reason: str) -> None:
+        """Replace the instance in `slot`; the batch it held fails at once."""
+        assert self.batcher is not None
+        log.error(
+            "model %s v%d instance %d %s: restarting", self.config.name, self.version, slot, reason
+        )
+        self.unhealthy.add(slot)
+        old = self.instances[slot]
+        old.kill()
+        if slot in self.batcher.free:
+            self.batcher.free.remove(slot)
+        held = self.running.pop(slot, None)
+        if held is not None:
+            error = ExecutionError(f"model '{self.config.name}': instance {reason}; restarted")
+            for request in held[1]:
+                request.finish(None, error)
+        while self.state in ("ready", "draining"):
+            fresh = Instance(self.config, self.version_dir, slot, old.device)
+            try:
+                await fresh.start()
+            except Exception as e:
+                log.error("restarting %s instance %d failed: %s", self.config.name, slot, e)
+                await asyncio.sleep(1.0)
+                continue
+            self.instances[slot] = fresh
+            self.unhealthy.discard(slot)
+            self.batcher.release(slot)
+            log.info("model %s v%d instance %d restarted", self.config.name, self.version, slot)
+            return
+
+
+def _bind(metrics: Metrics, labels: tuple[str, str]) -> dict[str, Any]:
+    """Label-bound children, resolved once: the request path only observes."""
+    return {
+        "batch": metrics.batch_size.labels(*labels),
+        "queue": metrics.queue_duration.labels(*labels),
+        "compute": metrics.compute_duration.labels(*labels),
+        "load": metrics.load_seconds.labels(*labels),
+    }
 
 
 def _device(kind: str) -> str:

@@ -1,10 +1,11 @@
-"""The HTTP app: the v2 protocol's health, metadata and infer routes over the repository.
+"""The HTTP app: the v2 protocol's metadata and infer routes, health, metrics and the
+repository extension, over one repository.
 
 Errors are `{"error": "..."}` with Triton's status mapping (400 for the caller's
-mistakes, 404 unknown model or version, 503 not ready), plus 413 for a body over the
-cap, 429 with Retry-After for a full queue and 504 for a request whose timeout passed
-in the queue. A client that disconnects while its request is still queued takes the
-request out of the queue.
+mistakes, 404 unknown model or version, 503 not ready or draining), plus 413 for a body
+over the cap, 429 with Retry-After for a full queue and 504 for a request whose timeout
+passed in the queue. A client that disconnects while its request is still queued takes
+the request out of the queue.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import logging
 import time
 import zlib
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any, TextIO
 
 import orjson
 from starlette.requests import Request
@@ -26,18 +29,38 @@ from starlette.routing import Route, Router
 from bitserve import __version__
 from bitserve.batching.batcher import QueueFull, QueueTimeout
 from bitserve.batching.batcher import Request as BatchRequest
+from bitserve.metrics import Metrics
 from bitserve.repository.repository import ModelNotFound, ModelUnavailable, Repository
 from bitserve.repository.version import ExecutionError, ModelVersion
+from bitserve.server import admin, health
 from bitserve.server.v2 import HEADER_LENGTH, InvalidRequest, encode_response, parse_infer
 
 log = logging.getLogger("bitserve.server")
 
 DEFAULT_MAX_BODY = 64 * 1024 * 1024  # Triton's --http-max-input-size
-EXTENSIONS = ["binary_tensor_data", "model_configuration", "statistics"]
+EXTENSIONS = ["binary_tensor_data", "model_configuration", "statistics", "model_repository"]
 
 
 class BodyTooLarge(Exception):
     pass
+
+
+class ClientGone(Exception):
+    """The client disconnected while its request was queued (nginx's 499)."""
+
+
+class Draining(Exception):
+    """The server is shutting down; it takes no new requests (503)."""
+
+
+@dataclass
+class ServerOptions:
+    max_body: int = DEFAULT_MAX_BODY
+    admin_token: str | None = None  # repository management is off without one
+    model_control: str = "none"  # none | explicit | poll
+    startup_models: list[str] | None = None  # explicit: what to load at start (None: all)
+    poll_seconds: float = 15.0
+    access_log: TextIO | None = None
 
 
 def json_response(doc: object, status: int = 200, headers: dict | None = None) -> Response:
@@ -53,26 +76,33 @@ def error(status: int, message: str, headers: dict | None = None) -> Response:
     return json_response({"error": message}, status, headers)
 
 
-class V2App:
-    """Route handlers bound to one repository."""
+class Server:
+    """The app's state and its v2 handlers. `drain` is what SIGTERM calls."""
 
-    def __init__(self, repository: Repository, max_body: int = DEFAULT_MAX_BODY):
+    def __init__(self, repository: Repository, options: ServerOptions, metrics: Metrics):
         self.repository = repository
-        self.max_body = max_body
+        self.options = options
+        self.metrics = metrics
+        self.draining = False
+        self.inflight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
 
-    # ---------------------------------------------------------------- health
+    async def drain(self, timeout: float) -> bool:
+        """Turn unready, refuse new requests, wait for in-flight ones (False on timeout)."""
+        self.draining = True
+        log.info("draining: waiting up to %.0f s for %d request(s)", timeout, self.inflight)
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+            return True
+        except TimeoutError:
+            log.error("drain timed out with %d request(s) in flight", self.inflight)
+            return False
+
+    # -------------------------------------------------------------- metadata
 
     async def server_metadata(self, request: Request) -> Response:
         return json_response({"name": "bitserve", "version": __version__, "extensions": EXTENSIONS})
-
-    async def live(self, request: Request) -> Response:
-        return Response(status_code=200)
-
-    async def ready(self, request: Request) -> Response:
-        reason = self.repository.not_ready_reason()
-        return Response(status_code=200) if reason is None else error(503, reason)
-
-    # -------------------------------------------------------------- metadata
 
     def _lookup(self, request: Request) -> ModelVersion:
         params = request.path_params
@@ -85,18 +115,17 @@ class V2App:
             return Response(status_code=404)
         except ModelUnavailable:
             return Response(status_code=503)
-        return Response(status_code=200)
+        return Response(status_code=503 if self.draining else 200)
 
     async def model_metadata(self, request: Request) -> Response:
         version = self._lookup(request)
         config = version.config
         entry = self.repository.entry(config.name)
-        platform = version.instances[0].platform if version.instances else config.backend
         return json_response(
             {
                 "name": config.name,
                 "versions": [str(v) for v, mv in sorted(entry.versions.items()) if mv.ready],
-                "platform": platform,
+                "platform": version.platform,
                 "inputs": [
                     {"name": t.name, "datatype": t.datatype, "shape": config.full_shape(t)}
                     for t in config.input
@@ -112,50 +141,56 @@ class V2App:
         return json_response(self._lookup(request).config.model_dump(mode="json"))
 
     async def model_stats(self, request: Request) -> Response:
-        names = [request.path_params["model"]] if "model" in request.path_params else None
+        wanted = request.path_params.get("model")
+        if wanted is not None:
+            self.repository.entry(wanted)
         stats = []
-        for name, entry in self.repository.models.items():
-            if names is not None and name not in names:
+        for name, entry in sorted(self.repository.models.items()):
+            if wanted is not None and name != wanted:
                 continue
             for number, version in sorted(entry.versions.items()):
-                if version.batcher is None:
-                    continue
-                s = version.batcher.stats
-                stats.append(
-                    {
-                        "name": name,
-                        "version": str(number),
-                        "inference_count": s.inference_count,
-                        "execution_count": s.execution_count,
-                        "batch_stats": [
-                            {"batch_size": size, "count": count}
-                            for size, count in sorted(s.batch_sizes.items())
-                        ],
-                        "queue_seconds": s.queue_seconds,
-                        "rejected_queue_full": s.rejected_full,
-                        "rejected_timeout": s.rejected_timeout,
-                        "cancelled": s.cancelled,
-                    }
-                )
-        if names is not None:
-            self.repository.entry(names[0])
+                if version.batcher is not None:
+                    stats.append(_stats(name, number, version))
         return json_response({"model_stats": stats})
 
     # ----------------------------------------------------------------- infer
 
     async def infer(self, request: Request) -> Response:
+        if self.draining:
+            raise Draining("server is draining; send requests elsewhere")
         version = self._lookup(request)
-        body = await self._read_body(request)
-        header_length = request.headers.get(HEADER_LENGTH)
-        if header_length is not None and not header_length.isdigit():
-            raise InvalidRequest("header Inference-Header-Content-Length must be an integer")
-        parsed = parse_infer(
-            version.config, body, int(header_length) if header_length is not None else None
-        )
-        outputs = await self._run(request, version, parsed)
-        payload, json_length = encode_response(
-            version.config.name, version.version, parsed, outputs
-        )
+        self.inflight += 1
+        self._idle.clear()
+        labels = (version.config.name, str(version.version))
+        started = time.perf_counter()
+        job: BatchRequest | None = None
+        status = 500
+        try:
+            body = await self._read_body(request)
+            header_length = request.headers.get(HEADER_LENGTH)
+            if header_length is not None and not header_length.isdigit():
+                raise InvalidRequest("header Inference-Header-Content-Length must be an integer")
+            parsed = parse_infer(
+                version.config, body, int(header_length) if header_length is not None else None
+            )
+            job, outputs = await self._run(request, version, parsed)
+            payload, json_length = encode_response(
+                version.config.name, version.version, parsed, outputs
+            )
+            status = 200
+        except Exception as exc:
+            status = status_of(exc)
+            self.metrics.failure.labels(*labels, reason_of(exc)).inc()
+            raise
+        finally:
+            self.inflight -= 1
+            if not self.inflight:
+                self._idle.set()
+            seconds = time.perf_counter() - started
+            self.metrics.request_duration.labels(*labels).observe(seconds)
+            if self.options.access_log is not None:
+                _access_log(self.options.access_log, labels, status, seconds, job)
+        self.metrics.success.labels(*labels).inc()
         if json_length is None:
             return Response(payload, media_type="application/json")
         return Response(
@@ -164,7 +199,9 @@ class V2App:
             headers={"Inference-Header-Content-Length": str(json_length)},
         )
 
-    async def _run(self, http: Request, version: ModelVersion, parsed) -> dict:
+    async def _run(
+        self, http: Request, version: ModelVersion, parsed: Any
+    ) -> tuple[BatchRequest, dict]:
         config = version.config
         policy = config.dynamic_batching
         levels = policy.priority_levels if policy else 1
@@ -176,12 +213,9 @@ class V2App:
         timeout_s = _timeout(policy, parsed.timeout_us)
         future: asyncio.Future = loop.create_future()
 
-        def on_done(outputs, err) -> None:
+        def on_done(outputs: Any, err: BaseException | None) -> None:
             if not future.done():
-                if err is None:
-                    future.set_result(outputs)
-                else:
-                    future.set_exception(err)
+                future.set_exception(err) if err is not None else future.set_result(outputs)
 
         job = BatchRequest(
             parsed.inputs,
@@ -194,29 +228,68 @@ class V2App:
         )
         version.submit(job)
         if job.state != "queued":
-            return await future  # running already: nothing left to cancel
-        return await _await_or_disconnect(http, future, lambda: version.batcher.cancel(job))
+            return job, await future  # running already: nothing left to cancel
+        cancel = functools.partial(version.cancel, job, ClientGone("client disconnected"))
+        return job, await _await_or_disconnect(http, future, cancel)
 
     async def _read_body(self, request: Request) -> bytes:
+        limit = self.options.max_body
         length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > self.max_body:
-            raise BodyTooLarge(f"request body of {length} bytes exceeds {self.max_body}")
+        if length is not None and length.isdigit() and int(length) > limit:
+            raise BodyTooLarge(f"request body of {length} bytes exceeds {limit}")
         chunks, size = [], 0
         async for chunk in request.stream():
             size += len(chunk)
-            if size > self.max_body:
-                raise BodyTooLarge(f"request body exceeds {self.max_body} bytes")
+            if size > limit:
+                raise BodyTooLarge(f"request body exceeds {limit} bytes")
             chunks.append(chunk)
         body = b"".join(chunks)
         encoding = request.headers.get("content-encoding", "").lower()
         if encoding in ("gzip", "deflate"):
-            body = _decompress(body, encoding, self.max_body)
+            body = _decompress(body, encoding, limit)
         elif encoding not in ("", "identity"):
             raise InvalidRequest(f"unsupported Content-Encoding {encoding!r}")
         return body
 
 
-def _timeout(policy, timeout_us: int) -> float:
+def _stats(name: str, number: int, version: ModelVersion) -> dict:
+    assert version.batcher is not None
+    s = version.batcher.stats
+    return {
+        "name": name,
+        "version": str(number),
+        "state": version.state,
+        "inference_count": s.inference_count,
+        "execution_count": s.execution_count,
+        "batch_stats": [
+            {"batch_size": size, "count": count} for size, count in sorted(s.batch_sizes.items())
+        ],
+        "queue_seconds": s.queue_seconds,
+        "queue_depth": version.batcher.queued,
+        "rejected_queue_full": s.rejected_full,
+        "rejected_timeout": s.rejected_timeout,
+        "cancelled": s.cancelled,
+    }
+
+
+def _access_log(out: TextIO, labels: tuple, status: int, seconds: float, job: Any) -> None:
+    """One JSON line per infer request, for `bitserve plan fit` and friends."""
+    record = {
+        "time": time.time(),
+        "model": labels[0],
+        "version": labels[1],
+        "status": status,
+        "duration_ms": round(seconds * 1000, 3),
+        "queue_ms": round(job.queue_seconds * 1000, 3) if job else None,
+        "compute_ms": round(job.compute_seconds * 1000, 3) if job else None,
+        "batch_size": job.batch_rows if job else None,
+        "rows": job.rows if job else None,
+    }
+    out.write(orjson.dumps(record).decode() + "\n")
+    out.flush()
+
+
+def _timeout(policy: Any, timeout_us: int) -> float:
     """Seconds: the config's default, or the request's if allowed and shorter."""
     default = (policy.default_timeout_ms / 1000.0) if policy else 0.0
     asked = timeout_us / 1e6
@@ -237,11 +310,7 @@ def _decompress(body: bytes, encoding: str, limit: int) -> bytes:
     return out
 
 
-class ClientGone(Exception):
-    """The client disconnected while its request was queued (nginx's 499)."""
-
-
-async def _await_or_disconnect(http: Request, future: asyncio.Future, cancel) -> dict:
+async def _await_or_disconnect(http: Request, future: asyncio.Future, cancel: Any) -> dict:
     """Wait for the result; if the client goes away first, take the request off the queue.
 
     A done-callback on the watcher (rather than asyncio.wait) keeps the common path to
@@ -251,7 +320,6 @@ async def _await_or_disconnect(http: Request, future: asyncio.Future, cancel) ->
     def on_disconnect(task: asyncio.Task) -> None:
         if not task.cancelled() and not future.done():
             cancel()
-            future.set_exception(ClientGone("client disconnected"))
 
     watcher.add_done_callback(on_disconnect)
     try:
@@ -267,18 +335,40 @@ async def _disconnected(http: Request) -> None:
             return
 
 
+# ---------------------------------------------------------------------- errors
+
 STATUS = {
     InvalidRequest: 400,
     ModelNotFound: 404,
     ModelUnavailable: 503,
+    Draining: 503,
     BodyTooLarge: 413,
+    QueueFull: 429,
     QueueTimeout: 504,
     ClientGone: 499,
     ExecutionError: 500,
 }
+REASONS = {
+    QueueFull: "rejected",
+    QueueTimeout: "timeout",
+    ClientGone: "cancelled",
+    ExecutionError: "backend",
+    InvalidRequest: "invalid",
+    BodyTooLarge: "invalid",
+    ModelUnavailable: "unavailable",
+    Draining: "unavailable",
+}
 
 
-def _errors(handler):
+def status_of(exc: BaseException) -> int:
+    return next((code for cls, code in STATUS.items() if isinstance(exc, cls)), 500)
+
+
+def reason_of(exc: BaseException) -> str:
+    return next((r for cls, r in REASONS.items() if isinstance(exc, cls)), "other")
+
+
+def errors(handler: Any) -> Any:
     """Turn exceptions into `{"error": ...}` responses with their status."""
 
     @functools.wraps(handler)
@@ -286,65 +376,18 @@ def _errors(handler):
         try:
             return await handler(request)
         except Exception as exc:
-            return _error_response(request, exc)
+            status = status_of(exc)
+            if status == 500 and not isinstance(exc, ExecutionError):
+                log.exception("internal error on %s", request.url.path, exc_info=exc)
+            headers = {"Retry-After": str(exc.retry_after)} if isinstance(exc, QueueFull) else None
+            return error(status, str(exc) or type(exc).__name__, headers)
 
     return wrapped
 
 
-def _error_response(request: Request, exc: Exception) -> Response:
-    if isinstance(exc, QueueFull):
-        return error(429, str(exc), {"Retry-After": str(exc.retry_after)})
-    status = next((code for cls, code in STATUS.items() if isinstance(exc, cls)), 500)
-    if status == 500 and not isinstance(exc, ExecutionError):
-        log.exception("internal error on %s", request.url.path, exc_info=exc)
-    return error(status, str(exc) or type(exc).__name__)
-
-
-def create_app(
-    repository: Repository, max_body: int = DEFAULT_MAX_BODY, load: bool = True
-) -> Router:
-    """The ASGI app. With `load`, models load in the background after startup so that
-    health answers (live, not ready) while they load."""
-    v2 = V2App(repository, max_body)
-    m = "/v2/models/{model}"
-    mv = "/v2/models/{model}/versions/{version}"
-    routes = [
-        Route("/v2", v2.server_metadata),
-        Route("/v2/health/live", v2.live),
-        Route("/v2/health/ready", v2.ready),
-        Route("/v2/models/stats", v2.model_stats),
-    ]
-    for prefix in (m, mv):
-        routes += [
-            Route(prefix, _errors(v2.model_metadata)),
-            Route(prefix + "/ready", v2.model_ready),
-            Route(prefix + "/config", _errors(v2.model_config)),
-            Route(prefix + "/stats", _errors(v2.model_stats)),
-            Route(prefix + "/infer", _errors(v2.infer), methods=["POST"]),
-        ]
-
-    @contextlib.asynccontextmanager
-    async def lifespan(app: Router) -> AsyncIterator[None]:
-        task = None
-        if load:
-            started = time.perf_counter()
-            if not repository.models:
-                repository.scan()
-
-            async def load_models() -> None:
-                await repository.load_all()
-                log.info("repository loaded in %.2f s", time.perf_counter() - started)
-                _quiet_gc()
-
-            task = asyncio.create_task(load_models())
-        yield
-        if task is not None:
-            task.cancel()
-        await repository.unload_all()
-
-    # A bare Router: the handlers turn their own errors into responses, so Starlette's
-    # two exception middlewares would only add cost to every request.
-    return Router(routes=routes, lifespan=lifespan, default=_not_found)
+async def _not_found(scope: dict, receive: Any, send: Any) -> None:
+    response = error(404, f"{scope['method']} {scope['path']}: no such route")
+    await response(scope, receive, send)
 
 
 def _quiet_gc() -> None:
@@ -361,6 +404,79 @@ def _quiet_gc() -> None:
     gc.set_threshold(50_000, 20, 20)
 
 
-async def _not_found(scope, receive, send) -> None:
-    response = error(404, f"{scope['method']} {scope['path']}: no such route")
-    await response(scope, receive, send)
+# ------------------------------------------------------------------------- app
+
+
+class App:
+    """The ASGI app: a bare Starlette Router (the handlers turn their own errors into
+    responses, so Starlette's exception middlewares would only add cost per request)."""
+
+    def __init__(self, server: Server, router: Router):
+        self.server = server
+        self.router = router
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        await self.router(scope, receive, send)
+
+
+def create_app(
+    repository: Repository,
+    options: ServerOptions | None = None,
+    metrics: Metrics | None = None,
+    load: bool = True,
+) -> App:
+    """The ASGI app. With `load`, models load in the background after startup so that
+    health answers (live, not ready) while they load."""
+    options = options or ServerOptions()
+    metrics = metrics or repository.metrics or Metrics()
+    repository.metrics = metrics
+    server = Server(repository, options, metrics)
+    probes = health.Health(server)
+    management = admin.Admin(server)
+    metrics.add_collector(functools.partial(health.collect, server))
+    m, mv = "/v2/models/{model}", "/v2/models/{model}/versions/{version}"
+    routes = [
+        # infer first: the router tries routes in order
+        Route(m + "/infer", errors(server.infer), methods=["POST"]),
+        Route(mv + "/infer", errors(server.infer), methods=["POST"]),
+        *probes.routes(),
+        *management.routes(errors),
+        Route("/v2", server.server_metadata),
+        Route("/v2/models/stats", errors(server.model_stats)),
+    ]
+    for prefix in (m, mv):
+        routes += [
+            Route(prefix, errors(server.model_metadata)),
+            Route(prefix + "/ready", server.model_ready),
+            Route(prefix + "/config", errors(server.model_config)),
+            Route(prefix + "/stats", errors(server.model_stats)),
+        ]
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: Any) -> AsyncIterator[None]:
+        tasks = [asyncio.create_task(probes.watchdog())]
+        if load:
+            tasks.append(asyncio.create_task(_load(repository, options)))
+        yield
+        for task in tasks:
+            task.cancel()
+        await repository.unload_all()
+
+    return App(server, Router(routes=routes, lifespan=lifespan, default=_not_found))
+
+
+async def _load(repository: Repository, options: ServerOptions) -> None:
+    """Load what the model-control mode asks for, then (poll) keep the repository in sync."""
+    started = time.perf_counter()
+    if not repository.models:
+        names = options.startup_models if options.model_control == "explicit" else None
+        repository.scan(None if names is None or "*" in names else names)
+    await repository.load_all()
+    log.info("repository loaded in %.2f s", time.perf_counter() - started)
+    _quiet_gc()
+    while options.model_control == "poll":
+        await asyncio.sleep(options.poll_seconds)
+        try:
+            await repository.poll()
+        except Exception:
+            log.exception("repository poll failed")

@@ -1,0 +1,99 @@
+"""The repository extension (`/v2/repository/...`), behind an admin token.
+
+Loading a model is running its code, so these endpoints are off unless the server was
+started with `--admin-token` (or BITSERVE_ADMIN_TOKEN); then every call needs
+`Authorization: Bearer <token>` (401 without it). In `--model-control none` load and
+unload are refused (403), as in Triton; `explicit` and `poll` allow them.
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import orjson
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from bitserve.backends.base import LoadError
+from bitserve.server.v2 import InvalidRequest
+
+if TYPE_CHECKING:
+    from bitserve.server.app import Server
+
+
+class Forbidden(Exception):
+    pass
+
+
+class Unauthorized(Exception):
+    pass
+
+
+class Admin:
+    def __init__(self, server: Server):
+        self.server = server
+
+    def routes(self, errors: Callable[[Any], Any]) -> list[Route]:
+        return [
+            Route("/v2/repository/index", self._guard(self.index), methods=["POST", "GET"]),
+            Route("/v2/repository/models/{model}/load", self._guard(self.load), methods=["POST"]),
+            Route(
+                "/v2/repository/models/{model}/unload", self._guard(self.unload), methods=["POST"]
+            ),
+        ]
+
+    def _guard(self, handler: Callable[[Request], Any]) -> Callable[[Request], Any]:
+        async def guarded(request: Request) -> Response:
+            from bitserve.server.app import error, status_of
+
+            token = self.server.options.admin_token
+            if not token:
+                return error(403, "repository management is off: start with --admin-token")
+            given = request.headers.get("authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
+                return error(401, "missing or wrong admin token", {"WWW-Authenticate": "Bearer"})
+            try:
+                return await handler(request)
+            except Forbidden as e:
+                return error(403, str(e))
+            except LoadError as e:
+                return error(400, f"failed to load: {e}")
+            except Exception as e:
+                return error(status_of(e), str(e))
+
+        return guarded
+
+    async def index(self, request: Request) -> Response:
+        from bitserve.server.app import json_response
+
+        return json_response(self.server.repository.index())
+
+    def _changes_allowed(self) -> None:
+        mode = self.server.options.model_control
+        if mode == "none":
+            raise Forbidden("model control mode is 'none': start with --model-control explicit")
+        if self.server.draining:
+            raise Forbidden("server is draining")
+
+    async def load(self, request: Request) -> Response:
+        self._changes_allowed()
+        body = await request.body()
+        try:
+            params = (orjson.loads(body) if body.strip() else {}).get("parameters") or {}
+        except (orjson.JSONDecodeError, AttributeError):
+            raise InvalidRequest("load body must be a JSON object") from None
+        if params:
+            raise InvalidRequest(
+                f"load parameters {sorted(params)} are not supported: edit config.toml and "
+                "the version folders, then load"
+            )
+        await self.server.repository.load_model(request.path_params["model"])
+        return Response(status_code=200)
+
+    async def unload(self, request: Request) -> Response:
+        self._changes_allowed()
+        await self.server.repository.unload_model(request.path_params["model"])
+        return Response(status_code=200)

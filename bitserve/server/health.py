@@ -1,0 +1,129 @@
+"""Health as a traffic gate, not a heartbeat.
+
+- live (`/v2/health/live`, `/livez`): 503 while any instance is dead or wedged (a batch
+  past its execution timeout). A watchdog notices within a quarter second, fails the
+  batch the instance held, and restarts it; live turns 200 again once it is back.
+- ready (`/v2/health/ready`, `/readyz`): 200 only when every model the repository asks
+  for is loaded and warmed, no instance is restarting, and the server is not draining.
+- startup (`/startupz`): 503 "loading" while models load, 500 naming the model when one
+  is broken, 200 once everything loaded. Kubernetes can tell slow from broken.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+if TYPE_CHECKING:
+    from bitserve.server.app import Server
+
+log = logging.getLogger("bitserve.server")
+
+WATCHDOG_PERIOD_S = 0.25
+
+
+class Health:
+    def __init__(self, server: Server):
+        self.server = server
+
+    def routes(self) -> list[Route]:
+        return [
+            Route("/v2/health/live", self.live),
+            Route("/livez", self.live),
+            Route("/v2/health/ready", self.ready),
+            Route("/readyz", self.ready),
+            Route("/startupz", self.startup),
+            Route("/metrics", self.metrics),
+        ]
+
+    async def live(self, request: Request) -> Response:
+        sick = [
+            f"model '{name}' version {v.version} instance(s) {sorted(v.unhealthy)} restarting"
+            for name, entry in self.server.repository.models.items()
+            for v in entry.versions.values()
+            if v.unhealthy
+        ]
+        return _answer(200 if not sick else 503, "; ".join(sick))
+
+    async def ready(self, request: Request) -> Response:
+        if self.server.draining:
+            return _answer(503, "draining")
+        reason = self.server.repository.not_ready_reason()
+        return _answer(200 if reason is None else 503, reason or "")
+
+    async def startup(self, request: Request) -> Response:
+        repository = self.server.repository
+        broken = [f"model '{e.name}': {e.error}" for e in repository.models.values() if e.error]
+        if broken:
+            return _answer(500, "; ".join(broken))
+        return _answer(200 if repository.loaded else 503, "" if repository.loaded else "loading")
+
+    async def metrics(self, request: Request) -> Response:
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        return Response(
+            generate_latest(self.server.metrics.registry), media_type=CONTENT_TYPE_LATEST
+        )
+
+    async def watchdog(self) -> None:
+        """Restart dead or wedged instances; one restart per slot at a time."""
+        restarting: set[tuple[Any, int]] = set()
+        while True:
+            await asyncio.sleep(WATCHDOG_PERIOD_S)
+            for entry in list(self.server.repository.models.values()):
+                for version in list(entry.versions.values()):
+                    if version.state not in ("ready", "draining"):
+                        continue
+                    for slot, why in version.check():
+                        key = (version, slot)
+                        if key not in restarting:
+                            restarting.add(key)
+                            task = asyncio.create_task(version.restart(slot, why))
+                            task.add_done_callback(lambda _, key=key: restarting.discard(key))
+
+
+def _answer(status: int, reason: str) -> Response:
+    if status == 200:
+        return Response(status_code=200)
+    from bitserve.server.app import error
+
+    return error(status, reason)
+
+
+def collect(server: Server) -> Iterator[Metric]:
+    """Scrape-time metrics read from the batchers: nothing on the request path."""
+    depth = GaugeMetricFamily(
+        "bitserve_queue_depth", "Requests waiting in the batcher.", labels=["model", "version"]
+    )
+    healthy = GaugeMetricFamily(
+        "bitserve_instances_healthy",
+        "Instances alive and not wedged.",
+        labels=["model", "version"],
+    )
+    rows = CounterMetricFamily(
+        "bitserve_inference_count",
+        "Rows inferred (a batch of n counts n).",
+        labels=["model", "version"],
+    )
+    runs = CounterMetricFamily(
+        "bitserve_execution_count", "Batches executed.", labels=["model", "version"]
+    )
+    draining = GaugeMetricFamily("bitserve_draining", "1 while the server drains.")
+    draining.add_metric([], 1.0 if server.draining else 0.0)
+    for name, entry in server.repository.models.items():
+        for number, version in entry.versions.items():
+            if version.batcher is None:
+                continue
+            labels = [name, str(number)]
+            depth.add_metric(labels, version.batcher.queued)
+            healthy.add_metric(labels, len(version.instances) - len(version.unhealthy))
+            rows.add_metric(labels, version.batcher.stats.inference_count)
+            runs.add_metric(labels, version.batcher.stats.execution_count)
+    yield from (depth, healthy, rows, runs, draining)
