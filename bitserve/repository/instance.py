@@ -87,6 +87,7 @@ def build_model(config: ModelConfig, version_dir: Path, device: str) -> Model:
     """Load the backend and run the config's warmup requests through the batch path."""
     model = backend_class(config.backend)(config, version_dir, device)
     model.load()
+    started = time.perf_counter()
     for warmup in config.model_warmup:
         request = Request(
             dummy_inputs(config, warmup.batch_size, warmup.inputs), warmup.batch_size, 0.0
@@ -98,6 +99,7 @@ def build_model(config: ModelConfig, version_dir: Path, device: str) -> Model:
                 raise LoadError(
                     f"{version_dir}: warmup '{warmup.name}' failed: {type(e).__name__}: {e}"
                 ) from e
+    model.warmup_seconds = time.perf_counter() - started
     return model
 
 
@@ -112,6 +114,7 @@ class Instance:
         self.model: Model | RemoteModel | None = None
         self.worker: Worker | None = None
         self.platform = config.backend
+        self.warmup_seconds = 0.0
 
     async def start(self) -> None:
         name = f"{self.config.name}-{self.version_dir.name}-{self.slot}"
@@ -122,6 +125,7 @@ class Instance:
             self.worker.stop()
             raise
         self.platform = self.model.platform
+        self.warmup_seconds = self.model.warmup_seconds
 
     def _build(self) -> Model | RemoteModel:
         if self.config.instance_group.isolation == "process":
@@ -171,8 +175,9 @@ class RemoteModel:
 
     platform = "unknown"
 
-    def __init__(self, process: Any, conn: Any, platform: str):
-        self.process, self.conn, self.platform = process, conn, platform
+    def __init__(self, process: Any, conn: Any, ready: dict):
+        self.process, self.conn = process, conn
+        self.platform, self.warmup_seconds = ready["platform"], ready["warmup_seconds"]
 
     @classmethod
     def spawn(cls, config: ModelConfig, version_dir: Path, device: str) -> RemoteModel:
@@ -234,7 +239,7 @@ def _child_main(config_doc: dict, version_dir: str, device: str, conn: Any) -> N
     except Exception as e:
         conn.send(("failed", str(e) if isinstance(e, LoadError) else f"{type(e).__name__}: {e}"))
         return
-    conn.send(("ready", model.platform))
+    conn.send(("ready", {"platform": model.platform, "warmup_seconds": model.warmup_seconds}))
     declared = {spec.name: spec.datatype for spec in config.output}
     while True:
         try:

@@ -43,6 +43,7 @@ class ModelVersion:
         self.generation = 0
         self.batcher: DynamicBatcher | None = None
         self.pending = 0  # submitted and not yet finished
+        self.restarts = {"wedged": 0, "died": 0}
         self.load_seconds = 0.0
         self._idle = asyncio.Event()
         self._idle.set()
@@ -85,6 +86,7 @@ class ModelVersion:
         self.load_seconds = time.perf_counter() - started
         if self._m:
             self._m["load"].set(self.load_seconds)
+            self._m["warmup"].set(max(i.warmup_seconds for i in self.instances))
         self.state = "ready"
 
     async def drain(self, timeout: float | None = None) -> bool:
@@ -206,6 +208,7 @@ class ModelVersion:
             "model %s v%d instance %d %s: restarting", self.config.name, self.version, slot, reason
         )
         self.unhealthy.add(slot)
+        self.restarts["died" if reason == "died" else "wedged"] += 1
         old = self.instances[slot]
         old.kill()
         if slot in self.batcher.free:
@@ -237,6 +240,7 @@ def _bind(metrics: Metrics, labels: tuple[str, str]) -> dict[str, Any]:
         "queue": metrics.queue_duration.labels(*labels),
         "compute": metrics.compute_duration.labels(*labels),
         "load": metrics.load_seconds.labels(*labels),
+        "warmup": metrics.warmup_seconds.labels(*labels),
     }
 
 

@@ -162,6 +162,8 @@ class Server:
         self.inflight += 1
         self._idle.clear()
         labels = (version.config.name, str(version.version))
+        inflight = self.metrics.inflight.labels(*labels)
+        inflight.inc()
         started = time.perf_counter()
         job: BatchRequest | None = None
         status = 500
@@ -183,6 +185,7 @@ class Server:
             self.metrics.failure.labels(*labels, reason_of(exc)).inc()
             raise
         finally:
+            inflight.dec()
             self.inflight -= 1
             if not self.inflight:
                 self._idle.set()

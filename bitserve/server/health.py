@@ -115,6 +115,11 @@ def collect(server: Server) -> Iterator[Metric]:
     runs = CounterMetricFamily(
         "bitserve_execution_count", "Batches executed.", labels=["model", "version"]
     )
+    restarts = CounterMetricFamily(
+        "bitserve_instance_restarts",
+        "Instances restarted by the watchdog, by reason (wedged, died).",
+        labels=["model", "version", "reason"],
+    )
     draining = GaugeMetricFamily("bitserve_draining", "1 while the server drains.")
     draining.add_metric([], 1.0 if server.draining else 0.0)
     for name, entry in server.repository.models.items():
@@ -126,4 +131,6 @@ def collect(server: Server) -> Iterator[Metric]:
             healthy.add_metric(labels, len(version.instances) - len(version.unhealthy))
             rows.add_metric(labels, version.batcher.stats.inference_count)
             runs.add_metric(labels, version.batcher.stats.execution_count)
-    yield from (depth, healthy, rows, runs, draining)
+            for reason, count in version.restarts.items():
+                restarts.add_metric([*labels, reason], count)
+    yield from (depth, healthy, rows, runs, restarts, draining)
