@@ -41,6 +41,14 @@ class Model(ABC):
     def predict(self, inputs: dict[str, np.ndarray]) -> dict[str, Any]:
         """Run one batch."""
 
+    @classmethod
+    def validate(cls, config: ModelConfig, inputs: dict[str, np.ndarray]) -> None:
+        """Check one request before it joins a batch; raise ValueError to refuse it (400).
+
+        A request that would make `predict` fail must be stopped here, or it would fail
+        every request batched with it."""
+        return None
+
     def unload(self) -> None:  # noqa: B027 - optional hook
         """Release what `load` took; the default drops nothing explicitly."""
 

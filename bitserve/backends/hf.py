@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from bitserve.backends.base import LoadError, Model, set_threads
+from bitserve.repository.config import ModelConfig
 
 _TASKS = ("embedding", "classification")
 _CLASSIFIER_OUTPUTS = ("logits", "probs", "label")
@@ -94,6 +95,16 @@ class HfModel(Model):
                 f"{folder}: a classifier's outputs are some of {_CLASSIFIER_OUTPUTS}; "
                 f"got {sorted(self.outputs)}"
             )
+
+    @classmethod
+    def validate(cls, config: ModelConfig, inputs: dict[str, np.ndarray]) -> None:
+        for name, array in inputs.items():
+            for item in array.reshape(-1).tolist():
+                if isinstance(item, bytes):
+                    try:
+                        item.decode()
+                    except UnicodeDecodeError:
+                        raise ValueError(f"input '{name}': a text is not valid UTF-8") from None
 
     def predict(self, inputs: dict[str, np.ndarray]) -> dict[str, Any]:
         texts = [_text(item) for item in inputs[self.input_name].reshape(-1).tolist()]

@@ -27,6 +27,7 @@ from starlette.responses import Response
 from starlette.routing import Route, Router
 
 from bitserve import __version__
+from bitserve.backends import backend_class
 from bitserve.batching.batcher import QueueFull, QueueTimeout
 from bitserve.batching.batcher import Request as BatchRequest
 from bitserve.metrics import Metrics
@@ -220,6 +221,10 @@ class Server:
             if not future.done():
                 future.set_exception(err) if err is not None else future.set_result(outputs)
 
+        try:
+            backend_class(config.backend).validate(config, parsed.inputs)
+        except ValueError as e:
+            raise InvalidRequest(str(e)) from None
         job = BatchRequest(
             parsed.inputs,
             parsed.rows,

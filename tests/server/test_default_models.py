@@ -129,3 +129,30 @@ def test_bow_classifier_int64_ragged(default_server, binary):
 def test_stats_show_batches(client):
     stats = client.get_inference_statistics("minilm")["model_stats"][0]
     assert stats["inference_count"] >= stats["execution_count"] > 0
+
+
+def test_minilm_refuses_non_utf8_text_alone(default_server):
+    """A bad text is refused at the door, so it cannot fail the batch it would join."""
+    import json
+
+    import httpx
+
+    raw = b"\x04\x00\x00\x00\xff\xfe\xfd\xfc"
+    header = json.dumps(
+        {
+            "inputs": [
+                {
+                    "name": "text",
+                    "shape": [1, 1],
+                    "datatype": "BYTES",
+                    "parameters": {"binary_data_size": len(raw)},
+                }
+            ]
+        }
+    ).encode()
+    r = httpx.post(
+        default_server.url + "/v2/models/minilm/infer",
+        content=header + raw,
+        headers={"Inference-Header-Content-Length": str(len(header))},
+    )
+    assert r.status_code == 400 and "UTF-8" in r.json()["error"]
