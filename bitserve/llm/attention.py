@@ -5,7 +5,12 @@ Layout (research/cpu-facts.md §2): each layer's pool is head-major,
 along dim 1 leaves every head's keys contiguous, which is what SDPA wants. Gathers go
 into preallocated buffers (a fresh allocation page-faults and costs up to 10x).
 
-Three cases per sequence, chosen so SDPA keeps its fast paths:
+Decodes (one new token after cached context) go, when the C kernels are built
+(`kernels.py`), to one `paged_decode` call for all of them per layer: it reads K/V in
+place through the block tables, so there is neither a gather nor per-sequence Python
+(per sequence, gather + SDPA cost ~40 us a layer, i.e. ~80 ms a step at 256 running).
+Otherwise, and for every prefill, three cases per sequence, chosen so SDPA keeps its
+fast paths:
 - a fresh prefill (nothing cached before this chunk): attend to the new K/V directly,
   `is_causal=True`, no gather;
 - a decode (one query token): gather the context, fold the GQA group into the query
@@ -20,6 +25,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+from bitserve.llm import kernels
 
 
 @dataclass
@@ -39,10 +46,20 @@ class SeqSlice:
 
 
 @dataclass
+class DecodeBatch:
+    """The one-token decodes of a step, for the C kernel (all int32)."""
+
+    rows: torch.Tensor  # [B]: each sequence's row in the flattened batch
+    block_tables: torch.Tensor  # [B, max blocks], padded with 0
+    context_lens: torch.Tensor  # [B]: tokens in the cache after this step
+
+
+@dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T]: block_id * block_size + offset of each new token
-    seqs: list[SeqSlice]
+    seqs: list[SeqSlice]  # the sequences attended one by one (not in `decode`)
     workspace: GatherWorkspace | None = None
+    decode: DecodeBatch | None = None
 
 
 @dataclass
@@ -78,6 +95,11 @@ def paged_attention(q, k, v, cache, meta: AttentionMetadata, scale: float) -> to
     """q: [T, Hq, D]; k, v: [T, Hkv, D] for the new tokens. Returns [T, Hq, D]."""
     write_kv(cache, k, v, meta.slot_mapping)
     out = torch.empty_like(q)
+    if meta.decode is not None:
+        d = meta.decode
+        kernels.get().paged_decode(
+            q.contiguous(), out, d.rows, cache[0], cache[1], d.block_tables, d.context_lens, scale
+        )
     for s in meta.seqs:
         if s.fresh:
             out[s.start : s.end] = prefill_attention(

@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from bitserve.llm.attention import AttentionMetadata, GatherWorkspace, SeqSlice
+from bitserve.llm import kernels
+from bitserve.llm.attention import AttentionMetadata, DecodeBatch, GatherWorkspace, SeqSlice
 from bitserve.llm.config import EngineConfig
 from bitserve.llm.models import load_model
 from bitserve.llm.scheduler import SchedulerOutput
@@ -66,20 +67,35 @@ class ModelRunner:
             )
 
     # -- one step ---------------------------------------------------------------------
+    def use_decode_kernel(self) -> bool:
+        return self.config.torch_dtype is torch.float32 and kernels.get() is not None
+
     def prepare(self, batch: SchedulerOutput):
         input_ids, positions, slots, slices, sample_rows = [], [], [], [], []
+        dec_rows, dec_tables, dec_lens = [], [], []
+        batched_decode = self.use_decode_kernel()
         out = ModelOutput()
         bs, row = self.config.block_size, 0
         prompt_rows: dict[str, tuple[int, list[int]]] = {}
         for seq, n in batch.scheduled:
             start = seq.num_computed_tokens
             end = start + n
-            input_ids.extend(seq.token_ids[start:end])
-            positions.extend(range(start, end))
             table = seq.block_table
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             num_ctx_blocks = -(-end // bs)
-            slices.append(SeqSlice(row, row + n, end, torch.tensor(table[:num_ctx_blocks])))
+            if n == 1:
+                input_ids.append(seq.token_ids[start])
+                positions.append(start)
+                slots.append(table[start // bs] * bs + start % bs)
+            else:
+                input_ids.extend(seq.token_ids[start:end])
+                positions.extend(range(start, end))
+                slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            if batched_decode and n == 1 and start > 0:
+                dec_rows.append(row)
+                dec_tables.append(table[:num_ctx_blocks])
+                dec_lens.append(end)
+            else:
+                slices.append(SeqSlice(row, row + n, end, torch.tensor(table[:num_ctx_blocks])))
             if end == seq.num_tokens:
                 out.sample_seqs.append(seq)
                 sample_rows.append(row + n - 1)
@@ -90,6 +106,13 @@ class ModelRunner:
             row += n
         tensors = (torch.tensor(input_ids), torch.tensor(positions), torch.tensor(slots))
         meta = AttentionMetadata(tensors[2], slices, self.workspace)
+        if dec_rows:
+            width = max(len(t) for t in dec_tables)
+            meta.decode = DecodeBatch(
+                torch.tensor(dec_rows, dtype=torch.int32),
+                torch.tensor([t + [0] * (width - len(t)) for t in dec_tables], dtype=torch.int32),
+                torch.tensor(dec_lens, dtype=torch.int32),
+            )
         return tensors, meta, out, sample_rows, prompt_rows
 
     @torch.inference_mode()

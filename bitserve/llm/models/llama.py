@@ -13,8 +13,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from bitserve.llm import kernels
 from bitserve.llm.attention import AttentionMetadata
-from bitserve.llm.models.layers import Attention, RMSNorm, RotaryEmbedding, load_packed
+from bitserve.llm.models.layers import (
+    SMALL_M,
+    Attention,
+    Linear,
+    RMSNorm,
+    RotaryEmbedding,
+    load_packed,
+)
 
 PACKED = {
     "q_proj": ("qkv_proj", 0),
@@ -29,8 +37,8 @@ class MLP(nn.Module):
     def __init__(self, hidden: int, intermediate: int):
         super().__init__()
         self.intermediate = intermediate
-        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.gate_up_proj = Linear(hidden, 2 * intermediate, bias=False)
+        self.down_proj = Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
@@ -79,7 +87,7 @@ class LlamaForCausalLM(nn.Module):
         )
         self.norm = RMSNorm(hf["hidden_size"], hf.get("rms_norm_eps", 1e-6))
         self.tie_word_embeddings = bool(hf.get("tie_word_embeddings", False))
-        self.lm_head = nn.Linear(hf["hidden_size"], hf["vocab_size"], bias=False)
+        self.lm_head = Linear(hf["hidden_size"], hf["vocab_size"], bias=False)
         self.tie_weights()
         _, _, head_dim = attention_shape(hf)
         self.rotary = RotaryEmbedding(hf, head_dim, max_model_len)
@@ -94,8 +102,84 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
+        if self.can_fuse_decode(x, meta):
+            return self.fused_decode(x, positions, meta)
         for layer in self.layers:
             x = layer(x, positions, meta, self.rotary)
+        return self.norm(x)
+
+    # -- small decode steps: one C call per layer (kernels.py) --------------------------
+    def can_fuse_decode(self, x: torch.Tensor, meta: AttentionMetadata) -> bool:
+        """Every row is a one-token decode, there are few of them, and the model is a
+        plain fp32 Llama (no MoE, full-width RoPE) with the kernels built."""
+        return (
+            meta.decode is not None
+            and not meta.seqs
+            and x.shape[0] <= SMALL_M
+            and x.dtype is torch.float32
+            and not torch.is_grad_enabled()
+            and self.fusable()
+            and kernels.get() is not None
+        )
+
+    def fusable(self) -> bool:
+        if not hasattr(self, "_fusable"):
+            _, _, head_dim = attention_shape(self.hf)
+            self._fusable = (
+                all(type(layer.mlp) is MLP for layer in self.layers)
+                and self.rotary.cos.shape[-1] == head_dim
+            )
+        return self._fusable
+
+    def layer_params(self) -> list[kernels.LayerParams]:
+        """The C view of every layer (raw pointers), rebuilt when a pool or table moves."""
+        key = (self.rotary.cos.data_ptr(), *(id(layer.self_attn.kv_cache) for layer in self.layers))
+        if getattr(self, "_params_key", None) != key:
+            self._params, self._params_key = [self.c_params(layer) for layer in self.layers], key
+        return self._params
+
+    def c_params(self, layer: DecoderLayer) -> kernels.LayerParams:
+        attn, mlp = layer.self_attn, layer.mlp
+        k_pool, v_pool = attn.kv_cache
+
+        def ptr(t: torch.Tensor | None) -> int | None:
+            return None if t is None else t.data_ptr()
+
+        return kernels.LayerParams(
+            ln1=ptr(layer.input_layernorm.weight),
+            wqkv=ptr(attn.qkv_proj.weight),
+            bqkv=ptr(attn.qkv_proj.bias),
+            wo=ptr(attn.o_proj.weight),
+            bo=ptr(attn.o_proj.bias),
+            ln2=ptr(layer.post_attention_layernorm.weight),
+            wgu=ptr(mlp.gate_up_proj.weight),
+            wdown=ptr(mlp.down_proj.weight),
+            kpool=ptr(k_pool),
+            vpool=ptr(v_pool),
+            cos=ptr(self.rotary.cos),
+            sin=ptr(self.rotary.sin),
+            H=self.hf["hidden_size"],
+            Hq=attn.num_heads,
+            Hkv=attn.num_kv_heads,
+            D=attn.head_dim,
+            I=mlp.intermediate,
+            nblk=k_pool.shape[1],
+            bs=k_pool.shape[2],
+            eps=layer.input_layernorm.eps,
+            scale=attn.scale,
+        )
+
+    def fused_decode(self, x, positions, meta: AttentionMetadata) -> torch.Tensor:
+        k = kernels.get()
+        attn = self.layers[0].self_attn
+        per_row = 2 * self.hf["hidden_size"] + 2 * (attn.q_size + attn.kv_size)
+        per_row += 3 * self.layers[0].mlp.intermediate
+        scratch = getattr(self, "_scratch", None)
+        if scratch is None or scratch.numel() < per_row * x.shape[0]:
+            scratch = self._scratch = torch.empty(per_row * SMALL_M)
+        x = x.contiguous()
+        for params in self.layer_params():
+            k.llama_decode_layer(params, x, positions, meta.slot_mapping, meta.decode, scratch)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
