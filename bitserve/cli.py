@@ -23,10 +23,51 @@ def _size(text: str) -> int:
     return int(lowered)
 
 
-@click.group()
+# Subcommands that live with their concept, imported only when used: "name" ->
+# "module:attribute" of a click command. A module not written yet is simply not listed.
+LAZY_COMMANDS = {
+    "bench": "bitserve.bench.command:bench",
+    "batch": "bitserve.offline.command:batch",
+    "quantize": "bitserve.quant.command:quantize",
+    "eval": "bitserve.quant.command:evaluate",
+    "plan": "bitserve.plan.command:plan",
+    "rollout": "bitserve.rollout.command:rollout",
+}
+
+
+class LazyGroup(click.Group):
+    """Keeps `bitserve --help` and `bitserve serve` from importing every subsystem."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted({*super().list_commands(ctx), *(n for n in LAZY_COMMANDS if _lazy(n))})
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        return super().get_command(ctx, name) or _lazy(name)
+
+
+def _lazy(name: str) -> click.Command | None:
+    import importlib
+    import importlib.util
+
+    target = LAZY_COMMANDS.get(name)
+    if target is None:
+        return None
+    module_name, attribute = target.split(":")
+    if importlib.util.find_spec(module_name.rsplit(".", 1)[0]) is None:
+        return None
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        if e.name == module_name:
+            return None
+        raise
+    return getattr(module, attribute, None)
+
+
+@click.group(cls=LazyGroup)
 @click.version_option(__version__, prog_name="bitserve")
 def main() -> None:
-    """bitserve: serve models over the KServe v2 protocol with dynamic batching."""
+    """bitserve: an inference server. serve, batch, bench, quantize, eval, plan."""
 
 
 @main.command()

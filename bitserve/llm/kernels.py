@@ -94,7 +94,10 @@ static void paged_decode(const float *q, long ldq, float *out, long ldo, const i
                 const float *kb = kh + (long)table[b] * bs * D;
                 long n = len - b * bs < bs ? len - b * bs : bs;
                 float *sb = scores + b * bs;
+                /* the next block is another page: prefetch it while this one is read */
+                const float *kn = b + 1 < nb ? kh + (long)table[b + 1] * bs * D : kb;
                 for (long j = 0; j < n; j++) {
+                    for (long c = 0; c < D; c += 16) __builtin_prefetch(kn + j * D + c);
                     float s = dot(qh, kb + j * D, D) * scale;
                     sb[j] = s;
                     mx = s > mx ? s : mx;
@@ -116,9 +119,11 @@ static void paged_decode(const float *q, long ldq, float *out, long ldo, const i
                     const float *vb = vh + (long)table[b] * bs * D;
                     long n = len - b * bs < bs ? len - b * bs : bs;
                     const float *sb = scores + b * bs;
+                    const float *vn = b + 1 < nb ? vh + (long)table[b + 1] * bs * D : vb;
                     for (long j = 0; j < n; j++) {
                         __m512 p = _mm512_set1_ps(sb[j]);
                         const float *vt = vb + j * 64;
+                        for (long c = 0; c < 64; c += 16) __builtin_prefetch(vn + j * 64 + c);
                         a0 = _mm512_fmadd_ps(p, _mm512_loadu_ps(vt), a0);
                         a1 = _mm512_fmadd_ps(p, _mm512_loadu_ps(vt + 16), a1);
                         a2 = _mm512_fmadd_ps(p, _mm512_loadu_ps(vt + 32), a2);
