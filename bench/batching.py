@@ -4,9 +4,10 @@
         [--concurrency 1,8,64] [--quick]
 
 Every server runs as its own process pinned (with all its children) to the server core
-and one torch/OMP/MKL thread; the load generator is pinned to the other core. Load is a
-closed loop: N virtual clients, one keep-alive connection each, each sending its next
-request when the previous one answers, for a fixed duration per point. Compared:
+and one torch/OMP/MKL thread; the load generator is pinned to the other core. Load is
+`bitserve bench`'s closed loop (bitserve/bench/loadgen.py): N virtual clients, one
+keep-alive connection each, each sending its next request when the previous one
+answers, for a fixed duration per point. Compared:
 
 - minilm: bitserve batched / unbatched, LitServe at its best settings, and the ceiling
   (the same computation in this process at batch 32, no HTTP at all);
@@ -23,7 +24,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import gc
 import http.client
 import json
 import os
@@ -36,11 +36,15 @@ import tempfile
 import threading
 import time
 import tomllib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from bitserve.bench import loadgen, metrics
+from bitserve.bench.client import build_request
+from bitserve.bench.workloads import Request
 
 ROOT = Path(__file__).resolve().parent.parent
 PEERS = ROOT / "bench" / "peers"
@@ -72,6 +76,7 @@ LITSERVE_DEFAULT = (32, 0.005, 1, False)
 # Set by SIGINT/SIGTERM. Inside the event loop an exception from a signal handler can be
 # swallowed (uvloop logs exceptions raised in protocol callbacks), so the loop polls this.
 STOP = threading.Event()
+CLIENT = "bitserve.bench"  # the load generator: bitserve/bench/loadgen.py
 
 sys.path.insert(0, str(ROOT / "bench"))  # for `peers.*`, imported lazily (they import torch)
 
@@ -110,140 +115,8 @@ def float_rows(n: int, width: int) -> list[list[float]]:
 
 
 # ---------------------------------------------------------------- load generator
-
-
-def build_request(port: int, path: str, body: bytes) -> bytes:
-    """A complete HTTP/1.1 keep-alive POST, built once and written as is."""
-    head = (
-        f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
-        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
-    )
-    return head.encode() + body
-
-
-def parse_head(buf: bytearray, end: int) -> tuple[int, int]:
-    """(status, total response bytes or -1 for chunked) from a header block ending at `end`."""
-    lines = bytes(buf[:end]).split(b"\r\n")
-    status = int(lines[0].split(b" ", 2)[1])
-    for line in lines[1:]:
-        key, _, value = line.partition(b":")
-        key = key.strip().lower()
-        if key == b"content-length":
-            return status, end + 4 + int(value)
-        if key == b"transfer-encoding" and b"chunked" in value.lower():
-            return status, -1
-    return status, end + 4
-
-
-@dataclass
-class Load:
-    """One measured point: the window, what completed in it, and the stop flag."""
-
-    t0: float  # window start (after warm-up)
-    t1: float  # window end; no request is sent after it
-    latencies: list[float] = field(default_factory=list)
-    errors: int = 0
-    lost: int = 0  # connections that died while the point ran
-
-    @property
-    def running(self) -> bool:
-        return time.perf_counter() < self.t1 and not STOP.is_set()
-
-    def record(self, sent: float, status: int) -> None:
-        now = time.perf_counter()
-        if self.t0 <= now <= self.t1:
-            self.latencies.append(now - sent)
-            if status != 200:
-                self.errors += 1
-
-
-class RawClient(asyncio.Protocol):
-    """One virtual client on raw asyncio: a hand-built request, a minimal response parser.
-
-    It does the least work per request a Python client can (no HTTP library, the next
-    request written from the receive callback), so that one core of it outruns the servers.
-    """
-
-    def __init__(self, load: Load, requests: list[bytes], offset: int, done: asyncio.Future):
-        self.load, self.requests, self.i, self.done = load, requests, offset, done
-        self.buf = bytearray()
-        self.need = 0  # bytes of the current response; 0 = headers not parsed yet
-        self.status = 0
-
-    def connection_made(self, transport):
-        self.transport = transport
-        self.send()
-
-    def send(self):
-        self.sent = time.perf_counter()
-        self.transport.write(self.requests[self.i % len(self.requests)])
-        self.i += 1
-
-    def data_received(self, data):
-        self.buf += data
-        if not self.need:
-            end = self.buf.find(b"\r\n\r\n")
-            if end < 0:
-                return
-            self.status, self.need = parse_head(self.buf, end)
-        if self.need == -1:  # chunked: complete at the terminating zero-size chunk
-            if not self.buf.endswith(b"0\r\n\r\n"):
-                return
-            self.need = len(self.buf)
-        if len(self.buf) < self.need:
-            return
-        del self.buf[: self.need]
-        self.need = 0
-        self.load.record(self.sent, self.status)
-        if self.load.running:
-            self.send()
-        elif not self.done.done():
-            self.done.set_result(None)
-
-    def connection_lost(self, exc):
-        if not self.done.done():
-            self.load.lost += 1
-            self.done.set_result(None)
-
-
-async def run_raw(load: Load, port: int, requests: list[bytes], concurrency: int) -> None:
-    """Run the closed loop until the window ends, then let in-flight requests finish."""
-    loop = asyncio.get_running_loop()
-    clients = []
-    for k in range(concurrency):
-        done = loop.create_future()
-        offset = k * len(requests) // concurrency  # clients start at different bodies
-        transport, _ = await loop.create_connection(
-            lambda d=done, o=offset: RawClient(load, requests, o, d), "127.0.0.1", port
-        )
-        transport.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        clients.append((done, transport))
-    while load.running:
-        await asyncio.sleep(min(0.1, max(0.0, load.t1 - time.perf_counter())))
-    with contextlib.suppress(TimeoutError):
-        await asyncio.wait_for(asyncio.gather(*(d for d, _ in clients)), timeout=30)
-    for _, transport in clients:
-        transport.close()
-
-
-async def run_aiohttp(load: Load, url: str, bodies: list[bytes], concurrency: int) -> None:
-    """The same closed loop with aiohttp: one session (one connection) per virtual client."""
-    import aiohttp
-
-    async def client(offset: int) -> None:
-        connector = aiohttp.TCPConnector(limit=1)
-        headers = {"Content-Type": "application/json"}
-        async with aiohttp.ClientSession(connector=connector) as session:
-            i = offset
-            while load.running:
-                sent = time.perf_counter()
-                async with session.post(url, data=bodies[i % len(bodies)], headers=headers) as r:
-                    await r.read()
-                load.record(sent, r.status)
-                i += 1
-
-    tasks = [client(k * len(bodies) // concurrency) for k in range(concurrency)]
-    await asyncio.wait_for(asyncio.gather(*tasks), timeout=load.t1 - time.perf_counter() + 30)
+# The closed loop itself is `bitserve bench`'s (bitserve/bench/loadgen.py): N virtual
+# clients on raw-asyncio keep-alive connections. This script only adds CPU accounting.
 
 
 def cpu_times() -> dict[int, tuple[int, int]]:
@@ -266,15 +139,6 @@ def cpu_busy(before: dict, after: dict, cpus: set[int]) -> float:
     return busy / total if total else 0.0
 
 
-def new_loop() -> asyncio.AbstractEventLoop:
-    try:
-        import uvloop
-
-        return uvloop.new_event_loop()
-    except ImportError:
-        return asyncio.new_event_loop()
-
-
 @dataclass
 class Target:
     """Where and what to send: one server endpoint and its pre-encoded request bodies."""
@@ -285,57 +149,48 @@ class Target:
     stats_path: str | None = None  # bitserve's per-model batch statistics, if any
 
 
-def measure(target: Target, concurrency: int, warmup: float, duration: float, cfg, client=None):
-    """One closed-loop point: warm up, measure for `duration`, summarise."""
-    client = client or cfg.client
-    start = time.perf_counter()
-    load = Load(t0=start + warmup, t1=start + warmup + duration)
-    requests = [build_request(target.port, target.path, b) for b in target.bodies]
-    url = f"http://127.0.0.1:{target.port}{target.path}"
-    snapshots: dict[str, Any] = {}
-
-    async def main() -> None:
-        loop = asyncio.get_running_loop()
-        at = loop.time() - time.perf_counter()  # perf_counter -> loop clock
-        loop.call_at(load.t0 + at, lambda: snapshots.update(a=(cpu_times(), os.times())))
-        loop.call_at(load.t1 + at, lambda: snapshots.update(b=(cpu_times(), os.times())))
-        if client == "aiohttp":
-            await run_aiohttp(load, url, target.bodies, concurrency)
-        else:
-            await run_raw(load, target.port, requests, concurrency)
-
-    gc.disable()  # no collector pause in the load generator while it times requests
-    try:
-        with asyncio.Runner(loop_factory=new_loop) as runner:
-            runner.run(main())
-    finally:
-        gc.enable()
+def measure(target: Target, concurrency: int, warmup: float, duration: float, cfg) -> dict:
+    """One closed-loop point with `bitserve bench`'s load generator: warm up, measure
+    `duration` seconds, summarise with CPU use of the client and the server cores."""
+    host = f"127.0.0.1:{target.port}"
+    url = f"http://{host}"
+    requests = [Request(build_request(host, target.path, b)) for b in target.bodies]
+    if warmup > 0:
+        loadgen.run(url, requests, loadgen.Load(concurrency=concurrency, duration=warmup))
+    before = (cpu_times(), os.times())
+    run = loadgen.run(url, requests, loadgen.Load(concurrency=concurrency, duration=duration))
+    after = (cpu_times(), os.times())
     if STOP.is_set():
         raise KeyboardInterrupt
-    for key in "ab":  # a point whose clients all died early never reached the timers
-        snapshots.setdefault(key, (cpu_times(), os.times()))
-    return summarise(load, concurrency, duration, snapshots, cfg)
+    return summarise(run, concurrency, before, after, cfg)
 
 
-def summarise(load: Load, concurrency: int, duration: float, snapshots: dict, cfg) -> dict:
-    lat = np.array(load.latencies) * 1e3
-    (cpu_a, os_a), (cpu_b, os_b) = snapshots["a"], snapshots["b"]
+def summarise(run: loadgen.Run, concurrency: int, before: tuple, after: tuple, cfg) -> dict:
+    """The row of the table: bitserve bench's metrics plus the CPU each side used."""
+    s = metrics.summarise(run)
+    (cpu_a, os_a), (cpu_b, os_b) = before, after
     client_cpu = ((os_b.user + os_b.system) - (os_a.user + os_a.system)) / max(
         os_b.elapsed - os_a.elapsed, 1e-9
     )
+    lost = s["errors"].get("connection", 0)
+    e2e = s["e2el"]
     return {
         "concurrency": concurrency,
-        "requests": len(lat),
-        "errors": load.errors,
-        "lost_connections": load.lost,
-        "seconds": duration,
-        "rps": round(len(lat) / duration, 1),
-        "p50_ms": round(float(np.percentile(lat, 50)), 3) if len(lat) else None,
-        "p99_ms": round(float(np.percentile(lat, 99)), 3) if len(lat) else None,
-        "mean_ms": round(float(lat.mean()), 3) if len(lat) else None,
+        "requests": s["completed"],
+        "errors": s["failed"] - lost,
+        "lost_connections": lost,
+        "seconds": round(run.duration, 3),
+        "rps": round(s["request_throughput"], 1),
+        "p50_ms": _round(e2e["median_ms"]),
+        "p99_ms": _round(e2e["p99_ms"]),
+        "mean_ms": _round(e2e["mean_ms"]),
         "client_cpu": round(client_cpu, 2),
         "server_cpu": round(cpu_busy(cpu_a, cpu_b, cfg.server_cpus), 2),
     }
+
+
+def _round(v: float | None) -> float | None:
+    return None if v is None else round(v, 3)
 
 
 # ---------------------------------------------------------------- servers
@@ -800,8 +655,8 @@ def suite_client(cfg, results: dict) -> None:
     for kind in ("canned", "asgi"):
         server, target = peer(cfg, "trivial_http.py", ["--kind", kind], "/", bodies, "/")
         with server:
-            for client in ("raw", "aiohttp"):
-                point = measure(target, hi, cfg.warmup, cfg.duration, cfg, client)
+            for client in (CLIENT,):
+                point = measure(target, hi, cfg.warmup, cfg.duration, cfg)
                 progress(
                     f"  {client:<8} -> {kind:<7} c={hi}: {point['rps']:>9.1f} req/s, "
                     f"client cpu {point['client_cpu']:.2f}, server cpu {point['server_cpu']:.2f}"
@@ -848,7 +703,7 @@ def goals(results: dict, cfg) -> list[dict]:
         (
             p["rps"]
             for p in results["client_check"]
-            if p["client"] == cfg.client and p["server"] == "canned"
+            if p["client"] == CLIENT and p["server"] == "canned"
         ),
         default=None,
     )
@@ -979,7 +834,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--threads", type=int, default=1, help="torch/OMP threads of every server (and ceiling)"
     )
-    p.add_argument("--client", choices=["raw", "aiohttp"], default="raw", help="load generator")
     p.add_argument("--server-cpus", type=cpu_list, default={cpus[-1]}, help="e.g. 1")
     p.add_argument("--client-cpus", type=cpu_list, default=set(cpus[:-1]) or {cpus[0]})
     p.add_argument("--bitserve", default=str(default_bitserve()), help="bitserve executable")
@@ -1021,7 +875,7 @@ def meta(cfg) -> dict:
         "cpu": cpu_model(),
         "server_cpus": sorted(cfg.server_cpus),
         "client_cpus": sorted(cfg.client_cpus),
-        "client": cfg.client,
+        "client": CLIENT,
         "duration_s": cfg.duration,
         "warmup_s": cfg.warmup,
         "concurrency": cfg.concurrency,
@@ -1044,8 +898,8 @@ def cpu_model() -> str:
 def on_signal(signum, frame):
     """Ctrl-C and SIGTERM stop the run; the `with Server` blocks stop every server started.
 
-    Outside the event loop this raises at once; inside it, the clients see STOP within
-    0.1 s and `measure` raises when the loop has closed.
+    Outside the event loop this raises at once; inside it (where uvloop may swallow the
+    exception) the point runs to its end, at most --duration, and `measure` raises then.
     """
     STOP.set()
     try:

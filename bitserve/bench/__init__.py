@@ -1,0 +1,1 @@
+"""`bitserve bench`: load generator, metrics, reports and plots (see command.py)."""
