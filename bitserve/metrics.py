@@ -17,6 +17,10 @@ LATENCY_BUCKETS = (
     0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0
 )  # fmt: skip
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+TOKEN_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0,
+    60.0,
+)  # fmt: skip
 FAILURE_REASONS = ("rejected", "timeout", "cancelled", "backend", "invalid", "unavailable", "other")
 
 
@@ -71,6 +75,39 @@ class Metrics:
         )
         self.warmup_seconds = Gauge(
             "bitserve_model_warmup_seconds", "Time the warmup requests took.", mv, registry=r
+        )
+        self._llm_metrics(r, mv)
+
+    def _llm_metrics(self, r: CollectorRegistry, mv: tuple[str, str]) -> None:
+        """vLLM's definitions, so users can compare: TTFT from arrival, TPOT excludes
+        the first token, ITL between consecutive token arrivals."""
+
+        def histogram(name: str, doc: str) -> Histogram:
+            return Histogram(name, doc, mv, buckets=TOKEN_BUCKETS, registry=r)
+
+        self.llm_ttft = histogram(
+            "bitserve_llm_time_to_first_token_seconds", "Time to first token."
+        )
+        self.llm_tpot = histogram(
+            "bitserve_llm_time_per_output_token_seconds",
+            "Decode time per output token, the first token excluded.",
+        )
+        self.llm_itl = histogram("bitserve_llm_inter_token_latency_seconds", "Inter-token latency.")
+        self.llm_e2e = histogram("bitserve_llm_e2e_request_latency_seconds", "End-to-end latency.")
+        self.llm_queue = histogram(
+            "bitserve_llm_request_queue_time_seconds", "Time waiting before first scheduled."
+        )
+        self.llm_prompt_tokens = Counter(
+            "bitserve_llm_prompt_tokens", "Prompt tokens processed.", mv, registry=r
+        )
+        self.llm_generation_tokens = Counter(
+            "bitserve_llm_generation_tokens", "Tokens generated.", mv, registry=r
+        )
+        self.llm_finished = Counter(
+            "bitserve_llm_request_success",
+            "Finished LLM requests by finish reason (stop, length, abort).",
+            (*mv, "finished_reason"),
+            registry=r,
         )
 
     def add_collector(self, collect: Callable[[], Iterator[Metric]]) -> None:

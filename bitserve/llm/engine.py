@@ -199,6 +199,7 @@ class LLMEngine:
             num_cached_tokens=seq.num_cached_tokens,
             metrics={
                 "arrival_time": seq.arrival_time,
+                "first_scheduled_time": seq.first_scheduled_time,
                 "first_token_time": state.first_token_time or 0.0,
             },
         )

@@ -10,6 +10,7 @@ priority policy) is preempted: its blocks are freed and it will be recomputed.
 from __future__ import annotations
 
 import heapq
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -143,6 +144,7 @@ class Scheduler:
             if not self.block_manager.allocate_slots(seq, num_new, hits):
                 break
             self.waiting.pop()
+            seq.first_scheduled_time = seq.first_scheduled_time or time.monotonic()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             out.scheduled.append((seq, num_new))

@@ -46,6 +46,7 @@ class Sequence:
     sampling_params: SamplingParams = field(default_factory=SamplingParams)
     priority: int = 0  # lower runs first under the priority policy (vLLM's convention)
     arrival_time: float = field(default_factory=time.monotonic)
+    first_scheduled_time: float = 0.0  # when it first left the waiting queue
     token_ids: list[int] = field(init=False)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache

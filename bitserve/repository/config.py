@@ -139,7 +139,7 @@ class Warmup(_Strict):
 
 class ModelConfig(_Strict):
     name: str
-    backend: Literal["python", "torch", "onnx", "hf"]
+    backend: Literal["python", "torch", "onnx", "hf", "llm"]
     max_batch_size: Annotated[int, Field(ge=0)] = 0
     input: list[TensorSpec] = []
     output: list[TensorSpec] = []
@@ -150,8 +150,34 @@ class ModelConfig(_Strict):
     # Backend-specific settings (e.g. hf: path, task, pooling).
     parameters: dict[str, Any] = {}
 
+    @model_validator(mode="before")
+    @classmethod
+    def _llm_defaults(cls, raw: Any) -> Any:
+        """An llm model speaks text: v2 infer takes `text_input` (and optional JSON
+        `sampling_parameters`) and returns `text_output`, as Triton's vLLM backend."""
+        if isinstance(raw, dict) and raw.get("backend") == "llm":
+            raw = dict(raw)
+            raw.setdefault(
+                "input",
+                [
+                    {"name": "text_input", "datatype": "BYTES", "dims": [1]},
+                    {
+                        "name": "sampling_parameters",
+                        "datatype": "BYTES",
+                        "dims": [1],
+                        "optional": True,
+                    },
+                ],
+            )
+            raw.setdefault("output", [{"name": "text_output", "datatype": "BYTES", "dims": [1]}])
+        return raw
+
     @model_validator(mode="after")
     def _check(self) -> ModelConfig:
+        if self.backend == "llm" and (self.max_batch_size or self.dynamic_batching):
+            raise ValueError(
+                "an llm model batches in its engine: drop max_batch_size and dynamic_batching"
+            )
         for kind, tensors in (("input", self.input), ("output", self.output)):
             names = [t.name for t in tensors]
             duplicates = sorted({n for n in names if names.count(n) > 1})

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from bitserve.backends import Model, backend_class
-from bitserve.backends.base import LoadError
+from bitserve.backends.base import LOAD_LOCK, LoadError
 from bitserve.batching.batcher import Request
 from bitserve.batching.collate import dummy_inputs, merge, split
 from bitserve.repository.config import ModelConfig
@@ -85,6 +85,11 @@ class Worker:
 
 def build_model(config: ModelConfig, version_dir: Path, device: str) -> Model:
     """Load the backend and run the config's warmup requests through the batch path."""
+    with LOAD_LOCK:  # warmup too: a first forward pass may import more of torch
+        return _build(config, version_dir, device)
+
+
+def _build(config: ModelConfig, version_dir: Path, device: str) -> Model:
     model = backend_class(config.backend)(config, version_dir, device)
     model.load()
     started = time.perf_counter()

@@ -12,14 +12,18 @@ import asyncio
 import logging
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from bitserve.backends import is_llm
 from bitserve.backends.base import LoadError
 from bitserve.batching.batcher import DynamicBatcher, Request
 from bitserve.batching.clock import LoopClock
 from bitserve.metrics import Metrics
 from bitserve.repository.config import ModelConfig
 from bitserve.repository.instance import Instance
+
+if TYPE_CHECKING:
+    from bitserve.backends.llm import LLMService
 
 log = logging.getLogger("bitserve.repository")
 
@@ -42,6 +46,7 @@ class ModelVersion:
         self.running: dict[int, tuple[int, list[Request]]] = {}  # slot -> (generation, batch)
         self.generation = 0
         self.batcher: DynamicBatcher | None = None
+        self.llm: LLMService | None = None  # the engine, for backend "llm"
         self.pending = 0  # submitted and not yet finished
         self.restarts = {"wedged": 0, "died": 0}
         self.load_seconds = 0.0
@@ -56,12 +61,24 @@ class ModelVersion:
 
     @property
     def platform(self) -> str:
+        if self.llm is not None:
+            return "bitserve_llm"
         return self.instances[0].platform if self.instances else self.config.backend
+
+    def problem(self) -> str | None:
+        """Why liveness should fail for this version (None when healthy)."""
+        if self.unhealthy:
+            return f"instance(s) {sorted(self.unhealthy)} restarting"
+        if self.llm is not None and self.state in ("ready", "draining"):
+            return self.llm.healthy()
+        return None
 
     # ------------------------------------------------------------ lifecycle
 
     async def load(self) -> None:
         """Start every instance (load and warm up), then open the queue."""
+        if is_llm(self.config.backend):
+            return await self._load_llm()
         started = time.perf_counter()
         count = self.config.instance_group.count
         device = _device(self.config.instance_group.kind)
@@ -89,6 +106,34 @@ class ModelVersion:
             self._m["warmup"].set(max(i.warmup_seconds for i in self.instances))
         self.state = "ready"
 
+    async def _load_llm(self) -> None:
+        from bitserve.backends.llm import LLMService
+
+        started = time.perf_counter()
+        try:
+            service = LLMService(self.config, self.version_dir)
+            await service.start()
+        except Exception as e:
+            self.state = "failed"
+            self.error = str(e) if isinstance(e, LoadError) else f"{type(e).__name__}: {e}"
+            raise LoadError(self.error) from e
+        self.llm = service
+        self.load_seconds = time.perf_counter() - started
+        if self._m:
+            self._m["load"].set(self.load_seconds)
+            self._m["warmup"].set(service.warmup_seconds)
+        self.state = "ready"
+
+    def begin(self) -> None:
+        """An LLM request starts (the drain waits for it)."""
+        self.pending += 1
+        self._idle.clear()
+
+    def end(self) -> None:
+        self.pending -= 1
+        if not self.pending:
+            self._idle.set()
+
     async def drain(self, timeout: float | None = None) -> bool:
         """Stop taking requests and wait for the submitted ones; False on timeout."""
         if self.state == "ready":
@@ -105,6 +150,8 @@ class ModelVersion:
         self.state = "unloaded"
         await asyncio.gather(*(i.stop() for i in self.instances), return_exceptions=True)
         self.instances = []
+        if self.llm is not None:
+            await self.llm.stop()
 
     # ------------------------------------------------------------- requests
 

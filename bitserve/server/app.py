@@ -28,12 +28,13 @@ from starlette.routing import Route, Router
 
 from bitserve import __version__
 from bitserve.backends import backend_class
+from bitserve.backends.llm import NoChatTemplate, Overloaded, PromptTooLong
 from bitserve.batching.batcher import QueueFull, QueueTimeout
 from bitserve.batching.batcher import Request as BatchRequest
 from bitserve.metrics import Metrics
 from bitserve.repository.repository import ModelNotFound, ModelUnavailable, Repository
 from bitserve.repository.version import ExecutionError, ModelVersion
-from bitserve.server import admin, health
+from bitserve.server import admin, generate, health, openai
 from bitserve.server.v2 import HEADER_LENGTH, InvalidRequest, encode_response, parse_infer
 
 log = logging.getLogger("bitserve.server")
@@ -176,7 +177,10 @@ class Server:
             parsed = parse_infer(
                 version.config, body, int(header_length) if header_length is not None else None
             )
-            job, outputs = await self._run(request, version, parsed)
+            if version.llm is not None:
+                outputs = await generate.infer(request, version, parsed.inputs)
+            else:
+                job, outputs = await self._run(request, version, parsed)
             payload, json_length = encode_response(
                 version.config.name, version.version, parsed, outputs
             )
@@ -347,17 +351,21 @@ async def _disconnected(http: Request) -> None:
 
 STATUS = {
     InvalidRequest: 400,
+    PromptTooLong: 400,
+    NoChatTemplate: 400,
     ModelNotFound: 404,
     ModelUnavailable: 503,
     Draining: 503,
     BodyTooLarge: 413,
     QueueFull: 429,
+    Overloaded: 429,
     QueueTimeout: 504,
     ClientGone: 499,
     ExecutionError: 500,
 }
 REASONS = {
     QueueFull: "rejected",
+    Overloaded: "rejected",
     QueueTimeout: "timeout",
     ClientGone: "cancelled",
     ExecutionError: "backend",
@@ -387,7 +395,8 @@ def errors(handler: Any) -> Any:
             status = status_of(exc)
             if status == 500 and not isinstance(exc, ExecutionError):
                 log.exception("internal error on %s", request.url.path, exc_info=exc)
-            headers = {"Retry-After": str(exc.retry_after)} if isinstance(exc, QueueFull) else None
+            limited = isinstance(exc, QueueFull | Overloaded)
+            headers = {"Retry-After": str(exc.retry_after)} if limited else None
             return error(status, str(exc) or type(exc).__name__, headers)
 
     return wrapped
@@ -447,6 +456,8 @@ def create_app(
         # infer first: the router tries routes in order
         Route(m + "/infer", errors(server.infer), methods=["POST"]),
         Route(mv + "/infer", errors(server.infer), methods=["POST"]),
+        *openai.OpenAI(server).routes(),
+        *generate.routes(server, errors),
         *probes.routes(),
         *management.routes(errors),
         Route("/v2", server.server_metadata),

@@ -45,10 +45,10 @@ class Health:
 
     async def live(self, request: Request) -> Response:
         sick = [
-            f"model '{name}' version {v.version} instance(s) {sorted(v.unhealthy)} restarting"
+            f"model '{name}' version {v.version}: {problem}"
             for name, entry in self.server.repository.models.items()
             for v in entry.versions.values()
-            if v.unhealthy
+            if (problem := v.problem())
         ]
         return _answer(200 if not sick else 503, "; ".join(sick))
 
@@ -122,10 +122,11 @@ def collect(server: Server) -> Iterator[Metric]:
     )
     draining = GaugeMetricFamily("bitserve_draining", "1 while the server drains.")
     draining.add_metric([], 1.0 if server.draining else 0.0)
+    yield from _engine_metrics(server)
     for name, entry in server.repository.models.items():
         for number, version in entry.versions.items():
             if version.batcher is None:
-                continue
+                continue  # llm versions export the engine's own metrics
             labels = [name, str(number)]
             depth.add_metric(labels, version.batcher.queued)
             healthy.add_metric(labels, len(version.instances) - len(version.unhealthy))
@@ -134,3 +135,48 @@ def collect(server: Server) -> Iterator[Metric]:
             for reason, count in version.restarts.items():
                 restarts.add_metric([*labels, reason], count)
     yield from (depth, healthy, rows, runs, restarts, draining)
+
+
+def _engine_metrics(server: Server) -> Iterator[Metric]:
+    """The LLM engines' own state (vLLM's gauges): read under the engine lock."""
+    labels = ["model", "version"]
+    families = {
+        "num_requests_running": GaugeMetricFamily(
+            "bitserve_llm_num_requests_running", "Requests in the running batch.", labels=labels
+        ),
+        "num_requests_waiting": GaugeMetricFamily(
+            "bitserve_llm_num_requests_waiting", "Requests waiting for the engine.", labels=labels
+        ),
+        "kv_cache_usage": GaugeMetricFamily(
+            "bitserve_llm_kv_cache_usage_perc", "Fraction of KV blocks in use.", labels=labels
+        ),
+        "kv_waste": GaugeMetricFamily(
+            "bitserve_llm_kv_cache_waste_perc",
+            "Allocated but unused KV slots of running requests, as a fraction.",
+            labels=labels,
+        ),
+        "prefix_cache_queries": CounterMetricFamily(
+            "bitserve_llm_prefix_cache_queries", "Prompt tokens looked up.", labels=labels
+        ),
+        "prefix_cache_hits": CounterMetricFamily(
+            "bitserve_llm_prefix_cache_hits", "Prompt tokens found cached.", labels=labels
+        ),
+        "num_preemptions": CounterMetricFamily(
+            "bitserve_llm_num_preemptions", "Requests preempted (recomputed).", labels=labels
+        ),
+    }
+    experts = CounterMetricFamily(
+        "bitserve_llm_expert_tokens",
+        "Tokens routed to each MoE expert.",
+        labels=[*labels, "expert"],
+    )
+    for name, entry in server.repository.models.items():
+        for number, version in entry.versions.items():
+            if version.llm is None or version.llm.engine is None or version.state != "ready":
+                continue
+            snapshot = version.llm.engine.metrics().as_dict()
+            for key, family in families.items():
+                family.add_metric([name, str(number)], float(snapshot[key]))
+            for expert, count in enumerate(snapshot["tokens_per_expert"]):
+                experts.add_metric([name, str(number), str(expert)], float(count))
+    yield from (*families.values(), experts)

@@ -1,0 +1,212 @@
+"""The `llm` backend: a Hugging Face model folder run on bitserve's own engine.
+
+An LLM batches itself (continuous batching in the engine), so it does not use the
+dynamic batcher: a model version holds one `LLMService` instead of instances. The
+service owns the engine, the chat template and few-shot turns, admission control (a
+bounded waiting queue, 429 past it), and a stall detector on the engine's step loop.
+
+    backend = "llm"
+    [parameters]
+    max_model_len = 256            # and any other EngineConfig field
+    max_queued_requests = 64       # requests admitted but not yet generating
+    max_queued_tokens = 65536      # their prompt tokens
+    stall_timeout_s = 60           # a step loop silent this long with work = not live
+    system_prompt = "You are a helpful assistant."
+    few_shot = [{ role = "user", content = "Hi" }, { role = "assistant", content = "Hello!" }]
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import math
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+from bitserve.backends.base import LoadError
+from bitserve.llm.async_engine import AsyncLLMEngine
+from bitserve.llm.config import EngineConfig
+from bitserve.llm.outputs import RequestOutput
+from bitserve.llm.sampling_params import SamplingParams
+from bitserve.repository.config import ModelConfig
+
+log = logging.getLogger("bitserve.llm")
+
+SERVICE_KEYS = {
+    "max_queued_requests",
+    "max_queued_tokens",
+    "stall_timeout_s",
+    "system_prompt",
+    "few_shot",
+}
+ENGINE_KEYS = {f.name for f in dataclasses.fields(EngineConfig)} - {"model", "hf_config"}
+
+
+class Overloaded(Exception):
+    """The waiting queue is full (429)."""
+
+    def __init__(self, message: str, retry_after: int):
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class PromptTooLong(ValueError):
+    """Prompt plus max_tokens exceeds the model's context (400)."""
+
+
+class NoChatTemplate(ValueError):
+    """The model's tokenizer_config.json has no chat template (400)."""
+
+
+class LLMService:
+    def __init__(self, config: ModelConfig, version_dir: Path):
+        self.config = config
+        self.version_dir = version_dir
+        params = dict(config.parameters)
+        unknown = set(params) - SERVICE_KEYS - ENGINE_KEYS - {"path"}
+        if unknown:
+            raise LoadError(
+                f"{version_dir.parent / 'config.toml'}: unknown llm parameters {sorted(unknown)}"
+            )
+        self.folder = _folder(params.get("path"), version_dir)
+        self.engine_args = {k: v for k, v in params.items() if k in ENGINE_KEYS}
+        self.max_queued_requests = int(params.get("max_queued_requests", 256))
+        self.max_queued_tokens = int(params.get("max_queued_tokens", 1 << 20))
+        self.stall_timeout = float(params.get("stall_timeout_s", 60.0))
+        self.system_prompt: str | None = params.get("system_prompt")
+        self.few_shot: list[dict] = list(params.get("few_shot", []))
+        self.engine: AsyncLLMEngine | None = None
+        self.tokenizer: Any = None
+        self.max_model_len = 0
+        self.waiting = 0  # admitted, no token yet
+        self.waiting_tokens = 0
+        self.running = 0
+        self.last_progress = time.monotonic()
+        self.warmup_seconds = 0.0
+
+    # ------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        """Load the engine on a thread, then a real warm-up generation."""
+        try:
+            self.engine = await asyncio.to_thread(AsyncLLMEngine, self.folder, **self.engine_args)
+        except Exception as e:
+            raise LoadError(f"{self.folder}: cannot start the LLM engine: {e}") from e
+        self.tokenizer = self.engine.engine.tokenizer
+        if self.tokenizer is None:
+            raise LoadError(f"{self.folder}: no tokenizer.json / tokenizer_config.json")
+        self.max_model_len = int(self.engine.engine.config.max_model_len)
+        started = time.perf_counter()
+        async for _ in self.generate("Hello", SamplingParams(max_tokens=4, temperature=0)):
+            pass
+        self.warmup_seconds = time.perf_counter() - started
+
+    async def stop(self) -> None:
+        if self.engine is not None:
+            await asyncio.to_thread(self.engine.shutdown)
+
+    def healthy(self) -> str | None:
+        """Why the engine loop is not healthy (None when it is)."""
+        if self.engine is None:
+            return None
+        if self.engine._error is not None or not self.engine._thread.is_alive():
+            return f"engine loop died: {self.engine._error!r}"
+        silent = time.monotonic() - self.last_progress
+        if (self.running or self.waiting) and silent > self.stall_timeout:
+            return f"engine loop stalled: no progress for {silent:.0f} s with work queued"
+        return None
+
+    # ------------------------------------------------------------ prompts
+
+    def chat_prompt(self, messages: list[dict], few_shot: bool = True) -> list[int]:
+        """Render messages (after the configured system prompt and few-shot turns)."""
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise NoChatTemplate(
+                f"model '{self.config.name}' has no chat template in tokenizer_config.json; "
+                "use /v1/completions"
+            )
+        prefix: list[dict] = []
+        if few_shot:
+            if self.system_prompt and not (messages and messages[0]["role"] == "system"):
+                prefix.append({"role": "system", "content": self.system_prompt})
+            prefix.extend(self.few_shot)
+        rendered = self.tokenizer.apply_chat_template(
+            prefix + messages, add_generation_prompt=True, tokenize=False
+        )
+        return self.tokenizer.encode(rendered, add_special_tokens=False)
+
+    def encode(self, prompt: str | list[int]) -> list[int]:
+        return list(prompt) if isinstance(prompt, list) else self.tokenizer.encode(prompt)
+
+    def check_length(self, prompt_ids: list[int], max_tokens: int) -> None:
+        total = len(prompt_ids) + max_tokens
+        if total > self.max_model_len:
+            raise PromptTooLong(
+                f"this model's maximum context length is {self.max_model_len} tokens; the "
+                f"request has {len(prompt_ids)} prompt tokens and max_tokens {max_tokens} "
+                f"({total} in all)"
+            )
+
+    # ------------------------------------------------------------ generation
+
+    def admit(self, prompt_tokens: int, count: int = 1) -> None:
+        """Reserve room in the waiting queue, or raise Overloaded."""
+        if (
+            self.waiting + count > self.max_queued_requests
+            or self.waiting_tokens + prompt_tokens * count > self.max_queued_tokens
+        ):
+            per_request = 0.5  # a rough drain estimate; whole seconds for Retry-After
+            retry = max(1, math.ceil(self.waiting * per_request / max(self.running, 1)))
+            raise Overloaded(
+                f"model '{self.config.name}': {self.waiting} requests are already waiting "
+                f"(max_queued_requests {self.max_queued_requests}, max_queued_tokens "
+                f"{self.max_queued_tokens})",
+                retry,
+            )
+
+    async def generate(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        priority: int = 0,
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream outputs; closing the iterator early aborts the request at once."""
+        assert self.engine is not None
+        prompt_ids = self.encode(prompt)
+        self.check_length(prompt_ids, params.max_tokens)
+        self.admit(len(prompt_ids))
+        self.waiting += 1
+        self.waiting_tokens += len(prompt_ids)
+        started = False
+        try:
+            async for out in self.engine.generate(prompt_ids, params, request_id, priority):
+                self.last_progress = time.monotonic()
+                if not started:
+                    started = True
+                    self._start_running(len(prompt_ids))
+                yield out
+        finally:
+            if started:
+                self.running -= 1
+            else:
+                self.waiting -= 1
+                self.waiting_tokens -= len(prompt_ids)
+
+    def _start_running(self, prompt_tokens: int) -> None:
+        self.waiting -= 1
+        self.waiting_tokens -= prompt_tokens
+        self.running += 1
+
+    def decode_token(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+
+def _folder(value: str | None, version_dir: Path) -> Path:
+    if value is None:
+        return version_dir
+    path = Path(value).expanduser()
+    return path if path.is_absolute() else version_dir / path
