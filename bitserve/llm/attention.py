@@ -8,7 +8,8 @@ into preallocated buffers (a fresh allocation page-faults and costs up to 10x).
 Decodes (one new token after cached context) go, when the C kernels are built
 (`kernels.py`), to one `paged_decode` call for all of them per layer: it reads K/V in
 place through the block tables, so there is neither a gather nor per-sequence Python
-(per sequence, gather + SDPA cost ~40 us a layer, i.e. ~80 ms a step at 256 running).
+(`bench/llm_throughput.py --attention` compares it with the per-sequence gather + SDPA
+loop and with a contiguous cache).
 Otherwise, and for every prefill, three cases per sequence, chosen so SDPA keeps its
 fast paths:
 - a fresh prefill (nothing cached before this chunk): attend to the new K/V directly,

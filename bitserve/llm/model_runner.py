@@ -62,8 +62,8 @@ class ModelRunner:
         for attn in self.attentions:
             shape = (attn.num_kv_heads, self.num_blocks, self.config.block_size, attn.head_dim)
             attn.kv_cache = (
-                torch.zeros(shape, dtype=KV_DTYPE_CPU),
-                torch.zeros(shape, dtype=KV_DTYPE_CPU),
+                kernels.zeros_huge_pages(shape, KV_DTYPE_CPU),
+                kernels.zeros_huge_pages(shape, KV_DTYPE_CPU),
             )
 
     # -- one step ---------------------------------------------------------------------

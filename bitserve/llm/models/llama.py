@@ -132,10 +132,20 @@ class LlamaForCausalLM(nn.Module):
         return self._fusable
 
     def layer_params(self) -> list[kernels.LayerParams]:
-        """The C view of every layer (raw pointers), rebuilt when a pool or table moves."""
-        key = (self.rotary.cos.data_ptr(), *(id(layer.self_attn.kv_cache) for layer in self.layers))
-        if getattr(self, "_params_key", None) != key:
-            self._params, self._params_key = [self.c_params(layer) for layer in self.layers], key
+        """The C view of every layer (raw pointers), rebuilt when a pool or table changes.
+
+        The key holds the pool tuples and the RoPE tables themselves (compared by
+        identity), so nothing the pointers refer to can be freed while they are cached.
+        """
+        key = (
+            self.rotary.cos,
+            self.rotary.sin,
+            *(layer.self_attn.kv_cache for layer in self.layers),
+        )
+        old = getattr(self, "_params_key", ())
+        if len(old) != len(key) or any(a is not b for a, b in zip(old, key, strict=True)):
+            self._params = [self.c_params(layer) for layer in self.layers]
+            self._params_key = key
         return self._params
 
     def c_params(self, layer: DecoderLayer) -> kernels.LayerParams:
