@@ -379,3 +379,25 @@ def test_server_stays_live_through_all_of_it(server):
     threading.Event().wait(0.1)
     assert httpx.get(server.url + "/v2/health/live").status_code == 200
     assert httpx.get(server.url + "/v2/health/ready").status_code == 200
+
+
+def test_non_streaming_disconnect_aborts(server):
+    import socket
+
+    body = json.dumps(
+        {"model": "chat", "prompt": "the quick", "max_tokens": 240, "ignore_eos": True}
+    ).encode()
+    labels = {"model": "chat", "finished_reason": "abort"}
+    aborted = metric(server, "bitserve_llm_request_success_total", **labels)
+    generated = metric(server, "bitserve_llm_generation_tokens_total", model="chat")
+    with socket.create_connection(("127.0.0.1", server.port)) as sock:
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+            b"application/json\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+        )
+    deadline = time.monotonic() + 10
+    while metric(server, "bitserve_llm_request_success_total", **labels) == aborted:
+        assert time.monotonic() < deadline, "the request was not aborted"
+        time.sleep(0.05)
+    assert metric(server, "bitserve_llm_kv_cache_usage_perc", model="chat") == 0
+    assert metric(server, "bitserve_llm_generation_tokens_total", model="chat") - generated < 240
