@@ -124,10 +124,11 @@ class ModelVersion:
             self._m["warmup"].set(service.warmup_seconds)
         self.state = "ready"
 
-    def begin(self) -> None:
-        """An LLM request starts (the drain waits for it)."""
+    def begin(self) -> Lease:
+        """An LLM request starts (the drain waits for it) until the lease is released."""
         self.pending += 1
         self._idle.clear()
+        return Lease(self)
 
     def end(self) -> None:
         self.pending -= 1
@@ -278,6 +279,22 @@ class ModelVersion:
             self.batcher.release(slot)
             log.info("model %s v%d instance %d restarted", self.config.name, self.version, slot)
             return
+
+
+class Lease:
+    """One LLM request's hold on its version; released once, even if the response
+    that owned it never started streaming (then when it is garbage-collected)."""
+
+    def __init__(self, version: ModelVersion):
+        self.version: ModelVersion | None = version
+
+    def release(self) -> None:
+        if self.version is not None:
+            self.version.end()
+            self.version = None
+
+    def __del__(self) -> None:
+        self.release()
 
 
 def _bind(metrics: Metrics, labels: tuple[str, str]) -> dict[str, Any]:

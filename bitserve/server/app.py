@@ -160,9 +160,19 @@ class Server:
     async def infer(self, request: Request) -> Response:
         if self.draining:
             raise Draining("server is draining; send requests elsewhere")
-        version = self._lookup(request)
         self.inflight += 1
         self._idle.clear()
+        try:
+            body = await self._read_body(request)
+            # Choose the version only now: from here to its queue nothing awaits, so a
+            # version swapped out meanwhile cannot be drained between the two.
+            return await self._infer(request, self._lookup(request), body)
+        finally:
+            self.inflight -= 1
+            if not self.inflight:
+                self._idle.set()
+
+    async def _infer(self, request: Request, version: ModelVersion, body: bytes) -> Response:
         labels = (version.config.name, str(version.version))
         inflight = self.metrics.inflight.labels(*labels)
         inflight.inc()
@@ -170,7 +180,6 @@ class Server:
         job: BatchRequest | None = None
         status = 500
         try:
-            body = await self._read_body(request)
             header_length = request.headers.get(HEADER_LENGTH)
             if header_length is not None and not header_length.isdigit():
                 raise InvalidRequest("header Inference-Header-Content-Length must be an integer")
@@ -191,9 +200,6 @@ class Server:
             raise
         finally:
             inflight.dec()
-            self.inflight -= 1
-            if not self.inflight:
-                self._idle.set()
             seconds = time.perf_counter() - started
             self.metrics.request_duration.labels(*labels).observe(seconds)
             if self.options.access_log is not None:

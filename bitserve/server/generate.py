@@ -43,14 +43,14 @@ def sampling(parameters: Any) -> SamplingParams:
 
 async def _text(version: ModelVersion, prompt: str, params: SamplingParams) -> str:
     assert version.llm is not None
-    version.begin()
+    lease = version.begin()
     try:
         text = ""
         async for out in version.llm.generate(prompt, params):
             text = out.outputs[0].text
         return text
     finally:
-        version.end()
+        lease.release()
 
 
 async def infer(http: Request, version: ModelVersion, inputs: dict) -> dict:
@@ -76,15 +76,16 @@ def _one(array: np.ndarray, name: str) -> str:
 
 def routes(server: Server, errors: Any) -> list[Route]:
     async def body(request: Request) -> tuple[ModelVersion, str, SamplingParams]:
+        try:
+            doc = orjson.loads(await request.body())
+        except orjson.JSONDecodeError as e:
+            raise InvalidRequest(f"malformed JSON: {e}") from None
+        # looked up after the last await: see Server.infer
         version = server.repository.get(
             request.path_params["model"], request.path_params.get("version")
         )
         if version.llm is None:
             raise InvalidRequest(f"model '{version.config.name}' does not generate text")
-        try:
-            doc = orjson.loads(await request.body())
-        except orjson.JSONDecodeError as e:
-            raise InvalidRequest(f"malformed JSON: {e}") from None
         if not isinstance(doc, dict) or not isinstance(doc.get("text_input"), str):
             raise InvalidRequest("field 'text_input' must be a string")
         return version, doc["text_input"], sampling(doc.get("parameters") or {})
@@ -98,9 +99,9 @@ def routes(server: Server, errors: Any) -> list[Route]:
         version, prompt, params = await body(request)
         assert version.llm is not None
         version.llm.check_length(version.llm.encode(prompt), params.max_tokens)
+        lease = version.begin()  # no await since the lookup: a drain cannot miss it
 
         async def events() -> AsyncIterator[bytes]:
-            version.begin()
             try:
                 async for out in version.llm.generate(prompt, params):
                     delta = out.outputs[0].delta_text
@@ -109,7 +110,7 @@ def routes(server: Server, errors: Any) -> list[Route]:
                         doc["finish_reason"] = out.outputs[0].finish_reason
                         yield b"data: " + orjson.dumps(doc) + b"\n\n"
             finally:
-                version.end()
+                lease.release()
 
         return StreamingResponse(events(), media_type="text/event-stream")
 

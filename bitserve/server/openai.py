@@ -276,6 +276,7 @@ class OpenAI:
         for ids, (_, _, sp) in zip(encoded, jobs, strict=True):
             llm.check_length(ids, sp.max_tokens)
         llm.admit(max(len(ids) for ids in encoded), count=len(jobs))
+        # held now, with no await since the lookup: a drain cannot miss it
         stream = _Streams(self.server, version, llm, req, jobs, encoded, chat)
         if req.stream:
             return StreamingResponse(stream.sse(), media_type="text/event-stream")
@@ -379,6 +380,7 @@ class _Streams:
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self.labels = (version.config.name, str(version.version))
+        self.lease = version.begin()
 
     async def events(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         """(job index, output) as outputs arrive from every job."""
@@ -395,7 +397,6 @@ class _Streams:
                 await queue.put((index, e))
                 raise
 
-        self.version.begin()
         tasks = [asyncio.create_task(run(i)) for i in range(len(self.jobs))]
         recorder = _Recorder(self.server, self.labels)
         finished: set[int] = set()
@@ -414,7 +415,7 @@ class _Streams:
             for task in tasks:
                 task.cancel()
             recorder.aborted(len(tasks) - len(finished))
-            self.version.end()
+            self.lease.release()
             await asyncio.gather(*tasks, return_exceptions=True)
 
     async def complete(self) -> dict:
