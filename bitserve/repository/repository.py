@@ -118,13 +118,17 @@ class Repository:
                 entry.error = entry.error or str(e)
             log.error("model %s version %d failed to load: %s", entry.name, version.version, e)
             return False
+        if version.llm is not None:
+            detail = f"LLM engine, warm-up generation {version.llm.warmup_seconds:.2f} s"
+        else:
+            warmups = sum(w.count for w in version.config.model_warmup)
+            detail = f"{len(version.instances)} instance(s), {warmups} warmup request(s)"
         log.info(
-            "loaded model %s version %d in %.2f s (%d instance(s), %d warmup request(s))",
+            "loaded model %s version %d in %.2f s (%s)",
             entry.name,
             version.version,
             version.load_seconds,
-            len(version.instances),
-            sum(w.count for w in version.config.model_warmup),
+            detail,
         )
         return True
 

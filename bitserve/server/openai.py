@@ -241,26 +241,13 @@ class OpenAI:
     async def completions(self, request: Request) -> Response:
         req: CompletionRequest = parse(CompletionRequest, await request.body())
         version, llm = self._llm(req.model)
-        if req.best_of not in (None, req.n):
-            raise APIError(
-                400, "best_of different from n is not supported", "invalid_request_error", "best_of"
-            )
-        prompts = _prompts(req.prompt)
-        params = [_sampling(req, req.max_tokens, req.logprobs, i) for i in range(req.n)]
-        jobs = [(p, i, sp) for p in prompts for i, sp in enumerate(params)]
+        jobs = completion_jobs(req)
         return await self._generate(request, version, llm, req, jobs, chat=False)
 
     async def chat(self, request: Request) -> Response:
         req: ChatRequest = parse(ChatRequest, await request.body())
         version, llm = self._llm(req.model)
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-        prompt = llm.chat_prompt(messages, few_shot=req.few_shot)
-        max_tokens = req.max_completion_tokens or req.max_tokens
-        if max_tokens is None:
-            max_tokens = max(1, llm.max_model_len - len(prompt))
-        top = (req.top_logprobs or 0) if req.logprobs else None
-        params = [_sampling(req, max_tokens, top, i) for i in range(req.n)]
-        jobs = [(prompt, i, sp) for i, sp in enumerate(params)]
+        jobs = chat_jobs(req, llm)
         return await self._generate(request, version, llm, req, jobs, chat=True)
 
     async def _generate(
@@ -294,27 +281,9 @@ class OpenAI:
                 "invalid_request_error",
                 "model",
             )
-        texts = [req.input] if isinstance(req.input, str) else req.input
+        texts = embedding_texts(req)
         vectors = await self._embed(request, version, texts)
-        model = version.instances[0].model
-        tokenizer = getattr(model, "tokenizer", None)
-        tokens = sum(len(tokenizer(t)["input_ids"]) for t in texts) if tokenizer else 0
-        data = []
-        for i, vector in enumerate(vectors):
-            value: Any = vector.astype(np.float32)
-            if req.encoding_format == "base64":
-                import base64
-
-                value = base64.b64encode(value.tobytes()).decode()
-            data.append({"object": "embedding", "index": i, "embedding": value})
-        return _json(
-            {
-                "object": "list",
-                "data": data,
-                "model": req.model,
-                "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
-            }
-        )
+        return _json(embedding_body(req, texts, vectors, version))
 
     async def _embed(self, http: Request, version: ModelVersion, texts: list[str]) -> list:
         """Through the dynamic batcher, in slices of max_batch_size rows."""
@@ -361,68 +330,17 @@ class OpenAI:
 # --------------------------------------------------------------- streaming
 
 
-class _Streams:
-    """Every (prompt, choice) of one API request as engine requests, merged in order of
-    arrival; closing it early (a disconnect) aborts all of them."""
+class Responses:
+    """Builds OpenAI response bodies from finished engine outputs, apart from any HTTP,
+    so that `bitserve batch` writes exactly what the server answers."""
 
-    def __init__(
-        self,
-        server: Server,
-        version: ModelVersion,
-        llm: LLMService,
-        req: Any,
-        jobs: list,
-        encoded: list[list[int]],
-        chat: bool,
-    ):
-        self.server, self.version, self.llm, self.req = server, version, llm, req
-        self.jobs, self.encoded, self.chat = jobs, encoded, chat
+    def __init__(self, llm: LLMService, req: Any, jobs: list, chat: bool):
+        self.llm, self.req, self.jobs, self.chat = llm, req, jobs, chat
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
-        self.labels = (version.config.name, str(version.version))
-        self.lease = version.begin()
 
-    async def events(self) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """(job index, output) as outputs arrive from every job."""
-        queue: asyncio.Queue = asyncio.Queue()
-
-        async def run(index: int) -> None:
-            try:
-                _, _, params = self.jobs[index]
-                async for out in self.llm.generate(
-                    self.encoded[index], params, priority=self.req.priority
-                ):
-                    await queue.put((index, out))
-            except BaseException as e:
-                await queue.put((index, e))
-                raise
-
-        tasks = [asyncio.create_task(run(i)) for i in range(len(self.jobs))]
-        recorder = _Recorder(self.server, self.labels)
-        finished: set[int] = set()
-        try:
-            while len(finished) < len(tasks):
-                index, item = await queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                recorder.saw(index, item)
-                if item.finished:
-                    finished.add(index)
-                yield index, item
-        finally:
-            # Bookkeeping before any await: under anyio's cancellation (a client that
-            # left a stream) every later await raises again.
-            for task in tasks:
-                task.cancel()
-            recorder.aborted(len(tasks) - len(finished))
-            self.lease.release()
-            await asyncio.gather(*tasks, return_exceptions=True)
-
-    async def complete(self) -> dict:
-        finals: dict[int, RequestOutput] = {}
-        async for index, out in self.events():
-            if out.finished:
-                finals[index] = out
+    def body(self, finals: dict[int, RequestOutput]) -> dict:
+        """The non-streaming body, given the final output of every job."""
         choices = [self._choice(i, finals[i]) for i in range(len(self.jobs))]
         return self._envelope(choices, usage=self._usage(finals))
 
@@ -479,6 +397,114 @@ class _Streams:
             doc["usage"] = usage
         return doc
 
+    def _token(self, token_id: int) -> str:
+        return self.llm.decode_token(token_id)
+
+    def _chat_logprobs(self, ids: list[int], logprobs: list[dict[int, float]]) -> list[dict]:
+        content = []
+        for token_id, entry in zip(ids, logprobs, strict=False):
+            text = self._token(token_id)
+            top = sorted(entry.items(), key=lambda kv: -kv[1])[: self.req.top_logprobs or 0]
+            content.append(
+                {
+                    "token": text,
+                    "logprob": entry[token_id],
+                    "bytes": list(text.encode()),
+                    "top_logprobs": [
+                        {
+                            "token": self._token(t),
+                            "logprob": lp,
+                            "bytes": list(self._token(t).encode()),
+                        }
+                        for t, lp in top
+                    ],
+                }
+            )
+        return content
+
+    def _completion_logprobs(
+        self, ids: list[int], logprobs: list[dict[int, float]], offset: int
+    ) -> dict:
+        tokens = [self._token(t) for t in ids]
+        offsets, position = [], offset
+        for text in tokens:
+            offsets.append(position)
+            position += len(text)
+        # distinct ids can decode to one text ("\ufffd" for partial bytes): keep the best
+        top = [
+            {self._token(t): lp for t, lp in sorted(entry.items(), key=lambda kv: kv[1])}
+            for entry in logprobs
+        ]
+        return {
+            "tokens": tokens,
+            "token_logprobs": [e[t] for t, e in zip(ids, logprobs, strict=False)],
+            "top_logprobs": top,
+            "text_offset": offsets,
+        }
+
+
+class _Streams(Responses):
+    """Every (prompt, choice) of one API request as engine requests, merged in order of
+    arrival; closing it early (a disconnect) aborts all of them."""
+
+    def __init__(
+        self,
+        server: Server,
+        version: ModelVersion,
+        llm: LLMService,
+        req: Any,
+        jobs: list,
+        encoded: list[list[int]],
+        chat: bool,
+    ):
+        super().__init__(llm, req, jobs, chat)
+        self.server, self.version, self.encoded = server, version, encoded
+        self.labels = (version.config.name, str(version.version))
+        self.lease = version.begin()
+
+    async def events(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(job index, output) as outputs arrive from every job."""
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def run(index: int) -> None:
+            try:
+                _, _, params = self.jobs[index]
+                async for out in self.llm.generate(
+                    self.encoded[index], params, priority=self.req.priority
+                ):
+                    await queue.put((index, out))
+            except BaseException as e:
+                await queue.put((index, e))
+                raise
+
+        tasks = [asyncio.create_task(run(i)) for i in range(len(self.jobs))]
+        recorder = _Recorder(self.server, self.labels)
+        finished: set[int] = set()
+        try:
+            while len(finished) < len(tasks):
+                index, item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                recorder.saw(index, item)
+                if item.finished:
+                    finished.add(index)
+                yield index, item
+        finally:
+            # Bookkeeping before any await: under anyio's cancellation (a client that
+            # left a stream) every later await raises again.
+            for task in tasks:
+                task.cancel()
+            recorder.aborted(len(tasks) - len(finished))
+            self.lease.release()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def complete(self) -> dict:
+        finals: dict[int, RequestOutput] = {}
+        async for index, out in self.events():
+            if out.finished:
+                finals[index] = out
+        return self.body(finals)
+
     async def sse(self) -> AsyncIterator[bytes]:
         sent = [0] * len(self.jobs)  # tokens already sent per choice
         finals: dict[int, RequestOutput] = {}
@@ -530,51 +556,6 @@ class _Streams:
         }
         return b"data: " + orjson.dumps(doc) + b"\n\n"
 
-    def _token(self, token_id: int) -> str:
-        return self.llm.decode_token(token_id)
-
-    def _chat_logprobs(self, ids: list[int], logprobs: list[dict[int, float]]) -> list[dict]:
-        content = []
-        for token_id, entry in zip(ids, logprobs, strict=False):
-            text = self._token(token_id)
-            top = sorted(entry.items(), key=lambda kv: -kv[1])[: self.req.top_logprobs or 0]
-            content.append(
-                {
-                    "token": text,
-                    "logprob": entry[token_id],
-                    "bytes": list(text.encode()),
-                    "top_logprobs": [
-                        {
-                            "token": self._token(t),
-                            "logprob": lp,
-                            "bytes": list(self._token(t).encode()),
-                        }
-                        for t, lp in top
-                    ],
-                }
-            )
-        return content
-
-    def _completion_logprobs(
-        self, ids: list[int], logprobs: list[dict[int, float]], offset: int
-    ) -> dict:
-        tokens = [self._token(t) for t in ids]
-        offsets, position = [], offset
-        for text in tokens:
-            offsets.append(position)
-            position += len(text)
-        # distinct ids can decode to one text ("\ufffd" for partial bytes): keep the best
-        top = [
-            {self._token(t): lp for t, lp in sorted(entry.items(), key=lambda kv: kv[1])}
-            for entry in logprobs
-        ]
-        return {
-            "tokens": tokens,
-            "token_logprobs": [e[t] for t, e in zip(ids, logprobs, strict=False)],
-            "top_logprobs": top,
-            "text_offset": offsets,
-        }
-
 
 class _Recorder:
     """vLLM's latency metrics: TTFT from arrival, TPOT excluding the first token, ITL."""
@@ -620,6 +601,55 @@ class _Recorder:
 
 
 # ----------------------------------------------------------------- helpers
+
+
+def completion_jobs(req: CompletionRequest) -> list[tuple[Any, int, SamplingParams]]:
+    """(prompt, choice index, sampling params) for every prompt times every choice."""
+    if req.best_of not in (None, req.n):
+        raise APIError(
+            400, "best_of different from n is not supported", "invalid_request_error", "best_of"
+        )
+    prompts = _prompts(req.prompt)
+    params = [_sampling(req, req.max_tokens, req.logprobs, i) for i in range(req.n)]
+    return [(p, i, sp) for p in prompts for i, sp in enumerate(params)]
+
+
+def chat_jobs(req: ChatRequest, llm: LLMService) -> list[tuple[Any, int, SamplingParams]]:
+    """The rendered chat prompt (template, system prompt, few-shot turns) per choice."""
+    messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+    prompt = llm.chat_prompt(messages, few_shot=req.few_shot)
+    max_tokens = req.max_completion_tokens or req.max_tokens
+    if max_tokens is None:
+        max_tokens = max(1, llm.max_model_len - len(prompt))
+    top = (req.top_logprobs or 0) if req.logprobs else None
+    params = [_sampling(req, max_tokens, top, i) for i in range(req.n)]
+    return [(prompt, i, sp) for i, sp in enumerate(params)]
+
+
+def embedding_texts(req: EmbeddingRequest) -> list[str]:
+    return [req.input] if isinstance(req.input, str) else req.input
+
+
+def embedding_body(
+    req: EmbeddingRequest, texts: list[str], vectors: list, version: ModelVersion
+) -> dict:
+    """The /v1/embeddings body: vectors as float32 lists or base64, token usage."""
+    tokenizer = getattr(version.instances[0].model, "tokenizer", None)
+    tokens = sum(len(tokenizer(t)["input_ids"]) for t in texts) if tokenizer else 0
+    data = []
+    for i, vector in enumerate(vectors):
+        value: Any = vector.astype(np.float32)
+        if req.encoding_format == "base64":
+            import base64
+
+            value = base64.b64encode(value.tobytes()).decode()
+        data.append({"object": "embedding", "index": i, "embedding": value})
+    return {
+        "object": "list",
+        "data": data,
+        "model": req.model,
+        "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+    }
 
 
 def _prompts(prompt: Any) -> list[str | list[int]]:
