@@ -76,6 +76,12 @@ class Metrics:
         self.warmup_seconds = Gauge(
             "bitserve_model_warmup_seconds", "Time the warmup requests took.", mv, registry=r
         )
+        self.startup = Gauge(
+            "bitserve_startup_seconds",
+            "Cold start: process start to ready, by phase (import, load, warmup, other, total).",
+            ("phase",),
+            registry=r,
+        )
         self._llm_metrics(r, mv)
 
     def _llm_metrics(self, r: CollectorRegistry, mv: tuple[str, str]) -> None:

@@ -31,7 +31,8 @@ class LoadError(Exception):
 class Model(ABC):
     #: the v2 metadata `platform` string (Triton's names where one exists)
     platform: str = "unknown"
-    #: time the config's warmup requests took (set by the loader)
+    #: time `load` and the config's warmup requests took (set by the loader)
+    load_only_seconds: float = 0.0
     warmup_seconds: float = 0.0
 
     def __init__(self, config: ModelConfig, version_dir: Path, device: str = "cpu"):

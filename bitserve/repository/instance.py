@@ -91,7 +91,9 @@ def build_model(config: ModelConfig, version_dir: Path, device: str) -> Model:
 
 def _build(config: ModelConfig, version_dir: Path, device: str) -> Model:
     model = backend_class(config.backend)(config, version_dir, device)
+    started = time.perf_counter()
     model.load()
+    model.load_only_seconds = time.perf_counter() - started
     started = time.perf_counter()
     for warmup in config.model_warmup:
         request = Request(
@@ -120,6 +122,7 @@ class Instance:
         self.worker: Worker | None = None
         self.platform = config.backend
         self.warmup_seconds = 0.0
+        self.load_only_seconds = 0.0
 
     async def start(self) -> None:
         name = f"{self.config.name}-{self.version_dir.name}-{self.slot}"
@@ -131,6 +134,7 @@ class Instance:
             raise
         self.platform = self.model.platform
         self.warmup_seconds = self.model.warmup_seconds
+        self.load_only_seconds = self.model.load_only_seconds
 
     def _build(self) -> Model | RemoteModel:
         if self.config.instance_group.isolation == "process":
@@ -183,6 +187,7 @@ class RemoteModel:
     def __init__(self, process: Any, conn: Any, ready: dict):
         self.process, self.conn = process, conn
         self.platform, self.warmup_seconds = ready["platform"], ready["warmup_seconds"]
+        self.load_only_seconds = ready["load_seconds"]
 
     @classmethod
     def spawn(cls, config: ModelConfig, version_dir: Path, device: str) -> RemoteModel:
@@ -244,7 +249,16 @@ def _child_main(config_doc: dict, version_dir: str, device: str, conn: Any) -> N
     except Exception as e:
         conn.send(("failed", str(e) if isinstance(e, LoadError) else f"{type(e).__name__}: {e}"))
         return
-    conn.send(("ready", {"platform": model.platform, "warmup_seconds": model.warmup_seconds}))
+    conn.send(
+        (
+            "ready",
+            {
+                "platform": model.platform,
+                "warmup_seconds": model.warmup_seconds,
+                "load_seconds": model.load_only_seconds,
+            },
+        )
+    )
     declared = {spec.name: spec.datatype for spec in config.output}
     while True:
         try:

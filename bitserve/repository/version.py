@@ -49,7 +49,9 @@ class ModelVersion:
         self.llm: LLMService | None = None  # the engine, for backend "llm"
         self.pending = 0  # submitted and not yet finished
         self.restarts = {"wedged": 0, "died": 0}
-        self.load_seconds = 0.0
+        self.load_seconds = 0.0  # wall time of load(), warm-up included
+        self.weights_seconds = 0.0  # of which loading (summed over instances)
+        self.warmup_seconds = 0.0  # of which warm-up (summed over instances)
         self._idle = asyncio.Event()
         self._idle.set()
         labels = (config.name, str(version))
@@ -101,6 +103,8 @@ class ModelVersion:
             LoopClock(loop),
         )
         self.load_seconds = time.perf_counter() - started
+        self.warmup_seconds = sum(i.warmup_seconds for i in self.instances)
+        self.weights_seconds = sum(i.load_only_seconds for i in self.instances)
         if self._m:
             self._m["load"].set(self.load_seconds)
             self._m["warmup"].set(max(i.warmup_seconds for i in self.instances))
@@ -119,6 +123,8 @@ class ModelVersion:
             raise LoadError(self.error) from e
         self.llm = service
         self.load_seconds = time.perf_counter() - started
+        self.warmup_seconds = service.warmup_seconds
+        self.weights_seconds = self.load_seconds - service.warmup_seconds
         if self._m:
             self._m["load"].set(self.load_seconds)
             self._m["warmup"].set(service.warmup_seconds)

@@ -18,7 +18,7 @@ import logging
 import time
 import zlib
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TextIO
 
 import orjson
@@ -26,7 +26,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route, Router
 
-from bitserve import __version__
+from bitserve import __version__, coldstart
 from bitserve.backends import backend_class
 from bitserve.backends.llm import NoChatTemplate, Overloaded, PromptTooLong
 from bitserve.batching.batcher import QueueFull, QueueTimeout
@@ -63,6 +63,8 @@ class ServerOptions:
     startup_models: list[str] | None = None  # explicit: what to load at start (None: all)
     poll_seconds: float = 15.0
     access_log: TextIO | None = None
+    process_started: float = field(default_factory=coldstart.process_start_time)
+    imported: float = field(default_factory=time.time)  # when serving code was importable
 
 
 def json_response(doc: object, status: int = 200, headers: dict | None = None) -> Response:
@@ -413,6 +415,20 @@ async def _not_found(scope: dict, receive: Any, send: Any) -> None:
     await response(scope, receive, send)
 
 
+def _report_startup(repository: Repository, options: ServerOptions) -> None:
+    versions = [v for e in repository.models.values() for v in e.versions.values() if v.ready]
+    startup = coldstart.breakdown(
+        options.process_started,
+        options.imported,
+        time.time(),
+        sum(v.weights_seconds for v in versions),
+        sum(v.warmup_seconds for v in versions),
+    )
+    for phase, seconds in startup.phases().items():
+        repository.metrics.startup.labels(phase).set(seconds)
+    log.info(startup.describe())
+
+
 def _quiet_gc() -> None:
     """Keep the garbage collector from pausing the server under load.
 
@@ -498,6 +514,7 @@ async def _load(repository: Repository, options: ServerOptions) -> None:
         repository.scan(None if names is None or "*" in names else names)
     await repository.load_all()
     log.info("repository loaded in %.2f s", time.perf_counter() - started)
+    _report_startup(repository, options)
     _quiet_gc()
     while options.model_control == "poll":
         await asyncio.sleep(options.poll_seconds)

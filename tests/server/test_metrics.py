@@ -182,3 +182,17 @@ def test_access_log_is_one_json_line_per_request(server):
     assert last["model"] == "rec" and last["status"] == 200 and last["rows"] == 3
     assert last["batch_size"] >= 3 and last["duration_ms"] > 0
     assert set(last) >= {"time", "version", "queue_ms", "compute_ms"}
+
+
+def test_cold_start_breakdown_sums_to_the_total(server):
+    phases = {}
+    for family in text_string_to_metric_families(httpx.get(server.url + "/metrics").text):
+        for sample in family.samples:
+            if sample.name == "bitserve_startup_seconds":
+                phases[sample.labels["phase"]] = sample.value
+    assert set(phases) == {"import", "load", "warmup", "other", "total"}
+    parts = phases["import"] + phases["load"] + phases["warmup"] + phases["other"]
+    assert parts == pytest.approx(phases["total"], abs=1e-6)
+    assert phases["import"] > 0 and phases["total"] < 120
+    assert all(v >= 0 for v in phases.values())
+    assert "after process start" in (server.log.read_text())
