@@ -1,0 +1,124 @@
+"""The C decode kernels against torch, the fused decode layer against transformers, and
+the clean fallback to torch when no compiler is there."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import LlamaConfig
+
+from bitserve.llm import kernels
+from tests.llm.conftest import COMMON, build_model, make_engine
+from tests.llm.test_engine import GREEDY, MIXED, assert_parity, generate
+
+needs_kernels = pytest.mark.skipif(kernels.get() is None, reason="no C compiler here")
+
+
+@pytest.fixture
+def restore_kernels():
+    yield
+    kernels.reset()
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("k", [64, 72])
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_matches_torch(rows, k, bias):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(rows, k, generator=g)
+    w = torch.randn(37, k, generator=g)
+    b = torch.randn(37, generator=g) if bias else None
+    got = kernels.get().linear(x, w, b)
+    torch.testing.assert_close(got, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+
+
+@needs_kernels
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(4, 2, 16), (8, 8, 64), (4, 1, 64)])
+def test_paged_decode_matches_sdpa(heads, kv_heads, dim):
+    g = torch.Generator().manual_seed(1)
+    bs, nblk = 16, 40
+    k_pool = torch.randn(kv_heads, nblk, bs, dim, generator=g)
+    v_pool = torch.randn(kv_heads, nblk, bs, dim, generator=g)
+    lens = [1, 17, 33, 160]
+    perm = torch.randperm(nblk, generator=g).tolist()
+    tables, used = [], 0
+    for n in lens:
+        need = -(-n // bs)
+        tables.append(perm[used : used + need])
+        used += need
+    width = max(len(t) for t in tables)
+    padded = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    q = torch.randn(6, heads, dim, generator=g)  # rows 1, 2, 4, 5 are the decodes
+    rows = torch.tensor([1, 2, 4, 5], dtype=torch.int32)
+    out = torch.full_like(q, 7.0)
+    kernels.get().paged_decode(
+        q, out, rows, k_pool, v_pool, padded, torch.tensor(lens, dtype=torch.int32), dim**-0.5
+    )
+    for i, (row, n) in enumerate(zip(rows.tolist(), lens, strict=True)):
+        blocks = torch.tensor(tables[i])
+        keys = k_pool[:, blocks].reshape(kv_heads, -1, dim)[:, :n]
+        values = v_pool[:, blocks].reshape(kv_heads, -1, dim)[:, :n]
+        want = F.scaled_dot_product_attention(
+            q[row][None, :, None], keys[None], values[None], enable_gqa=True
+        )[0, :, 0]
+        torch.testing.assert_close(out[row], want, rtol=1e-5, atol=1e-5)
+    assert (out[[0, 3]] == 7.0).all()  # rows that are not decodes are left alone
+
+
+@pytest.fixture(scope="module")
+def llama64_dir(tmp_path_factory):
+    """head_dim 64 (the vectorised attention path) and hidden 128 (the GEMV fast path)."""
+    config = LlamaConfig(
+        hidden_size=128,
+        intermediate_size=192,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        **COMMON,
+    )
+    return build_model(tmp_path_factory.mktemp("llama64"), config)
+
+
+@needs_kernels
+@pytest.mark.parametrize("model", ["llama64", "llama", "qwen2"])
+def test_fused_decode_is_token_exact(model, llama64_dir, model_dirs, monkeypatch):
+    folder = llama64_dir if model == "llama64" else model_dirs[model]
+    calls = []
+    real = kernels.Kernels.llama_decode_layer
+
+    def counting(self, *args):
+        calls.append(args[1].shape[0])
+        return real(self, *args)
+
+    monkeypatch.setattr(kernels.Kernels, "llama_decode_layer", counting)
+    engine = make_engine(folder, num_kv_blocks=64, max_num_seqs=4)
+    assert_parity(folder, MIXED, generate(engine, MIXED))
+    assert calls and max(calls) <= 4  # decode steps went through the fused layer
+
+
+def test_fallback_without_compiler(llama_dir, tmp_path, monkeypatch, restore_kernels):
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv("BITSERVE_KERNEL_CACHE", str(tmp_path / "cache"))
+    kernels.reset()
+    assert kernels.get() is None
+    engine = make_engine(llama_dir, num_kv_blocks=64)
+    assert_parity(llama_dir, MIXED, generate(engine, MIXED))
+
+
+def test_disabled_kernels_give_the_same_tokens(model_dirs, restore_kernels):
+    kernels.reset(enabled=False)
+    assert kernels.get() is None
+    folder = model_dirs["llama"]
+    engine = make_engine(folder, num_kv_blocks=64)
+    assert_parity(folder, MIXED, generate(engine, MIXED, GREEDY))
+
+
+def test_zeros_huge_pages():
+    small = kernels.zeros_huge_pages((3, 4))
+    assert small.shape == (3, 4) and not small.any()
+    big = kernels.zeros_huge_pages((2, 1024, 1024))
+    assert big.shape == (2, 1024, 1024) and big.is_contiguous() and not big.any()
+    big += 1  # the whole view is writable
+    assert big.sum().item() == 2 * 1024 * 1024
