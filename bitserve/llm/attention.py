@@ -18,11 +18,19 @@ fast paths:
   length (`[kv_heads, group, D]`), no mask;
 - a later prefill chunk: gather the context, bottom-right causal mask.
 The KV cache stays fp32 on CPU: bf16 SDPA there is 4-8x slower.
+
+On a GPU (`EngineConfig.device`) the C kernels are never used: decodes take the
+gather + SDPA path above and the pool is in the model's dtype. When `flash_attn`
+imports and that dtype is fp16/bf16, fresh prefills go to `flash_attn_varlen_func`
+and attention over gathered context to `flash_attn_with_kvcache` (bottom-right
+causal, GQA native); without it, torch SDPA picks its own CUDA kernels.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -61,6 +69,33 @@ class AttentionMetadata:
     seqs: list[SeqSlice]  # the sequences attended one by one (not in `decode`)
     workspace: GatherWorkspace | None = None
     decode: DecodeBatch | None = None
+    flash: FlashAttn | None = None  # set on cuda when flash-attn imports
+
+
+@dataclass(frozen=True)
+class FlashAttn:
+    varlen: Any  # flash_attn.flash_attn_varlen_func
+    with_kvcache: Any  # flash_attn.flash_attn_with_kvcache
+
+
+_flash: FlashAttn | bool | None = False  # False: not tried yet
+
+
+def flash_attn() -> FlashAttn | None:
+    """flash-attn's functions when the package imports (never required), else None.
+
+    `BITSERVE_NO_FLASH_ATTN=1` turns it off."""
+    global _flash
+    if _flash is False:
+        _flash = None
+        if os.environ.get("BITSERVE_NO_FLASH_ATTN") != "1":
+            try:
+                from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
+            except Exception:  # ImportError, or a build that does not load here
+                pass
+            else:
+                _flash = FlashAttn(flash_attn_varlen_func, flash_attn_with_kvcache)
+    return _flash
 
 
 @dataclass
@@ -74,8 +109,8 @@ class GatherWorkspace:
         heads, _, block_size, dim = pool.shape
         need = heads * len(block_table) * block_size * dim
         buf = getattr(self, which)
-        if buf.numel() < need or buf.dtype != pool.dtype:
-            buf = torch.empty(max(need, 2 * buf.numel()), dtype=pool.dtype)
+        if buf.numel() < need or buf.dtype != pool.dtype or buf.device != pool.device:
+            buf = torch.empty(max(need, 2 * buf.numel()), dtype=pool.dtype, device=pool.device)
             setattr(self, which, buf)
         out = buf[:need].view(heads, len(block_table), block_size, dim)
         torch.index_select(pool, 1, block_table, out=out)
@@ -101,20 +136,42 @@ def paged_attention(q, k, v, cache, meta: AttentionMetadata, scale: float) -> to
         kernels.get().paged_decode(
             q.contiguous(), out, d.rows, cache[0], cache[1], d.block_tables, d.context_lens, scale
         )
+    flash = meta.flash
     for s in meta.seqs:
         if s.fresh:
-            out[s.start : s.end] = prefill_attention(
-                q[s.start : s.end], k[s.start : s.end], v[s.start : s.end], scale
+            prefill = prefill_attention if flash is None else flash_prefill
+            out[s.start : s.end] = prefill(
+                q[s.start : s.end], k[s.start : s.end], v[s.start : s.end], scale, flash
             )
         else:
             keys = meta.workspace.gather(cache[0], "keys", s.block_table)[:, : s.context_len]
             values = meta.workspace.gather(cache[1], "values", s.block_table)[:, : s.context_len]
-            attend = decode_attention if s.num_new == 1 else chunk_attention
-            out[s.start : s.end] = attend(q[s.start : s.end], keys, values, scale)
+            if flash is not None:
+                attend = flash_context
+            else:
+                attend = decode_attention if s.num_new == 1 else chunk_attention
+            out[s.start : s.end] = attend(q[s.start : s.end], keys, values, scale, flash)
     return out
 
 
-def prefill_attention(q, k, v, scale: float) -> torch.Tensor:
+def flash_prefill(q, k, v, scale: float, flash: FlashAttn) -> torch.Tensor:
+    """`prefill_attention` through flash-attn: one sequence as a varlen batch of one."""
+    n = q.shape[0]
+    cu = torch.tensor([0, n], dtype=torch.int32, device=q.device)
+    return flash.varlen(q, k, v, cu, cu, n, n, softmax_scale=scale, causal=True)
+
+
+def flash_context(q, keys, values, scale: float, flash: FlashAttn) -> torch.Tensor:
+    """Decode or later chunk through flash-attn: q [n, Hq, D] against the gathered
+    context [Hkv, L, D], viewed (no copy) as a one-sequence cache [1, L, Hkv, D];
+    flash-attn's causal mask is bottom-right aligned, as `chunk_attention`'s."""
+    k_cache = keys.transpose(0, 1).unsqueeze(0)
+    v_cache = values.transpose(0, 1).unsqueeze(0)
+    o = flash.with_kvcache(q.unsqueeze(0), k_cache, v_cache, softmax_scale=scale, causal=True)
+    return o[0]
+
+
+def prefill_attention(q, k, v, scale: float, flash=None) -> torch.Tensor:
     """A chunk with no cached context: plain causal attention on the new K/V."""
     q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
     o = F.scaled_dot_product_attention(
@@ -128,7 +185,7 @@ def prefill_attention(q, k, v, scale: float) -> torch.Tensor:
     return o[0].transpose(0, 1)
 
 
-def decode_attention(q, keys, values, scale: float) -> torch.Tensor:
+def decode_attention(q, keys, values, scale: float, flash=None) -> torch.Tensor:
     """One query token against the context [Hkv, L, D]: the GQA group becomes the query
     length, so each KV head is read once and no mask is needed."""
     kv_heads = keys.shape[0]
@@ -137,10 +194,10 @@ def decode_attention(q, keys, values, scale: float) -> torch.Tensor:
     return o.view(1, -1, q.shape[-1]).to(q.dtype)
 
 
-def chunk_attention(q, keys, values, scale: float) -> torch.Tensor:
+def chunk_attention(q, keys, values, scale: float, flash=None) -> torch.Tensor:
     """A prefill chunk after cached tokens: query i sees context up to L - n + i."""
     n, context = q.shape[0], keys.shape[1]
-    mask = torch.ones(n, context, dtype=torch.bool).tril(diagonal=context - n)
+    mask = torch.ones(n, context, dtype=torch.bool, device=q.device).tril(diagonal=context - n)
     qh = q.transpose(0, 1).unsqueeze(0).to(keys.dtype)
     o = F.scaled_dot_product_attention(
         qh,

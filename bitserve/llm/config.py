@@ -8,6 +8,7 @@ runner never take long argument lists.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,8 +33,33 @@ def available_memory() -> int:
     return 4 << 30
 
 
-def default_kv_cache_memory() -> int:
-    return int(min(available_memory() * KV_CACHE_MEMORY_FRACTION, KV_CACHE_MEMORY_CAP))
+def default_kv_cache_memory(device: str = "cpu") -> int:
+    """A share of what is free where the pool will live: host RAM, or the GPU's memory."""
+    if device.startswith("cuda"):
+        free, _ = torch.cuda.mem_get_info(torch.device(device))
+    else:
+        free = available_memory()
+    return int(min(free * KV_CACHE_MEMORY_FRACTION, KV_CACHE_MEMORY_CAP))
+
+
+DEVICE = re.compile(r"cpu|cuda(:\d+)?")
+
+
+def resolve_device(device: str) -> str:
+    """Resolve "auto" (cuda when torch sees a GPU, else cpu); check "cpu", "cuda", "cuda:N"."""
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if not isinstance(device, str) or not DEVICE.fullmatch(device):
+        raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+    if device != "cpu":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {device!r} asked for, but torch.cuda.is_available() is False")
+        index = int(device.partition(":")[2] or 0)
+        if index >= torch.cuda.device_count():
+            raise ValueError(
+                f"device {device!r} asked for, but torch sees {torch.cuda.device_count()} GPU(s)"
+            )
+    return device
 
 
 @dataclass
@@ -51,6 +77,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"
     seed: int = 0
+    device: str = "auto"  # "cpu", "cuda", "cuda:N"; "auto": cuda when available, else cpu
     hf_config: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -65,6 +92,7 @@ class EngineConfig:
             )
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
+        self.device = resolve_device(self.device)
         if self.model is not None:
             self.model = Path(self.model)
             config_file = self.model / "config.json"
@@ -78,8 +106,17 @@ class EngineConfig:
                 )
             )
         if self.kv_cache_memory is None and self.num_kv_blocks is None:
-            self.kv_cache_memory = default_kv_cache_memory()
+            self.kv_cache_memory = default_kv_cache_memory(self.device)
 
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
+
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device(self.device)
+
+    @property
+    def on_cpu(self) -> bool:
+        """The C kernels and huge-page pools exist only here."""
+        return self.device == "cpu"

@@ -94,7 +94,7 @@ class LLMEngine:
         vocab = self.config.hf_config.get("vocab_size")
         if vocab and any(not 0 <= t < vocab for t in token_ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
-        seq = Sequence(request_id, token_ids, params, priority=priority)
+        seq = Sequence(request_id, token_ids, params, priority=priority, device=self.config.device)
         self.scheduler.add(seq)
         detok = None
         if self.tokenizer is not None:

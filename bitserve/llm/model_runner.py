@@ -5,6 +5,11 @@ All scheduled tokens of all requests are concatenated into one row each
 block pool, and each request's block table says where its context lives. Only the
 rows that need a next token (the last row of a request whose prompt is done) go
 through the LM head, plus prompt rows when prompt logprobs were asked for.
+
+Everything lives on `config.device`: weights, the KV pool, RoPE tables and the
+per-step index tensors (built on the host, then copied over once per step). The C
+kernels and the huge-page pool are CPU-only; on cuda the pool is a plain
+`torch.zeros` in the model's dtype and attention takes the torch/flash-attn paths.
 """
 
 from __future__ import annotations
@@ -14,7 +19,13 @@ from dataclasses import dataclass, field
 import torch
 
 from bitserve.llm import kernels
-from bitserve.llm.attention import AttentionMetadata, DecodeBatch, GatherWorkspace, SeqSlice
+from bitserve.llm.attention import (
+    AttentionMetadata,
+    DecodeBatch,
+    GatherWorkspace,
+    SeqSlice,
+    flash_attn,
+)
 from bitserve.llm.config import EngineConfig
 from bitserve.llm.models import load_model
 from bitserve.llm.scheduler import SchedulerOutput
@@ -34,17 +45,28 @@ class ModelOutput:
 class ModelRunner:
     def __init__(self, config: EngineConfig):
         self.config = config
+        self.device = config.torch_device
+        self.on_cpu = config.on_cpu
+        # fp32 on CPU (see KV_DTYPE_CPU); the model's dtype on a GPU
+        self.kv_dtype = KV_DTYPE_CPU if self.on_cpu else config.torch_dtype
         self.model = load_model(config)
         self.attentions = self.model.attentions
         self.num_blocks = self.plan_num_blocks()
         self.allocate_kv_cache()
         self.workspace = GatherWorkspace()
+        self.flash = self.pick_flash_attn()
+
+    def pick_flash_attn(self):
+        """flash-attn on cuda for fp16/bf16 when it imports; None means torch SDPA."""
+        if self.on_cpu or self.kv_dtype not in (torch.float16, torch.bfloat16):
+            return None
+        return flash_attn()
 
     # -- the KV pool ------------------------------------------------------------------
     def bytes_per_block(self) -> int:
         attn = self.attentions[0]
         per_layer = 2 * attn.num_kv_heads * self.config.block_size * attn.head_dim
-        return per_layer * len(self.attentions) * KV_DTYPE_CPU.itemsize
+        return per_layer * len(self.attentions) * self.kv_dtype.itemsize
 
     def plan_num_blocks(self) -> int:
         if self.config.num_kv_blocks is not None:
@@ -61,14 +83,25 @@ class ModelRunner:
         """Per layer, K and V pools `[kv_heads, num_blocks, block_size, head_dim]`."""
         for attn in self.attentions:
             shape = (attn.num_kv_heads, self.num_blocks, self.config.block_size, attn.head_dim)
-            attn.kv_cache = (
-                kernels.zeros_huge_pages(shape, KV_DTYPE_CPU),
-                kernels.zeros_huge_pages(shape, KV_DTYPE_CPU),
-            )
+            if self.on_cpu:
+                attn.kv_cache = (
+                    kernels.zeros_huge_pages(shape, self.kv_dtype),
+                    kernels.zeros_huge_pages(shape, self.kv_dtype),
+                )
+            else:
+                attn.kv_cache = (
+                    torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
+                    torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
+                )
 
     # -- one step ---------------------------------------------------------------------
     def use_decode_kernel(self) -> bool:
-        return self.config.torch_dtype is torch.float32 and kernels.get() is not None
+        return (
+            self.on_cpu and self.config.torch_dtype is torch.float32 and kernels.get() is not None
+        )
+
+    def to_device(self, t: torch.Tensor) -> torch.Tensor:
+        return t if self.on_cpu else t.to(self.device, non_blocking=True)
 
     def prepare(self, batch: SchedulerOutput):
         input_ids, positions, slots, slices, sample_rows = [], [], [], [], []
@@ -95,7 +128,8 @@ class ModelRunner:
                 dec_tables.append(table[:num_ctx_blocks])
                 dec_lens.append(end)
             else:
-                slices.append(SeqSlice(row, row + n, end, torch.tensor(table[:num_ctx_blocks])))
+                block_table = self.to_device(torch.tensor(table[:num_ctx_blocks]))
+                slices.append(SeqSlice(row, row + n, end, block_table))
             if end == seq.num_tokens:
                 out.sample_seqs.append(seq)
                 sample_rows.append(row + n - 1)
@@ -105,8 +139,10 @@ class ModelRunner:
                     prompt_rows[seq.request_id] = (start + 1, list(range(row, row + last - start)))
             row += n
         tensors = (torch.tensor(input_ids), torch.tensor(positions), torch.tensor(slots))
-        meta = AttentionMetadata(tensors[2], slices, self.workspace)
-        if dec_rows:
+        if not self.on_cpu:
+            tensors = tuple(self.to_device(t) for t in tensors)
+        meta = AttentionMetadata(tensors[2], slices, self.workspace, flash=self.flash)
+        if dec_rows:  # only with the C kernel, so only on the CPU
             width = max(len(t) for t in dec_tables)
             meta.decode = DecodeBatch(
                 torch.tensor(dec_rows, dtype=torch.int32),

@@ -18,13 +18,14 @@ def apply_penalties(logits: torch.Tensor, seq: Sequence, params: SamplingParams)
     (output only, OpenAI-style subtraction)."""
     logits = logits.clone()
     if params.repetition_penalty != 1.0:
-        seen = torch.tensor(sorted(set(seq.token_ids)), dtype=torch.long)
+        seen = torch.tensor(sorted(set(seq.token_ids)), dtype=torch.long, device=logits.device)
         values = logits[seen]
         logits[seen] = torch.where(
             values > 0, values / params.repetition_penalty, values * params.repetition_penalty
         )
     if (params.presence_penalty or params.frequency_penalty) and seq.num_output_tokens:
-        counts = torch.bincount(torch.tensor(seq.output_token_ids), minlength=logits.shape[-1])
+        output_ids = torch.tensor(seq.output_token_ids, device=logits.device)
+        counts = torch.bincount(output_ids, minlength=logits.shape[-1])
         logits -= params.frequency_penalty * counts[: logits.shape[-1]].to(logits.dtype)
         logits -= params.presence_penalty * (counts[: logits.shape[-1]] > 0).to(logits.dtype)
     return logits

@@ -59,12 +59,15 @@ class Sequence:
     logprobs: list[dict[int, float]] = field(default_factory=list)
     prompt_logprobs: list[dict[int, float] | None] = field(default_factory=list)
     order: int = field(default_factory=lambda: next(_arrival_counter))
+    device: str = field(default="cpu", repr=False)  # where the seeded generator draws
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
         self.num_prompt_tokens = len(self.prompt_token_ids)
         if self.sampling_params.seed is not None:
-            self.generator = torch.Generator().manual_seed(self.sampling_params.seed)
+            self.generator = torch.Generator(device=self.device).manual_seed(
+                self.sampling_params.seed
+            )
 
     @property
     def num_tokens(self) -> int:

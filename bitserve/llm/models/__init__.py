@@ -49,12 +49,12 @@ def load_model(config: EngineConfig) -> nn.Module:
     try:
         with torch.device("meta"):
             model = cls(config.hf_config, config.max_model_len)
-        model = model.to_empty(device="cpu")
+        model = model.to_empty(device=config.device)
     finally:
         torch.set_default_dtype(previous)
     for module in model.modules():  # tables computed in __init__ were built on meta
         if hasattr(module, "reset_buffers"):
-            module.reset_buffers()
+            module.reset_buffers(device=config.device)
     if hasattr(model, "tie_weights"):
         model.tie_weights()  # to_empty made the tied parameters two
     load_safetensors(model, Path(config.model))

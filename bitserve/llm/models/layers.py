@@ -33,6 +33,7 @@ class Linear(nn.Linear):
             and x.dtype is torch.float32
             and self.weight.dtype is torch.float32
             and not torch.is_grad_enabled()
+            and x.is_cpu
             and (k := kernels.get()) is not None
             and x.stride(1) == 1
             and self.weight.is_contiguous()
@@ -99,14 +100,17 @@ class RotaryEmbedding(nn.Module):
         self.max_len = max_len
         self.reset_buffers()
 
-    def reset_buffers(self) -> None:
-        """Same arithmetic as transformers: fp32 position x inv_freq, cos/sin in fp32."""
+    def reset_buffers(self, device: str | torch.device = "cpu") -> None:
+        """Same arithmetic as transformers: fp32 position x inv_freq, cos/sin in fp32.
+
+        Computed on the CPU (the same tables on every device), then moved to `device`.
+        """
         freqs = (
             torch.arange(self.max_len, dtype=torch.float32, device="cpu")[:, None]
             * self.inv_freq[None, :]
         )
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.cos, self.sin = emb.cos(), emb.sin()
+        self.cos, self.sin = emb.cos().to(device), emb.sin().to(device)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """q: [T, Hq, D], k: [T, Hkv, D] -> rotated, in their dtype."""

@@ -111,12 +111,13 @@ class LlamaForCausalLM(nn.Module):
     # -- small decode steps: one C call per layer (kernels.py) --------------------------
     def can_fuse_decode(self, x: torch.Tensor, meta: AttentionMetadata) -> bool:
         """Every row is a one-token decode, there are few of them, and the model is a
-        plain fp32 Llama (no MoE, full-width RoPE) with the kernels built."""
+        plain fp32 Llama (no MoE, full-width RoPE) on the CPU with the kernels built."""
         return (
             meta.decode is not None
             and not meta.seqs
             and x.shape[0] <= SMALL_M
             and x.dtype is torch.float32
+            and x.is_cpu
             and not torch.is_grad_enabled()
             and self.fusable()
             and kernels.get() is not None

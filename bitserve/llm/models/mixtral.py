@@ -32,8 +32,8 @@ class SparseMoE(nn.Module):
         self.w2 = nn.Parameter(torch.empty(self.num_experts, hidden, inter))
         self.reset_buffers()
 
-    def reset_buffers(self) -> None:
-        self.tokens_per_expert = torch.zeros(self.num_experts, dtype=torch.int64, device="cpu")
+    def reset_buffers(self, device: str | torch.device = "cpu") -> None:
+        self.tokens_per_expert = torch.zeros(self.num_experts, dtype=torch.int64, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         probs = F.softmax(self.gate(x).float(), dim=-1)
