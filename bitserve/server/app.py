@@ -415,6 +415,22 @@ async def _not_found(scope: dict, receive: Any, send: Any) -> None:
     await response(scope, receive, send)
 
 
+def _preimport(backends: set[str]) -> None:
+    """Import the heavy libraries once, on one thread, before models load in parallel.
+
+    torch imports parts of itself lazily (torch._dynamo on a first export load or
+    forward); two loader threads doing that at once hit a circular-import race
+    ("partially initialized module 'torch._dynamo.source'"), intermittently."""
+    if backends & {"torch", "llm", "hf"}:
+        import torch._dynamo
+        import torch.export  # noqa: F401
+    if backends & {"llm", "hf"}:
+        import transformers  # noqa: F401
+        from transformers import AutoModel, AutoTokenizer  # noqa: F401
+    if "onnx" in backends:
+        import onnxruntime  # noqa: F401
+
+
 def _report_startup(repository: Repository, options: ServerOptions) -> None:
     versions = [v for e in repository.models.values() for v in e.versions.values() if v.ready]
     startup = coldstart.breakdown(
@@ -512,6 +528,8 @@ async def _load(repository: Repository, options: ServerOptions) -> None:
     if not repository.models:
         names = options.startup_models if options.model_control == "explicit" else None
         repository.scan(None if names is None or "*" in names else names)
+    backends = {e.config.backend for e in repository.models.values() if e.config is not None}
+    await asyncio.to_thread(_preimport, backends)
     await repository.load_all()
     log.info("repository loaded in %.2f s", time.perf_counter() - started)
     _report_startup(repository, options)
