@@ -31,7 +31,8 @@ class AsyncLLMEngine:
         self.engine = LLMEngine(model, **kwargs)
         self._lock = threading.Lock()
         self._work = threading.Event()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        # request id -> (its event loop, its queue, whether it wants every step's output)
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue, bool]] = {}
         self._stopped = False
         self._error: BaseException | None = None
         self._ids = itertools.count()
@@ -52,13 +53,23 @@ class AsyncLLMEngine:
             if not busy:
                 self._work.wait(timeout=1.0)
                 self._work.clear()
-            for out in outputs:
-                self._deliver(out.request_id, out)
+            self._deliver_step(outputs)
+
+    def _deliver_step(self, outputs: list[RequestOutput]) -> None:
+        """One wake-up per event loop per step, carrying every output it waits for:
+        a thread-to-loop hop per token per request cost more than a tiny model's step."""
+        batches: dict[asyncio.AbstractEventLoop, list] = {}
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is not None and (stream[2] or out.finished):
+                batches.setdefault(stream[0], []).append((stream[1], out))
+        for loop, items in batches.items():
+            loop.call_soon_threadsafe(_put_all, items)
 
     def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
         stream = self._streams.get(request_id)
         if stream is not None:
-            loop, queue = stream
+            loop, queue, _ = stream
             loop.call_soon_threadsafe(queue.put_nowait, item)
 
     def _fail_all(self, error: BaseException) -> None:
@@ -72,17 +83,19 @@ class AsyncLLMEngine:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         priority: int = 0,
+        stream: bool = True,
     ) -> AsyncIterator[RequestOutput]:
         """Yield a RequestOutput each time the request gets tokens; the last is finished.
+        With `stream=False` only the finished one comes (batch jobs need only the end).
         Leaving the loop early (a client that disconnects) aborts the request."""
         if self._error is not None:
             raise EngineDead(f"the LLM engine loop failed: {self._error!r}")
         request_id = request_id or f"async-{next(self._ids)}"
         queue: asyncio.Queue = asyncio.Queue()
-        self._streams[request_id] = (asyncio.get_running_loop(), queue)
+        self._streams[request_id] = (asyncio.get_running_loop(), queue, stream)
         finished = False
         try:
-            await asyncio.to_thread(self._add, request_id, prompt, params, priority)
+            await asyncio.to_thread(self._add, request_id, prompt, params, priority, stream)
             while not finished:
                 item = await queue.get()
                 if isinstance(item, BaseException):
@@ -94,9 +107,9 @@ class AsyncLLMEngine:
             if not finished:
                 await asyncio.shield(asyncio.to_thread(self._abort, request_id))
 
-    def _add(self, request_id, prompt, params, priority) -> None:
+    def _add(self, request_id, prompt, params, priority, stream=True) -> None:
         with self._lock:
-            self.engine.add_request(request_id, prompt, params, priority)
+            self.engine.add_request(request_id, prompt, params, priority, stream)
         self._work.set()
 
     def _abort(self, request_id: str) -> RequestOutput | None:
@@ -117,3 +130,8 @@ class AsyncLLMEngine:
         self._stopped = True
         self._work.set()
         self._thread.join(timeout=10)
+
+
+def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+    for queue, item in items:
+        queue.put_nowait(item)

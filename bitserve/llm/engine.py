@@ -59,6 +59,7 @@ class RequestState:
     detokenizer: IncrementalDetokenizer | None
     first_token_time: float | None = None
     stop_reason: str | int | None = None
+    stream: bool = True  # False: the caller wants only the finished output
 
 
 class LLMEngine:
@@ -83,6 +84,7 @@ class LLMEngine:
         prompt: Prompt,
         params: SamplingParams | None = None,
         priority: int = 0,
+        stream: bool = True,
     ) -> str:
         """Validate and queue a request; raises ValueError if it can never run."""
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
@@ -99,7 +101,7 @@ class LLMEngine:
         detok = None
         if self.tokenizer is not None:
             detok = IncrementalDetokenizer(self.tokenizer, token_ids, params)
-        self.requests[request_id] = RequestState(seq, text, detok)
+        self.requests[request_id] = RequestState(seq, text, detok, stream=stream)
         self.prompt_tokens_total += len(token_ids)
         return request_id
 
@@ -148,7 +150,8 @@ class LLMEngine:
             if status is not None:
                 self.scheduler.finish(seq, status)
                 del self.requests[seq.request_id]
-            results.append(self.make_output(state))
+            if state.stream or status is not None:  # building outputs costs per token
+                results.append(self.make_output(state))
         return results
 
     def check_stop(self, state: RequestState, token: int) -> SequenceStatus | None:

@@ -151,7 +151,7 @@ def failure(custom_id: str | None, line: int, e: BaseException) -> dict:
 async def _generate(llm: Any, ids: list[int], params: Any, priority: int) -> Any:
     """The final output of one engine request (the engine streams; batch needs the end)."""
     final = None
-    async for out in llm.engine.generate(ids, params, priority=priority):
+    async for out in llm.engine.generate(ids, params, priority=priority, stream=False):
         final = out
     return final
 
