@@ -113,6 +113,11 @@ def main() -> None:
 @click.option(
     "--access-log", default=None, help="JSON line per infer request to FILE ('-': stdout)."
 )
+@click.option(
+    "--lazy-load",
+    is_flag=True,
+    help="Load each model on its first request (scale-to-zero); ready says which wait.",
+)
 @click.option("--log-level", default="info", show_default=True)
 def serve(
     repository_path: Path,
@@ -126,6 +131,7 @@ def serve(
     admin_token: str | None,
     drain_timeout: float,
     access_log: str | None,
+    lazy_load: bool,
     log_level: str,
 ) -> None:
     """Serve every model in a repository on HTTP (v2 / Open Inference Protocol)."""
@@ -151,6 +157,7 @@ def serve(
         startup_models=list(load_model) if model_control == "explicit" else None,
         poll_seconds=repository_poll_secs,
         access_log=log_file,
+        lazy_load=lazy_load,
     )
     repository = Repository(repository_path, drain_timeout=drain_timeout)
     repository.model_names()  # a missing folder fails here, before the port opens

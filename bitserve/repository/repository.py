@@ -238,12 +238,32 @@ class Repository:
         if not self.loaded:
             return "loading"
         for entry in self.models.values():
-            if entry.wanted and not any(v.ready for v in entry.versions.values()):
+            if entry.wanted and not any(
+                v.ready or v.state == "lazy" for v in entry.versions.values()
+            ):
                 return self._why_unavailable(entry)
             for v in entry.versions.values():
                 if v.unhealthy:
                     return f"model '{entry.name}' version {v.version} is restarting an instance"
         return None
+
+    def lazy_models(self) -> list[str]:
+        """Models that will load on their first request (--lazy-load)."""
+        return sorted(
+            name
+            for name, entry in self.models.items()
+            if any(v.state == "lazy" for v in entry.versions.values())
+        )
+
+    async def ensure_loaded(self, name: str) -> None:
+        """Load a lazy model's versions before its first request is looked up; requests
+        that arrive meanwhile wait for the same load (scale-to-zero cold start)."""
+        entry = self.models.get(name)
+        if entry is None or not any(v.state == "lazy" for v in entry.versions.values()):
+            return
+        async with self._lock(name):  # the others wait here, then find nothing lazy
+            lazy = [v for v in entry.versions.values() if v.state == "lazy"]
+            await asyncio.gather(*(self._load(entry, v) for v in lazy))
 
     def all_ready(self) -> bool:
         """Every model the repository asks for is loaded and warmed (strict readiness)."""

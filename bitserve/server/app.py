@@ -63,6 +63,7 @@ class ServerOptions:
     startup_models: list[str] | None = None  # explicit: what to load at start (None: all)
     poll_seconds: float = 15.0
     access_log: TextIO | None = None
+    lazy_load: bool = False  # load each model on its first request (scale to zero)
     process_started: float = field(default_factory=coldstart.process_start_time)
     imported: float = field(default_factory=time.time)  # when serving code was importable
 
@@ -166,6 +167,7 @@ class Server:
         self._idle.clear()
         try:
             body = await self._read_body(request)
+            await self.repository.ensure_loaded(request.path_params["model"])
             # Choose the version only now: from here to its queue nothing awaits, so a
             # version swapped out meanwhile cannot be drained between the two.
             return await self._infer(request, self._lookup(request), body)
@@ -530,6 +532,13 @@ async def _load(repository: Repository, options: ServerOptions) -> None:
         repository.scan(None if names is None or "*" in names else names)
     backends = {e.config.backend for e in repository.models.values() if e.config is not None}
     await asyncio.to_thread(_preimport, backends)
+    if options.lazy_load:
+        for entry in repository.models.values():
+            for version in entry.versions.values():
+                version.state = "lazy"
+        repository.loaded = True
+        log.info("lazy load: %s load on their first request", ", ".join(repository.lazy_models()))
+        return
     await repository.load_all()
     log.info("repository loaded in %.2f s", time.perf_counter() - started)
     _report_startup(repository, options)

@@ -80,6 +80,7 @@ def routes(server: Server, errors: Any) -> list[Route]:
             doc = orjson.loads(await request.body())
         except orjson.JSONDecodeError as e:
             raise InvalidRequest(f"malformed JSON: {e}") from None
+        await server.repository.ensure_loaded(request.path_params["model"])
         # looked up after the last await: see Server.infer
         version = server.repository.get(
             request.path_params["model"], request.path_params.get("version")

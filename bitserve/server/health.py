@@ -56,6 +56,11 @@ class Health:
         if self.server.draining:
             return _answer(503, "draining")
         reason = self.server.repository.not_ready_reason()
+        lazy = self.server.repository.lazy_models()
+        if reason is None and lazy:  # ready, and it says which models are not loaded yet
+            from bitserve.server.app import json_response
+
+            return json_response({"ready": True, "lazy_models": lazy})
         return _answer(200 if reason is None else 503, reason or "")
 
     async def startup(self, request: Request) -> Response:

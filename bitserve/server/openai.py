@@ -240,12 +240,14 @@ class OpenAI:
 
     async def completions(self, request: Request) -> Response:
         req: CompletionRequest = parse(CompletionRequest, await request.body())
+        await self.server.repository.ensure_loaded(req.model)
         version, llm = self._llm(req.model)
         jobs = completion_jobs(req)
         return await self._generate(request, version, llm, req, jobs, chat=False)
 
     async def chat(self, request: Request) -> Response:
         req: ChatRequest = parse(ChatRequest, await request.body())
+        await self.server.repository.ensure_loaded(req.model)
         version, llm = self._llm(req.model)
         jobs = chat_jobs(req, llm)
         return await self._generate(request, version, llm, req, jobs, chat=True)
@@ -273,6 +275,7 @@ class OpenAI:
 
     async def embeddings(self, request: Request) -> Response:
         req: EmbeddingRequest = parse(EmbeddingRequest, await request.body())
+        await self.server.repository.ensure_loaded(req.model)
         version = self._version(req.model)
         if version.config.backend != "hf" or not version.instances:
             raise APIError(

@@ -190,3 +190,34 @@ def test_killed_instance_process_is_restarted(tools_server):
     assert new_pid != pid
     assert restarts(url, "isolated", "died") == 1
     assert tools_server.alive()
+
+
+def test_lazy_load_is_ready_at_once_and_loads_on_first_request(tmp_path):
+    write_model(tmp_path, "slow_setup", ECHO_CONFIG, SLOW_SETUP)
+    server = Server(tmp_path, "--lazy-load")
+    try:
+        ready = httpx.get(server.url + "/v2/health/ready")
+        assert ready.status_code == 200 and ready.json()["lazy_models"] == ["slow_setup"]
+        assert status(server.url, "/v2/models/slow_setup/ready") == 503  # not loaded yet
+        with ThreadPoolExecutor(3) as pool:  # concurrent first requests share one load
+            started = time.monotonic()
+            first = list(
+                pool.map(
+                    lambda _: httpx.post(
+                        server.url + "/v2/models/slow_setup/infer", json=body(4), timeout=30
+                    ),
+                    range(3),
+                )
+            )
+            cold = time.monotonic() - started
+        assert [r.status_code for r in first] == [200, 200, 200]
+        assert 2.0 <= cold < 6.0  # the 2 s setup, once
+        started = time.monotonic()
+        assert (
+            httpx.post(server.url + "/v2/models/slow_setup/infer", json=body(4)).status_code == 200
+        )
+        assert time.monotonic() - started < 1.0
+        assert httpx.get(server.url + "/v2/health/ready").content == b""
+        assert status(server.url, "/v2/models/slow_setup/ready") == 200
+    finally:
+        server.stop()
