@@ -18,6 +18,15 @@ from bitserve.repository.config import ModelConfig, TensorSpec
 from bitserve.tensors import DATATYPES, coerce
 
 
+def shape_key(config: ModelConfig, inputs: dict[str, np.ndarray]) -> tuple:
+    """What must agree for requests to share a batch: every fixed-shape input's shape
+    past the batch dimension (ragged inputs are padded, so they never disagree)."""
+    if config.max_batch_size == 0:
+        return ()
+    ragged = {t.name for t in config.input if t.ragged}
+    return tuple((name, a.shape[1:]) for name, a in inputs.items() if name not in ragged)
+
+
 def merge(config: ModelConfig, batch: list[Request]) -> dict[str, np.ndarray]:
     if config.max_batch_size == 0:
         return batch[0].inputs

@@ -15,11 +15,11 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import orjson
 
 from bitserve.batching.batcher import QueueFull
 from bitserve.batching.batcher import Request as BatchRequest
+from bitserve.batching.collate import shape_key
 from bitserve.offline.records import Record, error_line, ok_line, record_key
 from bitserve.offline.rows import RowMapping, row_inputs, v2_body
 from bitserve.repository.repository import Repository
@@ -133,7 +133,9 @@ class Executor:
         inputs, length = row_inputs(version.config, self.rows, record.raw)
 
         async def run() -> dict:
-            outputs = await _submit(version, inputs, 1)
+            now = asyncio.get_running_loop().time()
+            request = BatchRequest(inputs, 1, now, shape_key=shape_key(version.config, inputs))
+            outputs = await _submit(version, request)
             return ok_line(custom_id, v2_body(version, outputs))
 
         return Work(custom_id, record.line, length, run)
@@ -157,43 +159,20 @@ async def _generate(llm: Any, ids: list[int], params: Any, priority: int) -> Any
 
 
 async def _embed(version: ModelVersion, texts: list[str]) -> list:
-    """Through the dynamic batcher, in slices of max_batch_size rows."""
-    config = version.config
-    name, out = config.input[0].name, config.output[0].name
-    limit = max(config.max_batch_size, 1)
+    """Through the dynamic batcher, as the online /v1/embeddings sends them."""
     results: list = []
-    for start in range(0, len(texts), limit):
-        chunk = texts[start : start + limit]
-        array = np.empty((len(chunk), 1), dtype=object)
-        array[:, 0] = [t.encode() for t in chunk]
-        outputs = await _submit(version, {name: array}, len(chunk))
-        results.extend(outputs[out])
+    for request in api.embedding_requests(version, texts):
+        outputs = await _submit(version, request)
+        results.extend(outputs[version.config.output[0].name])
     return results
 
 
-async def _submit(version: ModelVersion, inputs: dict, rows: int) -> dict:
+async def _submit(version: ModelVersion, request: BatchRequest) -> dict:
     """One batcher request; a full queue means wait, not fail (nobody is waiting on us)."""
-    loop = asyncio.get_running_loop()
-    shape_key = tuple(
-        (n, a.shape[1:])
-        for n, a in inputs.items()
-        if not next(s for s in version.config.input if s.name == n).ragged
-    )
     while True:
-        future = loop.create_future()
-        request = BatchRequest(inputs, rows, loop.time(), shape_key=shape_key)
-        request.on_done = _resolve(future)
         try:
-            version.submit(request)
+            future = version.submit(request)
         except QueueFull:
             await asyncio.sleep(0.005)
             continue
         return await future
-
-
-def _resolve(future: asyncio.Future) -> Callable[[Any, BaseException | None], None]:
-    def done(outputs: Any, error: BaseException | None) -> None:
-        if not future.done():
-            future.set_exception(error) if error else future.set_result(outputs)
-
-    return done

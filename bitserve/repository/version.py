@@ -162,16 +162,17 @@ class ModelVersion:
 
     # ------------------------------------------------------------- requests
 
-    def submit(self, request: Request) -> None:
-        """Queue a request; its on_done fires once whatever happens."""
+    def submit(self, request: Request) -> asyncio.Future:
+        """Queue a request; the future gets its outputs or its error, whatever happens.
+
+        Raises QueueFull (nothing queued) when the batcher's queue is full."""
         assert self.batcher is not None
-        on_done = request.on_done
+        future = asyncio.get_running_loop().create_future()
 
         def finished(outputs: Any, error: BaseException | None) -> None:
-            self.pending -= 1
-            if not self.pending:
-                self._idle.set()
-            on_done(outputs, error)
+            self.end()
+            if not future.done():
+                future.set_exception(error) if error else future.set_result(outputs)
 
         request.on_done = finished
         self.pending += 1
@@ -179,11 +180,9 @@ class ModelVersion:
         try:
             self.batcher.submit(request)
         except BaseException:
-            request.on_done = on_done
-            self.pending -= 1
-            if not self.pending:
-                self._idle.set()
+            self.end()
             raise
+        return future
 
     def cancel(self, request: Request, error: BaseException) -> bool:
         """Take a request that has not started off the queue; it finishes with `error`."""

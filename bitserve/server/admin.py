@@ -18,6 +18,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from bitserve.backends.base import LoadError
+from bitserve.server.http import error, json_response
 from bitserve.server.v2 import InvalidRequest
 
 if TYPE_CHECKING:
@@ -47,7 +48,7 @@ class Admin:
 
     def _guard(self, handler: Callable[[Request], Any]) -> Callable[[Request], Any]:
         async def guarded(request: Request) -> Response:
-            from bitserve.server.app import error, status_of
+            from bitserve.server.app import status_of  # app imports this module
 
             token = self.server.options.admin_token
             if not token:
@@ -67,8 +68,6 @@ class Admin:
         return guarded
 
     async def index(self, request: Request) -> Response:
-        from bitserve.server.app import json_response
-
         return json_response(self.server.repository.index())
 
     def _changes_allowed(self) -> None:

@@ -35,6 +35,7 @@ from bitserve.metrics import Metrics
 from bitserve.repository.repository import ModelNotFound, ModelUnavailable, Repository
 from bitserve.repository.version import ExecutionError, ModelVersion
 from bitserve.server import admin, generate, health, openai
+from bitserve.server.http import error, json_response, until_disconnect
 from bitserve.server.v2 import HEADER_LENGTH, InvalidRequest, encode_response, parse_infer
 
 log = logging.getLogger("bitserve.server")
@@ -66,19 +67,6 @@ class ServerOptions:
     lazy_load: bool = False  # load each model on its first request (scale to zero)
     process_started: float = field(default_factory=coldstart.process_start_time)
     imported: float = field(default_factory=time.time)  # when serving code was importable
-
-
-def json_response(doc: object, status: int = 200, headers: dict | None = None) -> Response:
-    return Response(
-        orjson.dumps(doc, option=orjson.OPT_SERIALIZE_NUMPY),
-        status_code=status,
-        headers=headers,
-        media_type="application/json",
-    )
-
-
-def error(status: int, message: str, headers: dict | None = None) -> Response:
-    return json_response({"error": message}, status, headers)
 
 
 class Server:
@@ -229,12 +217,6 @@ class Server:
         loop = asyncio.get_running_loop()
         now = loop.time()
         timeout_s = _timeout(policy, parsed.timeout_us)
-        future: asyncio.Future = loop.create_future()
-
-        def on_done(outputs: Any, err: BaseException | None) -> None:
-            if not future.done():
-                future.set_exception(err) if err is not None else future.set_result(outputs)
-
         try:
             backend_class(config.backend).validate(config, parsed.inputs)
         except ValueError as e:
@@ -246,13 +228,12 @@ class Server:
             priority=priority,
             timeout_at=now + timeout_s if timeout_s else None,
             shape_key=parsed.shape_key,
-            on_done=on_done,
         )
-        version.submit(job)
+        future = version.submit(job)
         if job.state != "queued":
             return job, await future  # running already: nothing left to cancel
         cancel = functools.partial(version.cancel, job, ClientGone("client disconnected"))
-        return job, await _await_or_disconnect(http, future, cancel)
+        return job, await until_disconnect(http, future, cancel)
 
     async def _read_body(self, request: Request) -> bytes:
         limit = self.options.max_body
@@ -330,31 +311,6 @@ def _decompress(body: bytes, encoding: str, limit: int) -> bytes:
     if len(out) > limit:
         raise BodyTooLarge(f"decompressed request body exceeds {limit} bytes")
     return out
-
-
-async def _await_or_disconnect(http: Request, future: asyncio.Future, cancel: Any) -> dict:
-    """Wait for the result; if the client goes away first, take the request off the queue.
-
-    A done-callback on the watcher (rather than asyncio.wait) keeps the common path to
-    one task and one await."""
-    watcher = asyncio.get_running_loop().create_task(_disconnected(http))
-
-    def on_disconnect(task: asyncio.Task) -> None:
-        if not task.cancelled() and not future.done():
-            cancel()
-
-    watcher.add_done_callback(on_disconnect)
-    try:
-        return await future
-    finally:
-        watcher.cancel()
-
-
-async def _disconnected(http: Request) -> None:
-    while True:
-        message = await http.receive()
-        if message["type"] == "http.disconnect":
-            return
 
 
 # ---------------------------------------------------------------------- errors

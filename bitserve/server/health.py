@@ -21,6 +21,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from bitserve.server.http import error, json_response
+
 if TYPE_CHECKING:
     from bitserve.server.app import Server
 
@@ -58,8 +60,6 @@ class Health:
         reason = self.server.repository.not_ready_reason()
         lazy = self.server.repository.lazy_models()
         if reason is None and lazy:  # ready, and it says which models are not loaded yet
-            from bitserve.server.app import json_response
-
             return json_response({"ready": True, "lazy_models": lazy})
         return _answer(200 if reason is None else 503, reason or "")
 
@@ -97,8 +97,6 @@ class Health:
 def _answer(status: int, reason: str) -> Response:
     if status == 200:
         return Response(status_code=200)
-    from bitserve.server.app import error
-
     return error(status, reason)
 
 

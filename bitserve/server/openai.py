@@ -14,7 +14,7 @@ import asyncio
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import numpy as np
@@ -27,10 +27,12 @@ from starlette.routing import Route
 from bitserve.backends.llm import LLMService, NoChatTemplate, Overloaded, PromptTooLong
 from bitserve.batching.batcher import QueueFull
 from bitserve.batching.batcher import Request as BatchRequest
+from bitserve.batching.collate import shape_key
 from bitserve.llm.outputs import RequestOutput
 from bitserve.llm.sampling_params import SamplingParams
 from bitserve.repository.repository import ModelNotFound, ModelUnavailable
 from bitserve.repository.version import ModelVersion
+from bitserve.server.http import until_disconnect
 
 if TYPE_CHECKING:
     from bitserve.server.app import Server
@@ -269,7 +271,7 @@ class OpenAI:
         stream = _Streams(self.server, version, llm, req, jobs, encoded, chat)
         if req.stream:
             return StreamingResponse(stream.sse(), media_type="text/event-stream")
-        return _json(await _until_disconnect(http, stream.complete()))
+        return _json(await until_disconnect(http, stream.complete()))
 
     # ---------------------------------------------------------- embeddings
 
@@ -289,21 +291,10 @@ class OpenAI:
         return _json(embedding_body(req, texts, vectors, version))
 
     async def _embed(self, http: Request, version: ModelVersion, texts: list[str]) -> list:
-        """Through the dynamic batcher, in slices of max_batch_size rows."""
-        config = version.config
-        name, out = config.input[0].name, config.output[0].name
-        limit = max(config.max_batch_size, 1)
-        loop = asyncio.get_running_loop()
         results: list = []
-        for start in range(0, len(texts), limit):
-            chunk = texts[start : start + limit]
-            array = np.empty((len(chunk), 1), dtype=object)
-            array[:, 0] = [t.encode() for t in chunk]
-            future = loop.create_future()
-            job = BatchRequest({name: array}, len(chunk), loop.time(), on_done=_resolve(future))
-            version.submit(job)
-            outputs = await _until_disconnect(http, future)
-            results.extend(outputs[out])
+        for job in embedding_requests(version, texts):
+            outputs = await until_disconnect(http, version.submit(job))
+            results.extend(outputs[version.config.output[0].name])
         return results
 
     # ---------------------------------------------------------- tokenizer
@@ -709,31 +700,21 @@ def translate(e: BaseException) -> APIError:
     return APIError(500, f"{type(e).__name__}: {e}", "internal_error")
 
 
+def embedding_requests(version: ModelVersion, texts: list[str]) -> Iterator[BatchRequest]:
+    """Texts as batcher requests of at most max_batch_size rows (online and offline)."""
+    config = version.config
+    name = config.input[0].name
+    limit = max(config.max_batch_size, 1)
+    for start in range(0, len(texts), limit):
+        chunk = texts[start : start + limit]
+        array = np.empty((len(chunk), 1), dtype=object)
+        array[:, 0] = [t.encode() for t in chunk]
+        inputs = {name: array}
+        now = asyncio.get_running_loop().time()
+        yield BatchRequest(inputs, len(chunk), now, shape_key=shape_key(config, inputs))
+
+
 def _json(doc: dict) -> Response:
     return Response(
         orjson.dumps(doc, option=orjson.OPT_SERIALIZE_NUMPY), media_type="application/json"
     )
-
-
-def _resolve(future: asyncio.Future) -> Any:
-    def done(outputs: Any, error: BaseException | None) -> None:
-        if not future.done():
-            future.set_exception(error) if error else future.set_result(outputs)
-
-    return done
-
-
-async def _until_disconnect(http: Request, awaitable: Any) -> Any:
-    """Await; if the client disconnects first, cancel (which aborts engine requests)."""
-    work = asyncio.ensure_future(awaitable)
-
-    async def watch() -> None:
-        while (await http.receive())["type"] != "http.disconnect":
-            pass
-        work.cancel()
-
-    watcher = asyncio.create_task(watch())
-    try:
-        return await work
-    finally:
-        watcher.cancel()

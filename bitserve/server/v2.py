@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import orjson
 
+from bitserve.batching.collate import shape_key
 from bitserve.repository.config import ModelConfig, TensorSpec
 from bitserve.tensors import DATATYPES, TensorError, from_binary, from_json, to_binary, to_json
 
@@ -59,11 +60,7 @@ def parse_infer(config: ModelConfig, body: bytes, header_length: int | None) -> 
     return InferRequest(
         inputs=inputs,
         rows=rows,
-        shape_key=tuple(
-            (name, a.shape[1:])
-            for name, a in inputs.items()
-            if not _spec(config, name).ragged and config.max_batch_size > 0
-        ),
+        shape_key=shape_key(config, inputs),
         id=request_id,
         outputs=outputs,
         binary=choices,

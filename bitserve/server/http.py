@@ -1,0 +1,51 @@
+"""HTTP plumbing every route module shares: JSON responses, v2 errors, and waiting on
+work while watching for the client to leave."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import orjson
+from starlette.requests import Request
+from starlette.responses import Response
+
+
+def json_response(doc: object, status: int = 200, headers: dict | None = None) -> Response:
+    return Response(
+        orjson.dumps(doc, option=orjson.OPT_SERIALIZE_NUMPY),
+        status_code=status,
+        headers=headers,
+        media_type="application/json",
+    )
+
+
+def error(status: int, message: str, headers: dict | None = None) -> Response:
+    """The v2 protocol's error body: `{"error": "..."}`."""
+    return json_response({"error": message}, status, headers)
+
+
+async def until_disconnect(
+    http: Request, awaitable: Awaitable, on_disconnect: Callable[[], Any] | None = None
+) -> Any:
+    """Await `awaitable`; if the client goes away first, call `on_disconnect` (by default
+    cancel the work). A done-callback on the watcher, not asyncio.wait, keeps the common
+    path to one extra task."""
+    work = asyncio.ensure_future(awaitable)
+    watcher = asyncio.get_running_loop().create_task(_disconnected(http))
+
+    def gone(task: asyncio.Task) -> None:
+        if not task.cancelled() and not work.done():
+            (on_disconnect or work.cancel)()
+
+    watcher.add_done_callback(gone)
+    try:
+        return await work
+    finally:
+        watcher.cancel()
+
+
+async def _disconnected(http: Request) -> None:
+    while (await http.receive())["type"] != "http.disconnect":
+        pass
