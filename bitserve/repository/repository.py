@@ -57,7 +57,7 @@ def version_numbers(model_dir: Path) -> list[int]:
 class Repository:
     def __init__(self, path: Path, metrics: Metrics | None = None, drain_timeout: float = 30.0):
         self.path = Path(path)
-        self.metrics = metrics
+        self.metrics = metrics or Metrics()
         self.drain_timeout = drain_timeout
         self.models: dict[str, ModelEntry] = {}
         self.loaded = False  # every model asked for at start has been tried

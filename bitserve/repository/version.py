@@ -9,12 +9,13 @@ failing the batch it held so that no request hangs.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from bitserve.backends import is_llm
+from bitserve.backends import backend_class, is_llm
 from bitserve.backends.base import LoadError
 from bitserve.batching.batcher import DynamicBatcher, Request
 from bitserve.batching.clock import LoopClock
@@ -55,7 +56,8 @@ class ModelVersion:
         self._idle = asyncio.Event()
         self._idle.set()
         labels = (config.name, str(version))
-        self._m = _bind(metrics, labels) if metrics else None
+        # label-bound metric children, resolved once: the request path only observes
+        self.m = _bind(metrics or Metrics(), labels)
 
     @property
     def ready(self) -> bool:
@@ -94,6 +96,8 @@ class ModelVersion:
             await asyncio.gather(*(i.stop() for i in self.instances), return_exceptions=True)
             raise LoadError(self.error) from e
         loop = asyncio.get_running_loop()
+        # the backend's per-request check, resolved once (not an import lookup per request)
+        self.validate = functools.partial(backend_class(self.config.backend).validate, self.config)
         self.batcher = DynamicBatcher(
             self.config.name,
             self.config.max_batch_size,
@@ -105,9 +109,8 @@ class ModelVersion:
         self.load_seconds = time.perf_counter() - started
         self.warmup_seconds = sum(i.warmup_seconds for i in self.instances)
         self.weights_seconds = sum(i.load_only_seconds for i in self.instances)
-        if self._m:
-            self._m["load"].set(self.load_seconds)
-            self._m["warmup"].set(max(i.warmup_seconds for i in self.instances))
+        self.m["load"].set(self.load_seconds)
+        self.m["warmup"].set(max(i.warmup_seconds for i in self.instances))
         self.state = "ready"
 
     async def _load_llm(self) -> None:
@@ -125,9 +128,8 @@ class ModelVersion:
         self.load_seconds = time.perf_counter() - started
         self.warmup_seconds = service.warmup_seconds
         self.weights_seconds = self.load_seconds - service.warmup_seconds
-        if self._m:
-            self._m["load"].set(self.load_seconds)
-            self._m["warmup"].set(service.warmup_seconds)
+        self.m["load"].set(self.load_seconds)
+        self.m["warmup"].set(service.warmup_seconds)
         self.state = "ready"
 
     def begin(self) -> Lease:
@@ -200,10 +202,9 @@ class ModelVersion:
         for request in batch:
             request.queue_seconds = now - request.arrival
             request.batch_rows = rows
-        if self._m:
-            self._m["batch"].observe(rows)
-            for request in batch:
-                self._m["queue"].observe(request.queue_seconds)
+        self.m["batch"].observe(rows)
+        for request in batch:
+            self.m["queue"].observe(request.queue_seconds)
         self.instances[slot].run(
             batch, lambda result, error: self._finish(slot, generation, result, error)
         )
@@ -231,8 +232,7 @@ class ModelVersion:
             outputs, seconds = result
             for request in batch:
                 request.compute_seconds = seconds
-            if self._m:
-                self._m["compute"].observe(seconds)
+            self.m["compute"].observe(seconds)
         for request, output in zip(batch, outputs, strict=True):
             request.finish(output, error)
         assert self.batcher is not None
@@ -310,6 +310,9 @@ def _bind(metrics: Metrics, labels: tuple[str, str]) -> dict[str, Any]:
         "compute": metrics.compute_duration.labels(*labels),
         "load": metrics.load_seconds.labels(*labels),
         "warmup": metrics.warmup_seconds.labels(*labels),
+        "inflight": metrics.inflight.labels(*labels),
+        "duration": metrics.request_duration.labels(*labels),
+        "success": metrics.success.labels(*labels),
     }
 
 

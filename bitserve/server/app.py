@@ -27,7 +27,6 @@ from starlette.responses import Response
 from starlette.routing import Route, Router
 
 from bitserve import __version__, coldstart
-from bitserve.backends import backend_class
 from bitserve.backends.llm import NoChatTemplate, Overloaded, PromptTooLong
 from bitserve.batching.batcher import QueueFull, QueueTimeout
 from bitserve.batching.batcher import Request as BatchRequest
@@ -166,7 +165,7 @@ class Server:
 
     async def _infer(self, request: Request, version: ModelVersion, body: bytes) -> Response:
         labels = (version.config.name, str(version.version))
-        inflight = self.metrics.inflight.labels(*labels)
+        inflight = version.m["inflight"]
         inflight.inc()
         started = time.perf_counter()
         job: BatchRequest | None = None
@@ -193,10 +192,10 @@ class Server:
         finally:
             inflight.dec()
             seconds = time.perf_counter() - started
-            self.metrics.request_duration.labels(*labels).observe(seconds)
+            version.m["duration"].observe(seconds)
             if self.options.access_log is not None:
                 _access_log(self.options.access_log, labels, status, seconds, job)
-        self.metrics.success.labels(*labels).inc()
+        version.m["success"].inc()
         if json_length is None:
             return Response(payload, media_type="application/json")
         return Response(
@@ -218,7 +217,7 @@ class Server:
         now = loop.time()
         timeout_s = _timeout(policy, parsed.timeout_us)
         try:
-            backend_class(config.backend).validate(config, parsed.inputs)
+            version.validate(parsed.inputs)
         except ValueError as e:
             raise InvalidRequest(str(e)) from None
         job = BatchRequest(
@@ -441,7 +440,7 @@ def create_app(
     """The ASGI app. With `load`, models load in the background after startup so that
     health answers (live, not ready) while they load."""
     options = options or ServerOptions()
-    metrics = metrics or repository.metrics or Metrics()
+    metrics = metrics or repository.metrics
     repository.metrics = metrics
     server = Server(repository, options, metrics)
     probes = health.Health(server)
