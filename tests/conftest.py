@@ -78,6 +78,22 @@ class Server:
                 self.process.wait()
 
 
+# A python model's config head: x (FP32 [1]) -> y (FP32 [1]), batches of up to 8 rows.
+# Tests append their own outputs and tables.
+XY_CONFIG = """
+backend = "python"
+max_batch_size = 8
+[[input]]
+name = "x"
+datatype = "FP32"
+dims = [1]
+[[output]]
+name = "y"
+datatype = "FP32"
+dims = [1]
+"""
+
+
 def write_model(repository: Path, name: str, config: str, code: str | None = None) -> Path:
     """A model folder: config.toml and, for python models, 1/model.py."""
     folder = repository / name

@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from tests.conftest import Server, write_model
+from tests.conftest import XY_CONFIG, Server, write_model
 
 SLOW_SETUP = """
 import time
@@ -37,18 +37,9 @@ class Model:
         return {"y": x, "pid": np.full((len(x), 1), os.getpid(), dtype=np.int64)}
 """
 
-TOOLS_CONFIG = """
-backend = "python"
-max_batch_size = 8
-[[input]]
-name = "x"
-datatype = "FP32"
-dims = [1]
-[[output]]
-name = "y"
-datatype = "FP32"
-dims = [1]
-[[output]]
+TOOLS_CONFIG = (
+    XY_CONFIG
+    + """[[output]]
 name = "pid"
 datatype = "INT64"
 dims = [1]
@@ -57,19 +48,9 @@ dims = [1]
 isolation = "{isolation}"
 execution_timeout_ms = 400
 """
+)
 
-ECHO_CONFIG = """
-backend = "python"
-max_batch_size = 8
-[[input]]
-name = "x"
-datatype = "FP32"
-dims = [1]
-[[output]]
-name = "y"
-datatype = "FP32"
-dims = [1]
-"""
+ECHO_CONFIG = XY_CONFIG
 
 
 def body(x: float) -> dict:

@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from tests.conftest import Server, write_model
+from tests.conftest import XY_CONFIG, Server, write_model
 
 VERSIONED = """
 import time
@@ -27,18 +27,9 @@ class Model:
         return {"y": x, "v": np.full((len(x), 1), self.version, dtype=np.int64)}
 """
 
-CONFIG = """
-backend = "python"
-max_batch_size = 8
-[[input]]
-name = "x"
-datatype = "FP32"
-dims = [1]
-[[output]]
-name = "y"
-datatype = "FP32"
-dims = [1]
-[[output]]
+CONFIG = (
+    XY_CONFIG
+    + """[[output]]
 name = "v"
 datatype = "INT64"
 dims = [1]
@@ -47,6 +38,7 @@ max_queue_delay_ms = 1
 [version_policy]
 specific = [{version}]
 """
+)
 
 SLOW = """
 import time

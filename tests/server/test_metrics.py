@@ -11,7 +11,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import Server, write_model
+from tests.conftest import XY_CONFIG, Server, write_model
 
 RECORDER = """
 import time
@@ -36,17 +36,8 @@ def server(tmp_path_factory):
     write_model(
         root / "models",
         "rec",
-        f"""
-        backend = "python"
-        max_batch_size = 8
-        [[input]]
-        name = "x"
-        datatype = "FP32"
-        dims = [1]
-        [[output]]
-        name = "y"
-        datatype = "FP32"
-        dims = [1]
+        XY_CONFIG
+        + f"""
         [dynamic_batching]
         max_queue_delay_ms = 5
         max_queue_size = 64
