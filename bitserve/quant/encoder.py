@@ -1,0 +1,97 @@
+"""Quantized transformers encoders (the `hf` backend: MiniLM and other BERT-likes).
+
+The encoder's `nn.Linear` layers (attention, feed-forward, pooler) are swapped for
+quantized ones; embeddings, LayerNorms and a classifier head stay in fp32. Saved as
+safetensors in transformers' own parameter names plus the quantized buffers, with
+`quantization_config` in config.json; `load_encoder` builds the model from its config
+and fills it from that file (transformers' `from_pretrained` cannot read it).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from safetensors import safe_open
+from torch import nn
+
+from bitserve.quant.linear import Int4Linear, Int8Linear, QuantLinear
+from bitserve.quant.quantize import header_shapes, set_module
+
+ENCODER_METHODS = ("int8", "int4")
+
+
+def auto_class(folder: Path):
+    """AutoModel for an embedder, AutoModelForSequenceClassification for a classifier."""
+    from transformers import AutoConfig, AutoModel, AutoModelForSequenceClassification
+
+    config = AutoConfig.from_pretrained(folder, local_files_only=True)
+    names = config.architectures or []
+    classifier = any(n.endswith("ForSequenceClassification") for n in names)
+    return AutoModelForSequenceClassification if classifier else AutoModel
+
+
+def encoder_linears(model: nn.Module) -> dict[str, nn.Linear]:
+    return {
+        name: m
+        for name, m in model.named_modules()
+        if isinstance(m, nn.Linear) and not name.startswith(("classifier", "score"))
+    }
+
+
+def quantize_encoder(folder: Path, method: str, group_size: int = 32):
+    """Load a full-precision encoder and quantize it in place; returns (model, config)."""
+    if method not in ENCODER_METHODS:
+        raise ValueError(f"encoder models take {ENCODER_METHODS}, not {method!r}")
+    auto = auto_class(folder)
+    model = auto.from_pretrained(folder, local_files_only=True, use_safetensors=True)
+    model = model.eval().float()
+    for name, linear in encoder_linears(model).items():
+        if method == "int8":
+            layer: QuantLinear = Int8Linear.from_float(linear)
+        else:
+            layer = Int4Linear.from_float(linear, group_size)
+        set_module(model, name, layer)
+    qconfig: dict[str, Any] = {"quant_method": "bitserve", "method": method, "embedding": None}
+    if method == "int4":
+        qconfig["group_size"] = group_size
+    return model, qconfig
+
+
+def load_encoder(folder: Path, auto, qconfig: dict[str, Any]) -> nn.Module:
+    """Build the encoder from config.json, swap in empty quantized layers, fill them."""
+    from transformers import AutoConfig
+
+    model = auto.from_config(AutoConfig.from_pretrained(folder, local_files_only=True))
+    shapes = header_shapes(folder)
+    for name, linear in encoder_linears(model).items():
+        if f"{name}.qweight" not in shapes:
+            continue
+        bias = linear.bias is not None
+        if qconfig["method"] == "int4":
+            layer: QuantLinear = Int4Linear(
+                linear.in_features, linear.out_features, bias, qconfig["group_size"]
+            )
+        else:
+            layer = Int8Linear(linear.in_features, linear.out_features, bias)
+        set_module(model, name, layer)
+    state = model.state_dict(keep_vars=True)
+    missing = set(state)
+    for file in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                if name in state:
+                    state[name].data.copy_(f.get_tensor(name))
+                    missing.discard(name)
+    if missing:
+        raise KeyError(f"{folder}: tensors missing from the checkpoint: {sorted(missing)[:5]}")
+    return model.eval().requires_grad_(False)
+
+
+def save_encoder(model: nn.Module, folder: Path) -> int:
+    from safetensors.torch import save_file
+
+    tensors = {k: v.detach().contiguous().clone() for k, v in model.state_dict().items()}
+    path = folder / "model.safetensors"
+    save_file(tensors, str(path), metadata={"format": "pt", "quant_method": "bitserve"})
+    return path.stat().st_size

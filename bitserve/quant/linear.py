@@ -1,0 +1,331 @@
+"""Quantized layers: int8, int8 with outlier channels, int4, and an int8 embedding.
+
+Each layer keeps its quantized tensors as buffers (what is saved to safetensors) and
+picks its kernels in `prepare()`, once its buffers sit on their device. On this CPU
+(shared/research/cpu-facts.md §3, re-measured on the 58M bench model's shapes):
+
+- int8, int8-outlier: up to SMALL_M rows `_weight_int8pack_mm` (bf16 activations);
+  above, `torch._int_mm` with int8 activations, vector-wise (per row) scales.
+- int4: `_weight_int4pack_mm_for_cpu` (bf16 activations) at every size (still ~1.7x
+  fp32 at M=256).
+
+With fp32 activations `_weight_int8pack_mm` is 4-30x slower than fp32, so activations go
+to bf16 for the packed kernels and come back in their own dtype. A kernel that does not
+exist on the device (or gives a wrong answer on a probe) is replaced by dequantize-and-
+matmul, and the log says so.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+log = logging.getLogger("bitserve.quant")
+aten = torch.ops.aten
+
+SMALL_M = 4  # up to here the packed weight-only kernels win; above, _int_mm (W8A8) wins
+_fallbacks_logged: set[str] = set()
+
+
+def fallback(what: str, why: str) -> None:
+    """Say once per kind of layer that it dequantizes instead of using a kernel."""
+    if what not in _fallbacks_logged:
+        _fallbacks_logged.add(what)
+        log.warning("%s: no fast kernel (%s); dequantize-and-matmul instead", what, why)
+
+
+def quantize_rows_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-row int8: w ~= q * scale[:, None], q in [-127, 127]."""
+    w = w.float()
+    scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0
+    q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Vector-wise (per row) symmetric int8 activations, as LLM.int8() does."""
+    scale = x.abs().amax(dim=1, keepdim=True).float().clamp(min=1e-12) / 127.0
+    return torch.round(x / scale).clamp(-127, 127).to(torch.int8), scale
+
+
+def flat(x: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
+    return x.reshape(-1, x.shape[-1]), x.shape[:-1]
+
+
+class QuantLinear(nn.Module):
+    """Common parts: sizes, optional fp32 bias, lazy kernel choice."""
+
+    method = "none"
+
+    def __init__(self, in_features: int, out_features: int, bias: bool):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False)
+        else:
+            self.bias = None
+        self.prepared_for: torch.device | None = None
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, method={self.method}"
+
+    def prepare(self) -> None:
+        """Build the kernel-ready tensors on the buffers' device."""
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.prepared_for != self.device:
+            self.prepare()
+            self.prepared_for = self.device
+        rows, lead = flat(x)
+        y = self.matmul(rows)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.to(x.dtype).view(*lead, self.out_features)
+
+    @property
+    def device(self) -> torch.device:
+        return self.qweight.device
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class Int8Linear(QuantLinear):
+    """Per-output-channel symmetric int8 weights: W ~= qweight * scales[:, None]."""
+
+    method = "int8"
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        super().__init__(in_features, out_features, bias)
+        self.register_buffer("qweight", torch.zeros(out_features, in_features, dtype=torch.int8))
+        self.register_buffer("scales", torch.ones(out_features, dtype=torch.float32))
+
+    @classmethod
+    def from_float(cls, linear: nn.Linear) -> Int8Linear:
+        out_f, in_f = linear.weight.shape
+        layer = cls(in_f, out_f, linear.bias is not None)
+        layer.qweight, layer.scales = quantize_rows_int8(linear.weight.detach())
+        if linear.bias is not None:
+            layer.bias.data = linear.bias.detach().float().clone()
+        return layer
+
+    def int8_weight(self) -> torch.Tensor:
+        return self.qweight.float() * self.scales[:, None]
+
+    def dequantize(self) -> torch.Tensor:
+        return self.int8_weight()
+
+    def prepare(self) -> None:
+        self.scales_bf16 = self.scales.to(torch.bfloat16)
+        w = self.int8_weight()
+        self.use_pack = probe(self, "int8pack", self.pack_matmul, w)
+        self.use_int_mm = probe(self, "_int_mm", self.int_mm_matmul, w, rows=32)
+
+    def pack_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return aten._weight_int8pack_mm(x.to(torch.bfloat16), self.qweight, self.scales_bf16)
+
+    def int_mm_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        xq, xs = quantize_activations(x)
+        return torch._int_mm(xq, self.qweight.t()) * xs * self.scales
+
+    def dequant_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.float(), self.int8_weight())
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        m = x.shape[0]
+        if m <= SMALL_M:
+            return self.pack_matmul(x) if self.use_pack else self.dequant_matmul(x)
+        if self.use_int_mm and (x.is_cpu or m > 16):  # CUDA's _int_mm wants M > 16
+            return self.int_mm_matmul(x)
+        return self.pack_matmul(x) if self.use_pack else self.dequant_matmul(x)
+
+
+class Int8OutlierLinear(Int8Linear):
+    """LLM.int8()'s mixed-precision decomposition with outlier columns fixed at calibration.
+
+    Input channels whose calibrated absmax exceeded the threshold (`outlier_idx`) keep
+    their weight columns in fp32 (`outlier_weight`, [out, n_outliers]); every other
+    column is int8 per output row, and the int8 part sees the activations with the
+    outlier channels zeroed, so their magnitude never sets the row's int8 scale.
+    """
+
+    method = "int8-outlier"
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, n_out: int = 0):
+        super().__init__(in_features, out_features, bias)
+        self.register_buffer("outlier_idx", torch.zeros(n_out, dtype=torch.int64))
+        self.register_buffer("outlier_weight", torch.zeros(out_features, n_out))
+
+    @classmethod
+    def from_float_with_outliers(
+        cls, linear: nn.Linear, outliers: torch.Tensor
+    ) -> Int8OutlierLinear:
+        out_f, in_f = linear.weight.shape
+        layer = cls(in_f, out_f, linear.bias is not None, len(outliers))
+        w = linear.weight.detach().float()
+        layer.outlier_idx = outliers.to(torch.int64).clone()
+        layer.outlier_weight = w[:, outliers].contiguous()
+        rest = w.index_fill(1, layer.outlier_idx, 0.0)
+        layer.qweight, layer.scales = quantize_rows_int8(rest)
+        if linear.bias is not None:
+            layer.bias.data = linear.bias.detach().float().clone()
+        return layer
+
+    def dequantize(self) -> torch.Tensor:
+        w = super().dequantize()
+        w[:, self.outlier_idx] = self.outlier_weight
+        return w
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if self.outlier_idx.numel() == 0:
+            return super().matmul(x)
+        outliers = x[:, self.outlier_idx].float() @ self.outlier_weight.t()
+        rest = x.index_fill(1, self.outlier_idx, 0.0)
+        return super().matmul(rest) + outliers
+
+
+class Int4Linear(QuantLinear):
+    """Group-wise asymmetric 4-bit weights, in torch's int4pack convention.
+
+    For each output row and each group of `group_size` input columns:
+    W ~= (q - 8) * scale + zero, q in [0, 15]; `zero` is the value at the group's
+    midpoint, so min and max of the group map to q = 0 and q = 15. Two q per byte in
+    `qweight` [out, in / 2] (even column in the high nibble); scales and zeros are
+    bf16 [out, in / group_size], which is what the kernels take.
+    """
+
+    method = "int4"
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, group_size=32):
+        super().__init__(in_features, out_features, bias)
+        self.group_size = group_size
+        # a width that is not a multiple of the group is padded with zero columns
+        self.padded_in = -(-in_features // group_size) * group_size
+        groups = self.padded_in // group_size
+        self.register_buffer(
+            "qweight", torch.zeros(out_features, self.padded_in // 2, dtype=torch.uint8)
+        )
+        self.register_buffer("scales", torch.ones(out_features, groups, dtype=torch.bfloat16))
+        self.register_buffer("zeros", torch.zeros(out_features, groups, dtype=torch.bfloat16))
+
+    @classmethod
+    def from_float(cls, linear: nn.Linear, group_size: int = 32) -> Int4Linear:
+        out_f, in_f = linear.weight.shape
+        layer = cls(in_f, out_f, linear.bias is not None, group_size)
+        w = F.pad(linear.weight.detach().float(), (0, layer.padded_in - in_f))
+        w = w.view(out_f, -1, group_size)
+        lo, hi = w.amin(-1), w.amax(-1)
+        scale = ((hi - lo) / 15).clamp(min=1e-8).to(torch.bfloat16)
+        zero = (lo + 8 * scale.float()).to(torch.bfloat16)
+        q = torch.round((w - zero.float()[..., None]) / scale.float()[..., None]) + 8
+        q = q.clamp(0, 15).to(torch.uint8).view(out_f, layer.padded_in)
+        layer.qweight = (q[:, ::2] << 4) | q[:, 1::2]
+        layer.scales, layer.zeros = scale, zero
+        if linear.bias is not None:
+            layer.bias.data = linear.bias.detach().float().clone()
+        return layer
+
+    def unpacked(self) -> torch.Tensor:
+        """q as int32 [out, padded in], values 0..15."""
+        q = torch.stack([self.qweight >> 4, self.qweight & 15], dim=-1)
+        return q.view(self.out_features, self.padded_in).to(torch.int32)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """[out, padded in]: the padding columns multiply zeros."""
+        q = self.unpacked().view(self.out_features, -1, self.group_size).to(dtype) - 8
+        w = q * self.scales.to(dtype)[..., None] + self.zeros.to(dtype)[..., None]
+        return w.view(self.out_features, self.padded_in)
+
+    def prepare(self) -> None:
+        # [in / group, out, 2] bf16: what both int4pack kernels take
+        pairs = torch.stack([self.scales, self.zeros], -1).to(torch.bfloat16)
+        self.scales_and_zeros = pairs.transpose(0, 1).contiguous()
+        self.packed = None
+        try:
+            if self.device.type == "cpu":
+                self.packed = aten._convert_weight_to_int4pack_for_cpu(self.unpacked(), 1)
+            else:
+                self.packed = aten._convert_weight_to_int4pack(self.qweight.contiguous(), 8)
+        except (RuntimeError, NotImplementedError) as e:
+            fallback("int4 linear", f"int4pack conversion: {e}".splitlines()[0])
+        w = self.dequantize()
+        self.use_pack = self.packed is not None and probe(self, "int4pack", self.pack_matmul, w)
+        if not self.use_pack:
+            self.packed = None
+
+    def pad(self, x: torch.Tensor) -> torch.Tensor:
+        return (
+            F.pad(x, (0, self.padded_in - self.in_features)) if self.padded_in > x.shape[1] else x
+        )
+
+    def pack_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.pad(x.to(torch.bfloat16))
+        if self.device.type == "cpu":
+            return aten._weight_int4pack_mm_for_cpu(
+                x, self.packed, self.group_size, self.scales_and_zeros
+            )
+        return aten._weight_int4pack_mm(x, self.packed, self.group_size, self.scales_and_zeros)
+
+    def dequant_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(self.pad(x.to(torch.bfloat16)), self.dequantize(torch.bfloat16))
+
+    def free_unpacked(self) -> None:
+        """Drop `qweight` once the kernel holds its own packed copy (half the memory)."""
+        if self.use_pack:
+            self.qweight = torch.empty(0, dtype=torch.uint8, device=self.device)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return self.pack_matmul(x) if self.use_pack else self.dequant_matmul(x)
+
+
+def probe(layer: QuantLinear, name: str, kernel, weight: torch.Tensor, rows: int = 1) -> bool:
+    """Does `kernel` run here and agree with `weight`, dequantized? (once per layer)"""
+    x = torch.randn(rows, layer.in_features, device=layer.device)
+    try:
+        got = kernel(x).float()
+        weight = weight[:, : layer.in_features]
+    except (RuntimeError, NotImplementedError) as e:
+        fallback(f"{layer.method} linear ({name})", str(e).splitlines()[0])
+        return False
+    want = x @ weight.t()
+    err = (got - want).norm() / want.norm().clamp(min=1e-12)
+    if not err < 0.05:
+        fallback(f"{layer.method} linear ({name})", f"probe error {float(err):.3g}")
+        return False
+    return True
+
+
+class Int8Embedding(nn.Module):
+    """Token embeddings as per-row int8: a lookup reads and dequantizes only its rows."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, dtype=torch.float32):
+        super().__init__()
+        self.num_embeddings, self.embedding_dim, self.dtype = num_embeddings, embedding_dim, dtype
+        self.register_buffer(
+            "qweight", torch.zeros(num_embeddings, embedding_dim, dtype=torch.int8)
+        )
+        self.register_buffer("scales", torch.ones(num_embeddings, dtype=torch.float32))
+
+    @classmethod
+    def from_float(cls, embedding: nn.Embedding) -> Int8Embedding:
+        layer = cls(*embedding.weight.shape, dtype=embedding.weight.dtype)
+        layer.qweight, layer.scales = quantize_rows_int8(embedding.weight.detach())
+        return layer
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = self.qweight[ids].to(self.dtype)
+        return rows * self.scales[ids].to(self.dtype).unsqueeze(-1)
+
+
+def tied_head(embedding: Int8Embedding) -> Int8Linear:
+    """An lm_head that shares the int8 embedding's tensors (tied word embeddings)."""
+    head = Int8Linear(embedding.embedding_dim, embedding.num_embeddings)
+    head.qweight, head.scales = embedding.qweight, embedding.scales
+    return head
+
+
+QUANT_MODULES = (QuantLinear, Int8Embedding)

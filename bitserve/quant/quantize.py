@@ -1,0 +1,243 @@
+"""Swap a model's layers for quantized ones, save them, and load them back.
+
+A quantized folder is the source folder (config.json, tokenizer, ...) with its weights
+replaced by one `model.safetensors` in bitserve's own module names (fused `qkv_proj`,
+`gate_up_proj`), and `quantization_config` added to config.json:
+
+    {"quant_method": "bitserve", "method": "int8" | "int8-outlier" | "int4",
+     "group_size": 32, "threshold": 6.0, "embedding": "int8", "tied_lm_head": false}
+
+Every `nn.Linear` is quantized (the LM head too) except a MoE router; Llama-family token
+embeddings become int8 rows (they are a quarter of the 58M bench model). A tied LM head
+shares the int8 embedding under `int8`; under the other methods it gets its own tensors.
+`load_model` (bitserve/llm/models) calls `prepare_modules` on the meta-device model and
+`load_weights` instead of its own loader when config.json says `quant_method: bitserve`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+from bitserve.quant.linear import (
+    Int4Linear,
+    Int8Embedding,
+    Int8Linear,
+    Int8OutlierLinear,
+    QuantLinear,
+    tied_head,
+)
+
+log = logging.getLogger("bitserve.quant")
+
+METHODS = ("int8", "int8-outlier", "int4")
+GROUP_SIZES = (32, 64, 128)
+WEIGHTS_FILE = "model.safetensors"
+
+
+def is_quantized(hf_config: dict[str, Any]) -> bool:
+    return (hf_config.get("quantization_config") or {}).get("quant_method") == "bitserve"
+
+
+def quantizable(model: nn.Module) -> dict[str, nn.Linear]:
+    """The linear layers to quantize, by module name (a MoE router stays as it is)."""
+    return {
+        name: m
+        for name, m in model.named_modules()
+        if isinstance(m, nn.Linear) and not name.endswith("mlp.gate")
+    }
+
+
+def set_module(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, child, module)
+
+
+def embedding_of(model: nn.Module) -> nn.Embedding | None:
+    """The token embedding of a Llama-family model (GPT-2 reads `wte.weight` directly)."""
+    embedding = getattr(model, "embed_tokens", None)
+    return embedding if isinstance(embedding, nn.Embedding) else None
+
+
+# -- quantize a full-precision model ---------------------------------------------------------
+def quantize_model(
+    model: nn.Module,
+    method: str,
+    group_size: int = 32,
+    outliers: dict[str, torch.Tensor] | None = None,
+    threshold: float = 6.0,
+) -> dict[str, Any]:
+    """Quantize `model` in place; returns its `quantization_config`.
+
+    `outliers` (int8-outlier): per linear layer, the input channels to keep in fp32.
+    """
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    if method == "int4" and group_size not in GROUP_SIZES:
+        raise ValueError(f"group size must be one of {GROUP_SIZES}, got {group_size}")
+    tied = bool(getattr(model, "tie_word_embeddings", False))
+    for name, linear in quantizable(model).items():
+        if method == "int8":
+            layer = Int8Linear.from_float(linear)
+        elif method == "int4":
+            layer = Int4Linear.from_float(linear, group_size)
+        else:
+            idx = (outliers or {}).get(name, torch.zeros(0, dtype=torch.int64))
+            layer = Int8OutlierLinear.from_float_with_outliers(linear, idx)
+        set_module(model, name, layer)
+    config: dict[str, Any] = {"quant_method": "bitserve", "method": method, "embedding": None}
+    if method == "int4":
+        config["group_size"] = group_size
+    if method == "int8-outlier":
+        config["threshold"] = threshold
+    embedding = embedding_of(model)
+    if embedding is not None:
+        model.embed_tokens = Int8Embedding.from_float(embedding)
+        config["embedding"] = "int8"
+        if tied and method == "int8":
+            model.lm_head = tied_head(model.embed_tokens)
+    config["tied_lm_head"] = tied and method == "int8" and embedding is not None
+    if tied:
+        model.tie_word_embeddings = False  # tie_weights() must not put a float weight back
+    disable_fused_decode(model)
+    return config
+
+
+def disable_fused_decode(model: nn.Module) -> None:
+    """The fused C decode layer reads fp32 weight pointers: quantized layers have none."""
+    if hasattr(model, "fusable"):
+        model._fusable = False
+
+
+# -- save ------------------------------------------------------------------------------------
+def save_weights(model: nn.Module, folder: Path, qconfig: dict[str, Any]) -> int:
+    """Write `model.safetensors` (bitserve module names); returns its size in bytes."""
+    tensors: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for name, tensor in model.state_dict().items():
+        if qconfig.get("tied_lm_head") and name.startswith("lm_head."):
+            continue
+        key = tensor.data_ptr()
+        if key in seen and tensor.numel():
+            raise ValueError(f"{name} shares memory with another tensor; untie it first")
+        seen.add(key)
+        tensors[name] = tensor.detach().cpu().contiguous()
+    path = folder / WEIGHTS_FILE
+    save_file(tensors, str(path), metadata={"format": "pt", "quant_method": "bitserve"})
+    return path.stat().st_size
+
+
+def write_config(source: Path, folder: Path, qconfig: dict[str, Any]) -> None:
+    hf = json.loads((source / "config.json").read_text())
+    hf["quantization_config"] = qconfig
+    (folder / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
+
+
+# -- load ------------------------------------------------------------------------------------
+def header_shapes(folder: Path) -> dict[str, list[int]]:
+    shapes: dict[str, list[int]] = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                shapes[name] = f.get_slice(name).get_shape()
+    return shapes
+
+
+def prepare_modules(model: nn.Module, folder: Path, qconfig: dict[str, Any]) -> None:
+    """Replace layers by empty quantized ones shaped as the checkpoint says (on meta)."""
+    if not is_quantized({"quantization_config": qconfig}):
+        raise ValueError(
+            f"{folder}/config.json: quantization_config.quant_method "
+            f"{qconfig.get('quant_method')!r} is not supported (bitserve loads the folders "
+            "that `bitserve quantize` writes)"
+        )
+    shapes = header_shapes(folder)
+    method = qconfig["method"]
+    for name, linear in quantizable(model).items():
+        if f"{name}.qweight" not in shapes:
+            if name == "lm_head" and qconfig.get("tied_lm_head"):
+                continue  # tied to the int8 embedding after loading
+            continue  # kept in full precision
+        bias = linear.bias is not None
+        if method == "int4":
+            layer: QuantLinear = Int4Linear(
+                linear.in_features, linear.out_features, bias, qconfig["group_size"]
+            )
+        elif method == "int8-outlier":
+            n_out = shapes[f"{name}.outlier_idx"][0]
+            layer = Int8OutlierLinear(linear.in_features, linear.out_features, bias, n_out)
+        else:
+            layer = Int8Linear(linear.in_features, linear.out_features, bias)
+        set_module(model, name, layer)
+    embedding = embedding_of(model)
+    if embedding is not None and "embed_tokens.qweight" in shapes:
+        model.embed_tokens = Int8Embedding(*embedding.weight.shape, dtype=torch.get_default_dtype())
+    if getattr(model, "tie_word_embeddings", False):
+        model.tie_word_embeddings = False
+    disable_fused_decode(model)
+
+
+def load_weights(model: nn.Module, folder: Path, qconfig: dict[str, Any]) -> None:
+    """Fill the prepared model from safetensors, tie the head, pick the kernels."""
+    state = model.state_dict(keep_vars=True)
+    for file in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                if name not in state:
+                    raise KeyError(f"checkpoint tensor {name!r} has no place in the model")
+                state[name].data.copy_(f.get_tensor(name))
+    if qconfig.get("tied_lm_head"):
+        model.lm_head = tied_head(model.embed_tokens)
+    prepare_kernels(model)
+    log.info("%s", describe(model, qconfig))
+
+
+def prepare_kernels(model: nn.Module) -> None:
+    """Pick every layer's kernels now (not on the first request); free what they copied."""
+    for module in model.modules():
+        if isinstance(module, QuantLinear):
+            module.prepare()
+            module.prepared_for = module.device
+            if isinstance(module, Int4Linear):
+                module.free_unpacked()
+
+
+def describe(model: nn.Module, qconfig: dict[str, Any]) -> str:
+    layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    kernels = sorted({kernel_summary(m) for m in layers})
+    return (
+        f"quantized model ({qconfig['method']}): {len(layers)} linear layers, "
+        f"embedding {qconfig.get('embedding') or 'full precision'}, "
+        f"{weight_bytes(model) / 2**20:.1f} MiB of weights; kernels: {'; '.join(kernels)}"
+    )
+
+
+def kernel_summary(layer: QuantLinear) -> str:
+    from bitserve.quant.linear import SMALL_M
+
+    if isinstance(layer, Int4Linear):
+        return "int4: int4pack" if layer.use_pack else "int4: dequantize + matmul"
+    small = "int8pack" if layer.use_pack else "dequantize + matmul"
+    large = "_int_mm" if layer.use_int_mm else small
+    return f"{layer.method}: {small} up to {SMALL_M} rows, {large} above"
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes held by parameters, buffers and kernel-ready tensors, each storage once."""
+    seen: dict[int, int] = {}
+    for module in model.modules():
+        tensors = list(module.parameters(recurse=False)) + list(module.buffers(recurse=False))
+        if isinstance(module, QuantLinear):
+            tensors += [v for v in vars(module).values() if isinstance(v, torch.Tensor)]
+        for t in tensors:
+            if t.device.type != "meta" and t.numel():
+                storage = t.untyped_storage()
+                seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
