@@ -16,7 +16,6 @@ from bitserve.llm.config import EngineConfig
 from bitserve.llm.models.gpt2 import GPT2LMHeadModel
 from bitserve.llm.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
 from bitserve.llm.models.mixtral import MixtralForCausalLM
-from bitserve.llm.parallel import SINGLE, Parallel
 
 ARCHITECTURES: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -42,9 +41,8 @@ def model_class(config: EngineConfig) -> type[nn.Module]:
     )
 
 
-def load_model(config: EngineConfig, parallel: Parallel = SINGLE) -> nn.Module:
-    """Build the model in the configured dtype and fill it from `*.safetensors`; under
-    tensor/pipeline parallelism, only this rank's share (parallel.py)."""
+def load_model(config: EngineConfig) -> nn.Module:
+    """Build the model in the configured dtype and fill it from `*.safetensors`."""
     cls = model_class(config)
     quant = config.hf_config.get("quantization_config")  # written by `bitserve quantize`
     if quant is not None:
@@ -53,7 +51,7 @@ def load_model(config: EngineConfig, parallel: Parallel = SINGLE) -> nn.Module:
     torch.set_default_dtype(config.torch_dtype)
     try:
         with torch.device("meta"):
-            model = cls(config.hf_config, config.max_model_len, parallel)
+            model = cls(config.hf_config, config.max_model_len)
             if quant is not None:
                 quantized.prepare_modules(model, Path(config.model), quant)
         model = model.to_empty(device=config.device)
