@@ -118,6 +118,14 @@ def main() -> None:
     is_flag=True,
     help="Load each model on its first request (scale-to-zero); ready says which wait.",
 )
+@click.option(
+    "--ray",
+    "ray_address",
+    envvar="BITSERVE_RAY_ADDRESS",
+    default=None,
+    help='Ray cluster ADDRESS for models with isolation = "ray" (replicas): HOST:PORT, '
+    "'auto' (this node's cluster) or 'local' (start a Ray here). Ray is imported only then.",
+)
 @click.option("--log-level", default="info", show_default=True)
 def serve(
     repository_path: Path,
@@ -132,6 +140,7 @@ def serve(
     drain_timeout: float,
     access_log: str | None,
     lazy_load: bool,
+    ray_address: str | None,
     log_level: str,
 ) -> None:
     """Serve every model in a repository on HTTP (v2 / Open Inference Protocol)."""
@@ -159,6 +168,10 @@ def serve(
         access_log=log_file,
         lazy_load=lazy_load,
     )
+    if ray_address:
+        from bitserve import raycluster
+
+        raycluster.configure(ray_address)
     repository = Repository(repository_path, drain_timeout=drain_timeout)
     repository.model_names()  # a missing folder fails here, before the port opens
     app = create_app(repository, options)
@@ -198,6 +211,8 @@ def _run(app, host: str, port: int, log_level: str, drain_timeout: float) -> Non
         timeout_graceful_shutdown=5,
     )
     DrainingServer(config).run()
+    if "bitserve.raycluster" in sys.modules:  # a `--ray local` cluster stops with us
+        sys.modules["bitserve.raycluster"].shutdown()
     os._exit(0)  # abandoned (wedged) instance threads must not hold the exit
 
 

@@ -145,6 +145,20 @@ class DynamicBatcher:
         self._schedule(eager=False)
         return True
 
+    def requeue(self, batch: list[Request]) -> None:
+        """Put a dispatched batch that never started back at the head of the queue (its
+        Ray replica died first); it keeps its arrival time, so it leaves first again."""
+        for request in reversed(batch):
+            if request.state != "running":
+                continue
+            request.state = "queued"
+            self.levels[request.priority - 1].appendleft(request)
+            self.queued += 1
+            self.queued_rows += request.rows
+            if request.timeout_at is not None:
+                heapq.heappush(self._timeouts, (request.timeout_at, request.seq, request))
+        self._schedule(eager=False)
+
     def release(self, slot: int) -> None:
         """Instance `slot` finished its batch."""
         started = self._started.pop(slot, None)

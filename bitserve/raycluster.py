@@ -1,0 +1,83 @@
+"""The Ray cluster a server joins with `bitserve serve --ray ADDRESS`.
+
+One option, one meaning: ADDRESS is what `ray.init(address=...)` takes: `local` starts
+a private Ray on this machine (development), `auto` joins the cluster this machine is
+part of (`ray start` ran here), `HOST:PORT` joins that cluster's GCS. Anything that
+places work on Ray (data-parallel replicas, tensor/pipeline workers) calls `connect()`,
+which joins once, on first use. Ray is an optional extra: nothing here imports it
+until a model asks for it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+
+log = logging.getLogger("bitserve.ray")
+
+_address: str | None = None
+_lock = threading.Lock()
+_connected = False
+
+
+class RayUnavailable(RuntimeError):
+    """Ray was asked for but is not configured or not installed."""
+
+
+def configure(address: str | None) -> None:
+    """Remember the cluster address (`--ray`); nothing connects until `connect()`.
+
+    A cluster address also goes to RAY_ADDRESS, so code that calls a bare `ray.init()`
+    joins the same cluster."""
+    global _address
+    _address = address or None
+    if _address and _address != "local":
+        os.environ.setdefault("RAY_ADDRESS", _address)
+
+
+def address() -> str | None:
+    return _address
+
+
+def connect() -> None:
+    """Join the configured cluster once (thread-safe); raises RayUnavailable."""
+    global _connected
+    with _lock:
+        if _connected:
+            return
+        if _address is None:
+            raise RayUnavailable(
+                'this model runs on Ray (isolation = "ray"): start the server with '
+                "--ray ADDRESS (or --ray local for a Ray on this machine)"
+            )
+        try:
+            import ray
+        except ImportError:
+            raise RayUnavailable("Ray is not installed: pip install 'bitserve[ray]'") from None
+        if not ray.is_initialized():
+            ray.init(
+                address=_address,
+                include_dashboard=False,
+                log_to_driver=False,
+                logging_level=logging.WARNING,
+            )
+        resources = ray.cluster_resources()
+        log.info(
+            "joined Ray at %s: %g CPU, %g GPU",
+            _address,
+            resources.get("CPU", 0),
+            resources.get("GPU", 0),
+        )
+        _connected = True
+
+
+def shutdown() -> None:
+    """Leave the cluster (a `local` one stops with it)."""
+    global _connected
+    with _lock:
+        if _connected:
+            import ray
+
+            ray.shutdown()
+            _connected = False

@@ -1,0 +1,174 @@
+"""Data-parallel replicas on a local Ray cluster that the test starts: a model served by
+2 replica actors behind `bitserve serve --ray ADDRESS`; one replica's process killed
+under load loses no request that had not started, is replaced, and readiness says so.
+
+One Ray cluster for the module (starting Ray on a busy 2-core box takes seconds)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.conftest import XY_CONFIG, Server, write_model
+
+ray = pytest.importorskip("ray")
+
+PID_MODEL = """
+import os
+import time
+import numpy as np
+
+class Model:
+    def predict(self, inputs):
+        x = inputs["x"]
+        time.sleep(0.02)  # a batch takes a while, so a kill lands mid-batch too
+        return {"y": x, "pid": np.full((len(x), 1), os.getpid(), dtype=np.int64)}
+"""
+
+REPLICATED = (
+    XY_CONFIG
+    + """
+[[output]]
+name = "pid"
+datatype = "INT64"
+dims = [1]
+[dynamic_batching]
+max_queue_delay_ms = 2
+[instance_group]
+count = 2
+isolation = "ray"
+num_cpus = 0.5
+"""
+)
+
+
+def body(x: float) -> dict:
+    return {"inputs": [{"name": "x", "shape": [1, 1], "datatype": "FP32", "data": [x]}]}
+
+
+@pytest.fixture(scope="module")
+def cluster() -> str:
+    """A local Ray; the server joins it with --ray, the test kills its actors' processes."""
+    context = ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    yield context.address_info["gcs_address"]
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def server(cluster, tmp_path_factory) -> Server:
+    root: Path = tmp_path_factory.mktemp("replicas") / "models"
+    write_model(root, "pid", REPLICATED, PID_MODEL)
+    server = Server(root, "--ray", cluster)
+    yield server
+    server.stop()
+
+
+def infer(client: httpx.Client, url: str, x: float) -> httpx.Response:
+    return client.post(f"{url}/v2/models/pid/infer", json=body(x), timeout=30)
+
+
+def pid_of(response: httpx.Response) -> int:
+    outputs = {o["name"]: o["data"] for o in response.json()["outputs"]}
+    return int(outputs["pid"][0])
+
+
+class Load:
+    """`workers` threads sending requests until stopped; every answer is kept."""
+
+    def __init__(self, url: str, workers: int = 6):
+        self.url = url
+        self.answers: list[tuple[int, str, int | None]] = []  # status, error, pid
+        self.stopping = threading.Event()
+        self.threads = [threading.Thread(target=self._send, daemon=True) for _ in range(workers)]
+        for thread in self.threads:
+            thread.start()
+
+    def _send(self) -> None:
+        with httpx.Client() as client:
+            while not self.stopping.is_set():
+                answer = infer(client, self.url, 1.0)
+                ok = answer.status_code == 200
+                error = "" if ok else answer.json().get("error", "")
+                self.answers.append((answer.status_code, error, pid_of(answer) if ok else None))
+
+    def stop(self) -> list[tuple[int, str, int | None]]:
+        self.stopping.set()
+        for thread in self.threads:
+            thread.join(30)
+        return self.answers
+
+
+def test_requests_spread_over_both_replicas(server):
+    load = Load(server.url)
+    time.sleep(2.0)
+    answers = load.stop()
+    assert all(status == 200 for status, _, _ in answers)
+    pids = Counter(pid for _, _, pid in answers)
+    assert len(pids) == 2, pids  # both replicas took batches
+    assert min(pids.values()) > 0.2 * len(answers), pids
+
+
+def test_a_killed_replica_loses_no_request_that_had_not_started(server):
+    import os
+    import signal
+
+    with httpx.Client() as client:
+        before = {pid_of(infer(client, server.url, 1.0)) for _ in range(20)}
+    load = Load(server.url)
+    time.sleep(1.0)
+    victim = sorted(before)[0]
+    os.kill(victim, signal.SIGKILL)
+    killed_at = time.monotonic()
+    saw_degraded = False
+    model_ready = []
+    replaced_in = None
+    while time.monotonic() - killed_at < 60:
+        ready = httpx.get(f"{server.url}/v2/health/ready", timeout=5)
+        model_ready.append(httpx.get(f"{server.url}/v2/models/pid/ready", timeout=5).status_code)
+        if ready.status_code == 200 and "degraded" in ready.text:
+            saw_degraded = True
+        metrics = httpx.get(f"{server.url}/metrics", timeout=5).text
+        healthy = 'bitserve_instances_healthy{model="pid",version="1"} 2.0' in metrics
+        if saw_degraded and healthy and "degraded" not in ready.text:
+            replaced_in = time.monotonic() - killed_at
+            break
+        time.sleep(0.05)
+    time.sleep(1.0)  # the replacement serves too
+    answers = load.stop()
+    assert replaced_in is not None, "the replica was not replaced within 60 s"
+    assert saw_degraded, "readiness never said a replica was being replaced"
+    assert set(model_ready) == {200}, "the model stayed ready on its healthy replica"
+    failures = [(status, error) for status, error, _ in answers if status != 200]
+    # Only the batch running on the killed replica may fail, with a 503 that says retry.
+    assert all(status == 503 and "retry" in error for status, error in failures), failures
+    assert len(failures) <= 8, failures  # at most one batch (max_batch_size 8)
+    pids = {pid for _, _, pid in answers if pid is not None}
+    assert victim not in {pid for _, _, pid in answers[-20:]}
+    assert len(pids - before) >= 1, "no answer came from the replacement replica"
+    metrics = httpx.get(f"{server.url}/metrics", timeout=5).text
+    assert (
+        'bitserve_instance_restarts_total{model="pid",reason="died",version="1"} 1.0' in (metrics)
+        or 'reason="died"' in metrics
+    )
+    assert server.alive()
+    assert httpx.get(f"{server.url}/v2/health/live", timeout=5).status_code == 200
+
+
+def test_a_ray_model_without_the_ray_option_says_how_to_fix_it(tmp_path):
+    write_model(tmp_path / "models", "pid", REPLICATED, PID_MODEL)
+    server = Server(tmp_path / "models", wait_ready=False)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            answer = httpx.get(f"{server.url}/startupz", timeout=5)
+            if answer.status_code == 500:
+                break
+            time.sleep(0.1)
+        assert answer.status_code == 500 and "--ray ADDRESS" in answer.text, answer.text
+    finally:
+        server.stop()
