@@ -1,0 +1,1 @@
+"""Safe rollout: canary and shadow traffic, output comparison, and a statistical verdict."""

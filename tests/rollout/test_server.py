@@ -1,0 +1,208 @@
+"""Canary and shadow traffic on a real `bitserve serve`, measured from the client."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+from scipy import stats as sp
+
+from tests.conftest import XY_CONFIG, Server, write_model
+
+TOKEN = "rollout-secret"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+BODY = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 1], "data": [1.0]}]}
+
+# y = x * version; sleeps SLEEP seconds per batch; FAIL: raise on every batch
+MODEL = """
+import time
+
+class Model:
+    def setup(self, model_dir):
+        self.scale = float(model_dir.name)
+
+    def predict(self, inputs):
+        time.sleep({sleep})
+        if {fail}:
+            raise RuntimeError("version {{}} is broken".format(self.scale))
+        return {{"y": inputs["x"] * self.scale}}
+"""
+
+
+def _versions(root: Path, name: str, traffic: str, versions: dict[int, tuple[float, bool]]):
+    config = XY_CONFIG + "[version_policy]\nall = true\n" + traffic
+    folder = write_model(root, name, config)
+    for number, (sleep, fail) in versions.items():
+        (folder / str(number)).mkdir(exist_ok=True)
+        (folder / str(number) / "model.py").write_text(MODEL.format(sleep=sleep, fail=fail))
+
+
+@pytest.fixture(scope="module")
+def canary_server(tmp_path_factory):
+    root = tmp_path_factory.mktemp("canary") / "models"
+    _versions(root, "m", "[traffic]\nstable = 1\ncanary = 2\ncanary_weight = 10\n", {
+        1: (0, False), 2: (0, False), 3: (0, False)
+    })  # fmt: skip
+    bad = "[traffic]\nstable = 1\ncanary = 2\ncanary_weight = 50\n"
+    bad += "[traffic.rollback]\nalpha = 0.01\nmin_requests = 40\ncheck_every = 10\n"
+    _versions(root, "bad", bad, {1: (0, False), 2: (0, True)})
+    server = Server(root, "--admin-token", TOKEN)
+    yield server
+    server.stop()
+
+
+def _infer(client: httpx.Client, path: str, headers: dict | None = None) -> httpx.Response:
+    return client.post(path, json=BODY, headers=headers)
+
+
+def test_canary_share_on_a_real_server_and_pinned_requests_stay_put(canary_server):
+    n = 400
+    with httpx.Client(base_url=canary_server.url, timeout=30) as client:
+        answers = [_infer(client, "/v2/models/m/infer") for _ in range(n)]
+        assert all(a.status_code == 200 for a in answers)
+        versions = [a.json()["model_version"] for a in answers]
+        assert all(
+            a.json()["outputs"][0]["data"] == [float(v)]
+            for a, v in zip(answers, versions, strict=True)
+        )
+        canary = versions.count("2")
+        assert set(versions) == {"1", "2"}
+        assert sp.binom.ppf(0.005, n, 0.1) <= canary <= sp.binom.ppf(0.995, n, 0.1), canary
+        for pinned in ("1", "2", "3"):
+            for _ in range(30):
+                by_path = _infer(client, f"/v2/models/m/versions/{pinned}/infer")
+                by_header = _infer(client, "/v2/models/m/infer", {"bitserve-model-version": pinned})
+                assert by_path.json()["model_version"] == pinned
+                assert by_header.json()["model_version"] == pinned
+        report = client.get("/v2/models/m/rollout").json()
+    by_version = {v["version"]: v for v in report["versions"]}
+    assert by_version["2"]["requests"] == canary  # pinned requests are not counted
+    assert by_version["1"]["requests"] == n - canary
+    assert by_version["1"]["latency_ms"]["p50"]["method"] == "normal"
+    candidate = report["candidates"][0]
+    assert candidate["role"] == "canary" and candidate["recommendation"] == "keep watching"
+    assert candidate["more_requests_needed"] > 0
+    assert "more needed" in candidate["reasons"][0]
+
+
+def test_traffic_admin_api_promote_rollback_and_metrics(canary_server):
+    with httpx.Client(base_url=canary_server.url, timeout=30) as client:
+        path = "/v2/repository/models/m/traffic"
+        assert client.get(path).status_code == 401
+        assert client.get(path, headers=AUTH).json()["canary_weight"] == 10
+        wrong = client.patch(path, json={"canary": 7}, headers=AUTH)
+        assert wrong.status_code == 400 and "traffic.canary" in wrong.json()["error"]
+        assert client.patch(path, json={"canary_weight": 100}, headers=AUTH).status_code == 200
+        assert {
+            _infer(client, "/v2/models/m/infer").json()["model_version"] for _ in range(20)
+        } == {"2"}
+        metrics = client.get("/metrics").text
+        assert 'bitserve_rollout_canary_weight_percent{model="m",version="2"} 100.0' in metrics
+        back = client.post(path + "/rollback", headers=AUTH).json()
+        assert back["canary_weight"] == 0
+        assert {
+            _infer(client, "/v2/models/m/infer").json()["model_version"] for _ in range(20)
+        } == {"1"}
+        client.patch(path, json={"canary_weight": 10}, headers=AUTH)
+        promoted = client.post(path + "/promote", headers=AUTH).json()
+        assert (promoted["stable"], promoted["canary"]) == (2, None)
+        assert {
+            _infer(client, "/v2/models/m/infer").json()["model_version"] for _ in range(20)
+        } == {"2"}
+        events = [e["action"] for e in client.get("/v2/models/m/rollout").json()["events"]]
+        assert events[-3:] == ["rollback", "set", "promote"]
+
+
+def test_a_failing_canary_is_rolled_back_automatically(canary_server):
+    with httpx.Client(base_url=canary_server.url, timeout=30) as client:
+        statuses = []
+        for _ in range(300):
+            statuses.append(_infer(client, "/v2/models/bad/infer").status_code)
+            policy = client.get("/v2/repository/models/bad/traffic", headers=AUTH).json()
+            if policy["canary_weight"] == 0:
+                break
+        assert policy["canary_weight"] == 0, "not rolled back"
+        assert 500 in statuses
+        after = [_infer(client, "/v2/models/bad/infer").status_code for _ in range(30)]
+        assert after == [200] * 30
+        report = client.get("/v2/models/bad/rollout").json()
+        event = report["events"][-1]
+        assert event["action"] == "auto-rollback" and "error rate" in event["reason"]
+        assert "bitserve_rollout_rollbacks_total" in client.get("/metrics").text
+    assert "auto-rollback" in canary_server.log.read_text()
+
+
+# ------------------------------------------------------------------- shadow
+
+
+@pytest.fixture(scope="module")
+def shadow_server(tmp_path_factory):
+    root = tmp_path_factory.mktemp("shadow") / "models"
+    # the shadow is 5x slower than the primary; "broken"'s shadow raises on every batch
+    traffic = "[traffic]\nstable = 1\nshadow = 2\nshadow_percent = 100\n"
+    _versions(root, "slow", traffic, {1: (0.02, False), 2: (0.1, False)})
+    _versions(root, "broken", traffic, {1: (0.0, False), 2: (0.0, True)})
+    server = Server(root, "--admin-token", TOKEN)
+    yield server
+    server.stop()
+
+
+def _timed(client: httpx.Client, path: str) -> float:
+    started = time.perf_counter()
+    answer = _infer(client, path)
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["model_version"] == "1"
+    return time.perf_counter() - started
+
+
+def test_a_5x_slower_shadow_leaves_the_primary_p99_within_10_percent(shadow_server):
+    """Blocks with the shadow on and off alternate, so load on the box hits both alike."""
+    on, off = [], []
+    path = "/v2/repository/models/slow/traffic"
+    with httpx.Client(base_url=shadow_server.url, timeout=30) as client:
+        for _ in range(10):  # warm the connection and both versions
+            _timed(client, "/v2/models/slow/infer")
+        for _ in range(6):
+            client.patch(path, json={"shadow_percent": 100}, headers=AUTH)
+            on += [_timed(client, "/v2/models/slow/infer") for _ in range(40)]
+            client.patch(path, json={"shadow_percent": 0}, headers=AUTH)
+            time.sleep(0.3)  # let queued mirrors finish: "off" means no shadow work at all
+            off += [_timed(client, "/v2/models/slow/infer") for _ in range(40)]
+        report = client.get("/v2/models/slow/rollout").json()
+        metrics = client.get("/metrics").text
+    p99_on, p99_off = np.quantile(on, 0.99), np.quantile(off, 0.99)
+    print(f"primary p99 with shadow {p99_on * 1000:.2f} ms, without {p99_off * 1000:.2f} ms, "
+          f"ratio {p99_on / p99_off:.3f}")  # fmt: skip
+    assert p99_on <= 1.10 * p99_off
+    shadow = next(v for v in report["versions"] if v["version"] == "2")
+    assert shadow["role"] == "shadow" and shadow["requests"] > 0
+    assert shadow["latency_ms"]["p50"]["value"] >= 100
+    assert report["shadow_comparison"]["compared"] > 0
+    sent = _sample(metrics, 'bitserve_shadow_mirrors_sent_total{model="slow"}')
+    dropped = _sample(metrics, 'bitserve_shadow_mirrors_dropped_total{model="slow"}')
+    assert sent == shadow["requests"] or sent >= shadow["requests"]
+    assert sent + dropped >= 240
+
+
+def test_a_failing_shadow_never_fails_the_primary(shadow_server):
+    with httpx.Client(base_url=shadow_server.url, timeout=30) as client:
+        answers = [_infer(client, "/v2/models/broken/infer") for _ in range(60)]
+        assert [a.status_code for a in answers] == [200] * 60
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            burst = list(pool.map(lambda _: _infer(client, "/v2/models/broken/infer"), range(80)))
+        assert [a.status_code for a in burst] == [200] * 80
+        time.sleep(0.5)
+        report = client.get("/v2/models/broken/rollout").json()
+    comparison = report["shadow_comparison"]
+    assert comparison["mirrored"] > 0 and comparison["shadow_errors"] == comparison["mirrored"]
+    candidate = report["candidates"][0]
+    assert candidate["role"] == "shadow" and candidate["recommendation"] == "roll back"
+
+
+def _sample(metrics: str, name: str) -> float:
+    line = next(line for line in metrics.splitlines() if line.startswith(name))
+    return float(line.split()[-1])
