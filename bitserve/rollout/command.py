@@ -122,11 +122,13 @@ def render(doc: dict) -> str:
     for c in doc["candidates"]:
         lines += ["", f"{c['role']} version {c['version']} vs stable {c['baseline']}:"]
         for name, test in c["tests"].items():
-            if test:
-                lines.append(
-                    f"  {name:<24} {test['name']:<18} stat {test['statistic']:>9.3f}  "
-                    f"p(worse) {test['p_value']:.3g}  p(two-sided) {test['p_two_sided']:.3g}"
-                )
+            if not test:
+                lines.append(f"  {name:<24} not run yet: too few requests")
+                continue
+            lines.append(
+                f"  {name:<24} {test['name']:<18} stat {test['statistic']:>9.3f}  "
+                f"p(worse) {test['p_value']:.3g}  p(two-sided) {test['p_two_sided']:.3g}"
+            )
         diff = c["latency_difference_ms"]
         if diff:
             lines.append(f"  mean latency difference  {_interval(diff)} ms")

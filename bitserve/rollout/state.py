@@ -119,9 +119,10 @@ class ModelRollout:
         role = decision.role
         if role == "canary" and (chosen is None or not chosen.ready):
             chosen, role = entry.versions.get(self.policy.stable), "stable"  # canary down
-        if chosen is None:
+        if chosen is None or not chosen.ready:
+            state = "not loaded" if chosen is None else chosen.state
             raise ModelUnavailable(
-                f"model '{self.name}': stable version {self.policy.stable} is not loaded"
+                f"model '{self.name}': stable version {self.policy.stable} is {state}"
             )
         mirror = None
         if role == "stable" and decision.mirror and self.policy.shadow is not None:

@@ -206,3 +206,24 @@ def test_a_failing_shadow_never_fails_the_primary(shadow_server):
 def _sample(metrics: str, name: str) -> float:
     line = next(line for line in metrics.splitlines() if line.startswith(name))
     return float(line.split()[-1])
+
+
+def test_cli_report_set_and_rollback(canary_server):
+    from click.testing import CliRunner
+
+    from bitserve.rollout.command import rollout
+
+    runner, url = CliRunner(), ["--url", canary_server.url]
+    shown = runner.invoke(rollout, ["report", "bad", *url])
+    assert shown.exit_code == 0, shown.output
+    assert "canary version 2 vs stable 1" in shown.output
+    assert "recommendation: ROLL BACK" in shown.output and "auto-rollback" in shown.output
+    denied = runner.invoke(rollout, ["set", "bad", "--weight", "20", *url])
+    assert denied.exit_code == 1 and "401" in denied.output
+    token = ["--token", TOKEN]
+    changed = runner.invoke(rollout, ["set", "bad", "--weight", "20", *url, *token])
+    assert changed.exit_code == 0 and '"canary_weight": 20.0' in changed.output
+    back = runner.invoke(rollout, ["rollback", "bad", *url, *token])
+    assert back.exit_code == 0 and "all traffic on stable version 1" in back.output
+    as_json = runner.invoke(rollout, ["report", "bad", "--json", *url])
+    assert '"canary_weight": 0.0' in as_json.output
