@@ -83,6 +83,7 @@ class Metrics:
             registry=r,
         )
         self._llm_metrics(r, mv)
+        self._rollout_metrics(r)
 
     def _llm_metrics(self, r: CollectorRegistry, mv: tuple[str, str]) -> None:
         """vLLM's definitions, so users can compare: TTFT from arrival, TPOT excludes
@@ -113,6 +114,33 @@ class Metrics:
             "bitserve_llm_request_success",
             "Finished LLM requests by finish reason (stop, length, abort).",
             (*mv, "finished_reason"),
+            registry=r,
+        )
+
+    def _rollout_metrics(self, r: CollectorRegistry) -> None:
+        """Canary and shadow traffic (bitserve/rollout)."""
+        self.canary_weight = Gauge(
+            "bitserve_rollout_canary_weight_percent",
+            "Percent of a model's unpinned requests routed to its canary version.",
+            ("model", "version"),
+            registry=r,
+        )
+        self.rollbacks = Counter(
+            "bitserve_rollout_rollbacks",
+            "Canaries rolled back automatically (error rate or p99 significantly worse).",
+            ("model", "version"),
+            registry=r,
+        )
+        self.shadow_sent = Counter(
+            "bitserve_shadow_mirrors_sent",
+            "Request copies queued for the shadow.",
+            ("model",),
+            registry=r,
+        )
+        self.shadow_dropped = Counter(
+            "bitserve_shadow_mirrors_dropped",
+            "Request copies dropped: the shadow's queue was full or it was not ready.",
+            ("model",),
             registry=r,
         )
 

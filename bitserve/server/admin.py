@@ -44,7 +44,60 @@ class Admin:
             Route(
                 "/v2/repository/models/{model}/unload", self._guard(self.unload), methods=["POST"]
             ),
+            *self._traffic_routes(),
         ]
+
+    # ------------------------------------------------- traffic (bitserve/rollout)
+
+    def _traffic_routes(self) -> list[Route]:
+        """GET the policy; PUT replaces it, PATCH merges fields into it; POST promote or
+        rollback. Changing traffic runs no new code, so any model-control mode allows it."""
+        base = "/v2/repository/models/{model}/traffic"
+        return [
+            Route(base, self._guard(self.traffic), methods=["GET", "PUT", "PATCH"]),
+            Route(base + "/promote", self._guard(self.promote), methods=["POST"]),
+            Route(base + "/rollback", self._guard(self.rollback), methods=["POST"]),
+        ]
+
+    async def traffic(self, request: Request) -> Response:
+        from bitserve.rollout import policy
+
+        entry = self.server.repository.entry(request.path_params["model"])
+        current = self._rollout(entry, required=False)
+        if request.method != "GET":
+            base = current.policy if current and request.method == "PATCH" else None
+            try:
+                doc = orjson.loads(await request.body())
+                traffic = policy.parse(doc, sorted(entry.versions), base)
+            except (orjson.JSONDecodeError, policy.PolicyError) as e:
+                raise InvalidRequest(f"traffic policy: {e}") from None
+            current = self.server.rollout.set(entry, traffic, "set", "admin API")
+        return json_response(current.policy.model_dump(mode="json") if current else None)
+
+    async def promote(self, request: Request) -> Response:
+        return await self._change(request, "promote")
+
+    async def rollback(self, request: Request) -> Response:
+        return await self._change(request, "rollback")
+
+    async def _change(self, request: Request, action: str) -> Response:
+        from bitserve.rollout import policy
+
+        entry = self.server.repository.entry(request.path_params["model"])
+        rollout = self._rollout(entry, required=True)
+        change = policy.promote if action == "promote" else policy.rollback
+        try:
+            traffic = change(rollout.policy)
+        except policy.PolicyError as e:
+            raise InvalidRequest(str(e)) from None
+        self.server.rollout.set(entry, traffic, action, "by hand (admin API)")
+        return json_response(traffic.model_dump(mode="json"))
+
+    def _rollout(self, entry: Any, required: bool) -> Any:
+        rollout = self.server.rollout.get(entry) if entry.config is not None else None
+        if rollout is None and required:
+            raise InvalidRequest(f"model '{entry.name}' has no traffic policy")
+        return rollout
 
     def _guard(self, handler: Callable[[Request], Any]) -> Callable[[Request], Any]:
         async def guarded(request: Request) -> Response:
