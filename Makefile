@@ -9,7 +9,7 @@ BENCH_VENV := .venv-bench
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: serve test test-all bench lint format models clean
+.PHONY: serve test test-all test-deploy bench lint format models clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -31,6 +31,11 @@ test: $(VENV)/.installed
 
 test-all: $(VENV)/.installed
 	$(PY) -m pytest -m ""
+
+# The Dockerfile and Kubernetes manifests against hadolint and the Kubernetes schemas.
+test-deploy: $(VENV)/.installed
+	$(PIP) install -q -e '.[deploy]'
+	$(PY) -m pytest tests/deploy
 
 # Benchmarks run in their own environment: the peers they compare against (LitServe,
 # FastAPI) are never dependencies of bitserve.
