@@ -27,6 +27,15 @@ def process_start_time() -> float:
         return time.time()
 
 
+Span = tuple[float, float]  # wall-clock (start, end), time.time() seconds
+
+
+def spans(ended: float, load: float, warmup: float) -> tuple[Span, Span]:
+    """The load and warm-up spans of something that loaded for `load` s, then warmed up
+    for `warmup` s, and was done at wall-clock `ended`."""
+    return (ended - warmup - load, ended - warmup), (ended - warmup, ended)
+
+
 @dataclass
 class Startup:
     total: float
@@ -51,12 +60,48 @@ class Startup:
         )
 
 
-def breakdown(started: float, imported: float, ready: float, load: float, warmup: float) -> Startup:
-    """Phases from wall-clock marks; load and warmup are summed over models, which load
-    one at a time (see backends.base.LOAD_LOCK), so they fit inside the loading window."""
-    total = ready - started
-    imports = max(imported - started, 0.0)
-    window = max(total - imports, 0.0)
-    scale = min(1.0, window / (load + warmup)) if load + warmup > 0 else 1.0
-    load, warmup = load * scale, warmup * scale
-    return Startup(total, imports, load, warmup, total - imports - load - warmup)
+def breakdown(
+    started: float,
+    imported: float,
+    ready: float,
+    loads: list[Span],
+    warmups: list[Span],
+    preimport: float = 0.0,
+) -> Startup:
+    """Phases as wall-clock time, so they add up to the total even though models load
+    and warm up in parallel: `load` is the time during which at least one model was
+    loading weights, `warmup` the time at least one was warming up and none loading.
+    `preimport` (the heavy libraries, imported once before loading) counts as import."""
+    total = max(ready - started, 0.0)
+    imports = min(max(imported - started, 0.0) + preimport, total)
+    window = (started + imports, started + total)
+    load_union = _union(_clip(loads, window))
+    load = _length(load_union)
+    warmup = _length(_union(_clip(warmups, window))) - _overlap(
+        _union(_clip(warmups, window)), load_union
+    )
+    return Startup(total, imports, load, warmup, max(total - imports - load - warmup, 0.0))
+
+
+def _clip(intervals: list[Span], window: Span) -> list[Span]:
+    lo, hi = window
+    return [(max(a, lo), min(b, hi)) for a, b in intervals if min(b, hi) > max(a, lo)]
+
+
+def _union(intervals: list[Span]) -> list[Span]:
+    merged: list[Span] = []
+    for a, b in sorted(intervals):
+        if merged and a <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], b))
+        else:
+            merged.append((a, b))
+    return merged
+
+
+def _length(intervals: list[Span]) -> float:
+    return sum(b - a for a, b in intervals)
+
+
+def _overlap(xs: list[Span], ys: list[Span]) -> float:
+    """Total length where two disjoint, sorted interval lists overlap."""
+    return sum(max(0.0, min(b, d) - max(a, c)) for a, b in xs for c, d in ys)

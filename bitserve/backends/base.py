@@ -9,7 +9,6 @@ torch tensor with the same first dimension; the batcher slices it back per reque
 
 from __future__ import annotations
 
-import threading
 from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any
@@ -17,11 +16,6 @@ from typing import Any
 import numpy as np
 
 from bitserve.repository.config import ModelConfig
-
-# Loading runs on worker threads; torch (dynamo, export) and transformers are not safe to
-# import from two threads at once (a circular-import race was seen loading a torch.export
-# program beside an LLM). Loads take this lock; warmups and serving run in parallel.
-LOAD_LOCK = threading.Lock()
 
 
 class LoadError(Exception):

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from bitserve.backends import Model, backend_class
-from bitserve.backends.base import LOAD_LOCK, LoadError
+from bitserve.backends.base import LoadError
 from bitserve.batching.batcher import Request
 from bitserve.batching.collate import dummy_inputs, merge, split
 from bitserve.repository.config import ModelConfig
@@ -84,12 +84,11 @@ class Worker:
 
 
 def build_model(config: ModelConfig, version_dir: Path, device: str) -> Model:
-    """Load the backend and run the config's warmup requests through the batch path."""
-    with LOAD_LOCK:  # warmup too: a first forward pass may import more of torch
-        return _build(config, version_dir, device)
+    """Load the backend and run the config's warmup requests through the batch path.
 
-
-def _build(config: ModelConfig, version_dir: Path, device: str) -> Model:
+    Versions load in parallel, each on its own worker thread. That is safe because the
+    version imports the heavy libraries on one thread first (backends.preimport):
+    torch imports parts of itself lazily, and two threads doing so at once race."""
     model = backend_class(config.backend)(config, version_dir, device)
     started = time.perf_counter()
     model.load()
@@ -123,6 +122,7 @@ class Instance:
         self.platform = config.backend
         self.warmup_seconds = 0.0
         self.load_only_seconds = 0.0
+        self.ready_at = 0.0  # wall clock (time.time) when loaded and warm
 
     async def start(self) -> None:
         name = f"{self.config.name}-{self.version_dir.name}-{self.slot}"
@@ -135,6 +135,7 @@ class Instance:
         self.platform = self.model.platform
         self.warmup_seconds = self.model.warmup_seconds
         self.load_only_seconds = self.model.load_only_seconds
+        self.ready_at = time.time()
 
     def _build(self) -> Model | RemoteModel:
         if self.config.instance_group.isolation == "process":

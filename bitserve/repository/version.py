@@ -15,7 +15,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from bitserve.backends import backend_class, is_llm
+from bitserve import coldstart
+from bitserve.backends import backend_class, is_llm, preimport
 from bitserve.backends.base import LoadError
 from bitserve.batching.batcher import DynamicBatcher, Request
 from bitserve.batching.clock import LoopClock
@@ -53,6 +54,7 @@ class ModelVersion:
         self.load_seconds = 0.0  # wall time of load(), warm-up included
         self.weights_seconds = 0.0  # of which loading (summed over instances)
         self.warmup_seconds = 0.0  # of which warm-up (summed over instances)
+        self.spans: list[tuple[coldstart.Span, coldstart.Span]] = []  # (load, warmup) each
         self._idle = asyncio.Event()
         self._idle.set()
         labels = (config.name, str(version))
@@ -81,6 +83,7 @@ class ModelVersion:
 
     async def load(self) -> None:
         """Start every instance (load and warm up), then open the queue."""
+        await asyncio.to_thread(preimport, {self.config.backend})
         if is_llm(self.config.backend):
             return await self._load_llm()
         started = time.perf_counter()
@@ -109,6 +112,10 @@ class ModelVersion:
         self.load_seconds = time.perf_counter() - started
         self.warmup_seconds = sum(i.warmup_seconds for i in self.instances)
         self.weights_seconds = sum(i.load_only_seconds for i in self.instances)
+        self.spans = [
+            coldstart.spans(i.ready_at, i.load_only_seconds, i.warmup_seconds)
+            for i in self.instances
+        ]
         self.m["load"].set(self.load_seconds)
         self.m["warmup"].set(max(i.warmup_seconds for i in self.instances))
         self.state = "ready"
@@ -128,6 +135,7 @@ class ModelVersion:
         self.load_seconds = time.perf_counter() - started
         self.warmup_seconds = service.warmup_seconds
         self.weights_seconds = self.load_seconds - service.warmup_seconds
+        self.spans = [coldstart.spans(time.time(), self.weights_seconds, self.warmup_seconds)]
         self.m["load"].set(self.load_seconds)
         self.m["warmup"].set(service.warmup_seconds)
         self.state = "ready"

@@ -27,6 +27,7 @@ from starlette.responses import Response
 from starlette.routing import Route, Router
 
 from bitserve import __version__, coldstart
+from bitserve.backends import preimport
 from bitserve.backends.llm import NoChatTemplate, Overloaded, PromptTooLong
 from bitserve.batching.batcher import QueueFull, QueueTimeout
 from bitserve.batching.batcher import Request as BatchRequest
@@ -372,30 +373,16 @@ async def _not_found(scope: dict, receive: Any, send: Any) -> None:
     await response(scope, receive, send)
 
 
-def _preimport(backends: set[str]) -> None:
-    """Import the heavy libraries once, on one thread, before models load in parallel.
-
-    torch imports parts of itself lazily (torch._dynamo on a first export load or
-    forward); two loader threads doing that at once hit a circular-import race
-    ("partially initialized module 'torch._dynamo.source'"), intermittently."""
-    if backends & {"torch", "llm", "hf"}:
-        import torch._dynamo
-        import torch.export  # noqa: F401
-    if backends & {"llm", "hf"}:
-        import transformers  # noqa: F401
-        from transformers import AutoModel, AutoTokenizer  # noqa: F401
-    if "onnx" in backends:
-        import onnxruntime  # noqa: F401
-
-
-def _report_startup(repository: Repository, options: ServerOptions) -> None:
+def _report_startup(repository: Repository, options: ServerOptions, imports: float) -> None:
     versions = [v for e in repository.models.values() for v in e.versions.values() if v.ready]
+    spans = [span for v in versions for span in v.spans]
     startup = coldstart.breakdown(
         options.process_started,
         options.imported,
         time.time(),
-        sum(v.weights_seconds for v in versions),
-        sum(v.warmup_seconds for v in versions),
+        loads=[load for load, _ in spans],
+        warmups=[warmup for _, warmup in spans],
+        preimport=imports,
     )
     for phase, seconds in startup.phases().items():
         repository.metrics.startup.labels(phase).set(seconds)
@@ -470,13 +457,21 @@ def create_app(
     async def lifespan(_: Any) -> AsyncIterator[None]:
         tasks = [asyncio.create_task(probes.watchdog())]
         if load:
-            tasks.append(asyncio.create_task(_load(repository, options)))
+            loading = asyncio.create_task(_load(repository, options))
+            loading.add_done_callback(_log_failure)
+            tasks.append(loading)
         yield
         for task in tasks:
             task.cancel()
         await repository.unload_all()
 
     return App(server, Router(routes=routes, lifespan=lifespan, default=_not_found))
+
+
+def _log_failure(task: asyncio.Task) -> None:
+    """A background task that dies says so (else the server would stay unready, silent)."""
+    if not task.cancelled() and (e := task.exception()) is not None:
+        log.error("%s failed", task.get_coro().__name__, exc_info=e)
 
 
 async def _load(repository: Repository, options: ServerOptions) -> None:
@@ -486,7 +481,9 @@ async def _load(repository: Repository, options: ServerOptions) -> None:
         names = options.startup_models if options.model_control == "explicit" else None
         repository.scan(None if names is None or "*" in names else names)
     backends = {e.config.backend for e in repository.models.values() if e.config is not None}
-    await asyncio.to_thread(_preimport, backends)
+    importing = time.perf_counter()
+    await asyncio.to_thread(preimport, backends)
+    import_seconds = time.perf_counter() - importing
     if options.lazy_load:
         for entry in repository.models.values():
             for version in entry.versions.values():
@@ -496,7 +493,7 @@ async def _load(repository: Repository, options: ServerOptions) -> None:
         return
     await repository.load_all()
     log.info("repository loaded in %.2f s", time.perf_counter() - started)
-    _report_startup(repository, options)
+    _report_startup(repository, options, import_seconds)
     _quiet_gc()
     while options.model_control == "poll":
         await asyncio.sleep(options.poll_seconds)

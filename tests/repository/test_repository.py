@@ -177,3 +177,39 @@ def test_marked_and_hidden_folders_are_skipped(tmp_path):
     repo = Repository(tmp_path)
     repo.scan()
     assert list(repo.models) == ["m"]
+
+
+RENDEZVOUS = """
+import time
+from pathlib import Path
+
+
+class Model:
+    def setup(self, model_dir):
+        # Each model's load waits for the other's to have started: only loads that
+        # really run at the same time both finish.
+        here = Path(model_dir).parent
+        (here.parent / f"{here.name}.started").touch()
+        other = here.parent / ("b" if here.name == "a" else "a")
+        deadline = time.monotonic() + 30
+        while not (other.parent / f"{other.name}.started").exists():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{here.name} loaded alone: loads ran one at a time")
+            time.sleep(0.01)
+
+    def predict(self, inputs):
+        return {"y": inputs["x"]}
+"""
+
+
+async def test_models_load_in_parallel(tmp_path):
+    for name in ("a", "b"):
+        write_model(tmp_path, name, GOOD, RENDEZVOUS)
+    repository = Repository(tmp_path)
+    repository.scan()
+    await asyncio.wait_for(repository.load_all(), 60)
+    try:
+        assert {n: e.error for n, e in repository.models.items()} == {"a": None, "b": None}
+        assert all(v.ready for e in repository.models.values() for v in e.versions.values())
+    finally:
+        await repository.unload_all()
