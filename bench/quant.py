@@ -8,8 +8,10 @@ with `bitserve quantize`'s own functions (int8: per-channel int8 weights; int4: 
 32). Each variant loads through the engine (`LLMEngine`, as serve and LLM() do) and
 decodes greedily at batch 1 and batch 16 (short prompts, `ignore_eos`); decode tok/s
 counts the tokens after each request's first one, over the time after the prefill
-step. Weight memory is what the loaded model holds (parameters, buffers, packed
-kernel weights; each storage once). Ratios are against fp32 measured in this run.
+step. The variants take turns within each repeat and the best run counts, so that a
+busy spell on a shared machine does not land on one variant only. Weight memory is
+what the loaded model holds (parameters, buffers, packed kernel weights; each storage
+once). Ratios are against fp32 measured in this run.
 Goals (issue 8): int8 weights <= 0.27x fp32, int8 batch-1 decode >= 2x fp32, int4 >= 3x.
 Prints a table, then one JSON line.
 """
@@ -76,21 +78,30 @@ def decode_tok_s(engine: LLMEngine, batch: int, prompt_len: int, new_tokens: int
     return produced / (time.perf_counter() - started)
 
 
-def measure(folder: Path, dtype: str, batches: list[int], new_tokens: int, repeats: int) -> dict:
+def load_engine(folder: Path, dtype: str, max_batch: int) -> LLMEngine:
     engine = LLMEngine(
         folder,
         dtype=dtype,
         device="cpu",
         max_model_len=1024,
-        num_kv_blocks=max(batches) * 8 + 8,
-        max_num_seqs=max(batches),
+        num_kv_blocks=max_batch * 8 + 8,
+        max_num_seqs=max_batch,
     )
-    result = {"weight_bytes": weight_bytes(engine.runner.model)}
     decode_tok_s(engine, 1, 16, 4)  # warm-up: kernel choice, first allocations
-    for batch in batches:
-        best = max(decode_tok_s(engine, batch, 16, new_tokens) for _ in range(repeats))
-        result[f"decode_b{batch}_tok_s"] = best
-    return result
+    return engine
+
+
+def measure(engines: dict[str, LLMEngine], batches: list[int], tokens: int, repeats: int):
+    """Best of `repeats` per variant and batch, the variants taking turns in each round so
+    that a busy spell on a shared machine hits all of them alike."""
+    results = {name: {"weight_bytes": weight_bytes(e.runner.model)} for name, e in engines.items()}
+    for _ in range(repeats):
+        for batch in batches:
+            for name, engine in engines.items():
+                key = f"decode_b{batch}_tok_s"
+                speed = decode_tok_s(engine, batch, 16, tokens)
+                results[name][key] = max(results[name].get(key, 0.0), speed)
+    return results
 
 
 def main() -> None:
@@ -103,14 +114,12 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     tokens, repeats = (16, 1) if args.quick else (args.tokens, args.repeats)
     batches = [1, 16]
-    results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
         print("building the 58M bench model and its int8/int4 copies ...", file=sys.stderr)
         folders = make_variants(Path(tmp))
-        for name in VARIANTS:
-            folder, dtype = folders[name]
-            print(f"  measuring {name} ...", file=sys.stderr)
-            results[name] = measure(folder, dtype, batches, tokens, repeats)
+        engines = {name: load_engine(*folders[name], max(batches)) for name in VARIANTS}
+        print("measuring (the variants take turns) ...", file=sys.stderr)
+        results = measure(engines, batches, tokens, repeats)
     base = results["fp32"]
     for r in results.values():
         r["memory_x"] = r["weight_bytes"] / base["weight_bytes"]

@@ -39,6 +39,13 @@ log = logging.getLogger("bitserve.quant")
 )
 @click.option("--calibration-tokens", type=int, default=4096, show_default=True)
 @click.option(
+    "--activations",
+    type=click.Choice(["int8", "bf16"]),
+    default=None,
+    help="int8: also quantize activations (W8A8, vector-wise) where _int_mm runs, or keep "
+    "them bf16 (weight-only). Default: int8 for LLMs, bf16 for hf encoders.",
+)
+@click.option(
     "--version",
     type=int,
     default=None,
@@ -64,6 +71,7 @@ def quantize(
     threshold: float,
     calibration: Path | None,
     calibration_tokens: int,
+    activations: str | None,
     version: int | None,
     profile: bool,
     plot: Path | None,
@@ -88,11 +96,13 @@ def quantize(
     if method == "int8-outlier" and calibration is None:
         raise click.UsageError("--method int8-outlier needs --calibration FILE (sample text)")
     if source.backend == "hf":
-        size, target = _quantize_encoder(source, out_dir, method, int(group_size), version)
+        size, target = _quantize_encoder(
+            source, out_dir, method, int(group_size), version, activations or "bf16"
+        )
     else:
         size, target = _quantize_llm(
             source, out_dir, method, int(group_size), threshold, calibration,
-            calibration_tokens, version,
+            calibration_tokens, version, activations or "int8",
         )  # fmt: skip
     click.echo(f"wrote {target} ({method}, weights {size / 2**20:.2f} MiB)")
 
@@ -118,7 +128,9 @@ def _profile(folder, backend, calibration, threshold, plot, out_dir, tokens) -> 
     click.echo(f"plot: {draw(profiles, threshold, path)}")
 
 
-def _quantize_llm(source, out_dir, method, group_size, threshold, calibration, tokens, version):
+def _quantize_llm(
+    source, out_dir, method, group_size, threshold, calibration, tokens, version, activations="int8"
+):
     from bitserve.llm.config import EngineConfig
     from bitserve.llm.models import load_model
     from bitserve.quant.folders import copy_companions, destination
@@ -138,21 +150,21 @@ def _quantize_llm(source, out_dir, method, group_size, threshold, calibration, t
         log.info("calibration:\n%s", report(profiles, threshold))
     else:
         model = load_model(config)
-    qconfig = quantize_model(model, method, group_size, outliers, threshold)
+    qconfig = quantize_model(model, method, group_size, outliers, threshold, activations)
     target = destination(out_dir, source, version)
     copy_companions(source.weights, target)
     write_config(source.weights, target, qconfig)
     return save_weights(model, target, qconfig), target
 
 
-def _quantize_encoder(source, out_dir, method, group_size, version):
+def _quantize_encoder(source, out_dir, method, group_size, version, activations="bf16"):
     from bitserve.quant.encoder import ENCODER_METHODS, quantize_encoder, save_encoder
     from bitserve.quant.folders import copy_companions, destination
     from bitserve.quant.quantize import write_config
 
     if method not in ENCODER_METHODS:
         raise click.UsageError(f"encoder (hf) models take --method {' or '.join(ENCODER_METHODS)}")
-    model, qconfig = quantize_encoder(source.weights, method, group_size)
+    model, qconfig = quantize_encoder(source.weights, method, group_size, activations)
     target = destination(out_dir, source, version)
     copy_companions(source.weights, target)
     write_config(source.weights, target, qconfig)

@@ -1,7 +1,8 @@
 """Quantized transformers encoders (the `hf` backend: MiniLM and other BERT-likes).
 
 The encoder's `nn.Linear` layers (attention, feed-forward, pooler) are swapped for
-quantized ones; embeddings, LayerNorms and a classifier head stay in fp32. Saved as
+quantized ones and the word embeddings become int8 rows (half of MiniLM's weights);
+position embeddings, LayerNorms and a classifier head stay in fp32. Saved as
 safetensors in transformers' own parameter names plus the quantized buffers, with
 `quantization_config` in config.json; `load_encoder` builds the model from its config
 and fills it from that file (transformers' `from_pretrained` cannot read it).
@@ -15,7 +16,7 @@ from typing import Any
 from safetensors import safe_open
 from torch import nn
 
-from bitserve.quant.linear import Int4Linear, Int8Linear, QuantLinear
+from bitserve.quant.linear import Int4Linear, Int8Embedding, Int8Linear, QuantLinear
 from bitserve.quant.quantize import header_shapes, set_module
 
 ENCODER_METHODS = ("int8", "int4")
@@ -39,8 +40,19 @@ def encoder_linears(model: nn.Module) -> dict[str, nn.Linear]:
     }
 
 
-def quantize_encoder(folder: Path, method: str, group_size: int = 32):
-    """Load a full-precision encoder and quantize it in place; returns (model, config)."""
+def word_embeddings(model: nn.Module) -> dict[str, nn.Module]:
+    return {
+        name: m
+        for name, m in model.named_modules()
+        if name.endswith("word_embeddings") and isinstance(m, nn.Embedding | Int8Embedding)
+    }
+
+
+def quantize_encoder(folder: Path, method: str, group_size: int = 32, activations: str = "bf16"):
+    """Load a full-precision encoder and quantize it in place; returns (model, config).
+
+    int8 is weight-only by default here: BERT-like encoders carry activation outliers,
+    and int8 activations cost MiniLM ~1.5% cosine on short texts (0.984 on "")."""
     if method not in ENCODER_METHODS:
         raise ValueError(f"encoder models take {ENCODER_METHODS}, not {method!r}")
     auto = auto_class(folder)
@@ -48,11 +60,15 @@ def quantize_encoder(folder: Path, method: str, group_size: int = 32):
     model = model.eval().float()
     for name, linear in encoder_linears(model).items():
         if method == "int8":
-            layer: QuantLinear = Int8Linear.from_float(linear)
+            layer: QuantLinear = Int8Linear.from_float(linear, activations == "int8")
         else:
             layer = Int4Linear.from_float(linear, group_size)
         set_module(model, name, layer)
-    qconfig: dict[str, Any] = {"quant_method": "bitserve", "method": method, "embedding": None}
+    for name, embedding in word_embeddings(model).items():
+        set_module(model, name, Int8Embedding.from_float(embedding))
+    qconfig: dict[str, Any] = {"quant_method": "bitserve", "method": method, "embedding": "int8"}
+    if method == "int8":
+        qconfig["activations"] = activations
     if method == "int4":
         qconfig["group_size"] = group_size
     return model, qconfig
@@ -73,8 +89,12 @@ def load_encoder(folder: Path, auto, qconfig: dict[str, Any]) -> nn.Module:
                 linear.in_features, linear.out_features, bias, qconfig["group_size"]
             )
         else:
-            layer = Int8Linear(linear.in_features, linear.out_features, bias)
+            int8_activations = qconfig.get("activations", "int8") == "int8"
+            layer = Int8Linear(linear.in_features, linear.out_features, bias, int8_activations)
         set_module(model, name, layer)
+    for name, embedding in word_embeddings(model).items():
+        if f"{name}.qweight" in shapes:
+            set_module(model, name, Int8Embedding(*embedding.weight.shape))
     state = model.state_dict(keep_vars=True)
     missing = set(state)
     for file in sorted(folder.glob("*.safetensors")):

@@ -5,9 +5,12 @@ picks its kernels in `prepare()`, once its buffers sit on their device. On this 
 (shared/research/cpu-facts.md §3, re-measured on the 58M bench model's shapes):
 
 - int8, int8-outlier: up to SMALL_M rows `_weight_int8pack_mm` (bf16 activations);
-  above, `torch._int_mm` with int8 activations, vector-wise (per row) scales.
+  above, `torch._int_mm` with int8 activations, vector-wise (per row) scales; or, for
+  weight-only int8 (`int8_activations=False`), int8pack up to PACK_MAX_M rows and a bf16
+  dequantize + matmul above (measured faster there than int8pack).
 - int4: `_weight_int4pack_mm_for_cpu` (bf16 activations) at every size (still ~1.7x
-  fp32 at M=256).
+  fp32 at M=256). A C int4 GEMV (fp32 activations) was tried and read weights at about
+  half int4pack's rate, so int4 stays on torch's kernel, unfused.
 
 With fp32 activations `_weight_int8pack_mm` is 4-30x slower than fp32, so activations go
 to bf16 for the packed kernels and come back in their own dtype. A kernel that does not
@@ -23,10 +26,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from bitserve.quant import kernels as qkernels
+
 log = logging.getLogger("bitserve.quant")
 aten = torch.ops.aten
 
 SMALL_M = 4  # up to here the packed weight-only kernels win; above, _int_mm (W8A8) wins
+PACK_MAX_M = 32  # weight-only int8: above, bf16 dequantize + matmul beats int8pack
 _fallbacks_logged: set[str] = set()
 
 
@@ -76,6 +82,21 @@ class QuantLinear(nn.Module):
         """Build the kernel-ready tensors on the buffers' device."""
         raise NotImplementedError
 
+    def prepare_c(self) -> None:
+        """The C GEMV view of an int8 layer (bitserve/quant/kernels.py), or None."""
+        self.c_weight = None
+        if self.device.type == "cpu" and (k := qkernels.get()) is not None:
+            self.c_weight = qkernels.qweight(self, bias=False)
+            self.c_kernels = k
+
+    def c_matmul(self, x: torch.Tensor) -> torch.Tensor | None:
+        """Few fp32 rows through the C GEMV; None when it does not apply."""
+        if self.c_weight is None or x.dtype is not torch.float32 or torch.is_grad_enabled():
+            return None
+        if x.stride(1) != 1:
+            x = x.contiguous()
+        return self.c_kernels.linear(self.c_weight, x)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.prepared_for != self.device:
             self.prepare()
@@ -95,19 +116,29 @@ class QuantLinear(nn.Module):
 
 
 class Int8Linear(QuantLinear):
-    """Per-output-channel symmetric int8 weights: W ~= qweight * scales[:, None]."""
+    """Per-output-channel symmetric int8 weights: W ~= qweight * scales[:, None].
+
+    `int8_activations`: above SMALL_M rows, quantize the activations too (vector-wise,
+    per row) and run `torch._int_mm` (W8A8: LLM.int8()'s baseline, bitsandbytes with
+    threshold 0). That is 3-4x faster than weight-only at prefill sizes, and it is what
+    activation outliers break. Off, the layer is weight-only (W8A16): int8pack up to
+    PACK_MAX_M rows, then dequantize to bf16 and one bf16 matmul.
+    """
 
     method = "int8"
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool = False, int8_activations=True
+    ):
         super().__init__(in_features, out_features, bias)
+        self.int8_activations = int8_activations
         self.register_buffer("qweight", torch.zeros(out_features, in_features, dtype=torch.int8))
         self.register_buffer("scales", torch.ones(out_features, dtype=torch.float32))
 
     @classmethod
-    def from_float(cls, linear: nn.Linear) -> Int8Linear:
+    def from_float(cls, linear: nn.Linear, int8_activations: bool = True) -> Int8Linear:
         out_f, in_f = linear.weight.shape
-        layer = cls(in_f, out_f, linear.bias is not None)
+        layer = cls(in_f, out_f, linear.bias is not None, int8_activations)
         layer.qweight, layer.scales = quantize_rows_int8(linear.weight.detach())
         if linear.bias is not None:
             layer.bias.data = linear.bias.detach().float().clone()
@@ -120,6 +151,7 @@ class Int8Linear(QuantLinear):
         return self.int8_weight()
 
     def prepare(self) -> None:
+        self.prepare_c()
         self.scales_bf16 = self.scales.to(torch.bfloat16)
         w = self.int8_weight()
         self.use_pack = probe(self, "int8pack", self.pack_matmul, w)
@@ -133,15 +165,18 @@ class Int8Linear(QuantLinear):
         return torch._int_mm(xq, self.qweight.t()) * xs * self.scales
 
     def dequant_matmul(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x.float(), self.int8_weight())
+        w = self.qweight.to(torch.bfloat16) * self.scales_bf16[:, None]
+        return F.linear(x.to(torch.bfloat16), w)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         m = x.shape[0]
-        if m <= SMALL_M:
+        if m <= SMALL_M and (y := self.c_matmul(x)) is not None:
+            return y
+        if m <= SMALL_M or (not self.int8_activations and m <= PACK_MAX_M):
             return self.pack_matmul(x) if self.use_pack else self.dequant_matmul(x)
-        if self.use_int_mm and (x.is_cpu or m > 16):  # CUDA's _int_mm wants M > 16
-            return self.int_mm_matmul(x)
-        return self.pack_matmul(x) if self.use_pack else self.dequant_matmul(x)
+        if self.int8_activations and self.use_int_mm and (x.is_cpu or m > 16):
+            return self.int_mm_matmul(x)  # (CUDA's _int_mm wants M > 16)
+        return self.dequant_matmul(x)
 
 
 class Int8OutlierLinear(Int8Linear):
@@ -156,7 +191,7 @@ class Int8OutlierLinear(Int8Linear):
     method = "int8-outlier"
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, n_out: int = 0):
-        super().__init__(in_features, out_features, bias)
+        super().__init__(in_features, out_features, bias, int8_activations=True)
         self.register_buffer("outlier_idx", torch.zeros(n_out, dtype=torch.int64))
         self.register_buffer("outlier_weight", torch.zeros(out_features, n_out))
 
@@ -321,9 +356,9 @@ class Int8Embedding(nn.Module):
         return rows * self.scales[ids].to(self.dtype).unsqueeze(-1)
 
 
-def tied_head(embedding: Int8Embedding) -> Int8Linear:
+def tied_head(embedding: Int8Embedding, int8_activations: bool = True) -> Int8Linear:
     """An lm_head that shares the int8 embedding's tensors (tied word embeddings)."""
-    head = Int8Linear(embedding.embedding_dim, embedding.num_embeddings)
+    head = Int8Linear(embedding.embedding_dim, embedding.num_embeddings, False, int8_activations)
     head.qweight, head.scales = embedding.qweight, embedding.scales
     return head
 

@@ -5,7 +5,8 @@ replaced by one `model.safetensors` in bitserve's own module names (fused `qkv_p
 `gate_up_proj`), and `quantization_config` added to config.json:
 
     {"quant_method": "bitserve", "method": "int8" | "int8-outlier" | "int4",
-     "group_size": 32, "threshold": 6.0, "embedding": "int8", "tied_lm_head": false}
+     "activations": "int8" | "bf16" (int8), "group_size": 32 (int4),
+     "threshold": 6.0 (int8-outlier), "embedding": "int8", "tied_lm_head": false}
 
 Every `nn.Linear` is quantized (the LM head too) except a MoE router; Llama-family token
 embeddings become int8 rows (they are a quarter of the 58M bench model). A tied LM head
@@ -73,10 +74,12 @@ def quantize_model(
     group_size: int = 32,
     outliers: dict[str, torch.Tensor] | None = None,
     threshold: float = 6.0,
+    activations: str = "int8",
 ) -> dict[str, Any]:
     """Quantize `model` in place; returns its `quantization_config`.
 
     `outliers` (int8-outlier): per linear layer, the input channels to keep in fp32.
+    `activations` (int8): "int8" (W8A8 above a few rows) or "bf16" (weight-only).
     """
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
@@ -85,7 +88,7 @@ def quantize_model(
     tied = bool(getattr(model, "tie_word_embeddings", False))
     for name, linear in quantizable(model).items():
         if method == "int8":
-            layer = Int8Linear.from_float(linear)
+            layer = Int8Linear.from_float(linear, activations == "int8")
         elif method == "int4":
             layer = Int4Linear.from_float(linear, group_size)
         else:
@@ -93,6 +96,8 @@ def quantize_model(
             layer = Int8OutlierLinear.from_float_with_outliers(linear, idx)
         set_module(model, name, layer)
     config: dict[str, Any] = {"quant_method": "bitserve", "method": method, "embedding": None}
+    if method == "int8":
+        config["activations"] = activations
     if method == "int4":
         config["group_size"] = group_size
     if method == "int8-outlier":
@@ -102,7 +107,7 @@ def quantize_model(
         model.embed_tokens = Int8Embedding.from_float(embedding)
         config["embedding"] = "int8"
         if tied and method == "int8":
-            model.lm_head = tied_head(model.embed_tokens)
+            model.lm_head = tied_head(model.embed_tokens, activations == "int8")
     config["tied_lm_head"] = tied and method == "int8" and embedding is not None
     if tied:
         model.tie_word_embeddings = False  # tie_weights() must not put a float weight back
@@ -174,7 +179,8 @@ def prepare_modules(model: nn.Module, folder: Path, qconfig: dict[str, Any]) -> 
             n_out = shapes[f"{name}.outlier_idx"][0]
             layer = Int8OutlierLinear(linear.in_features, linear.out_features, bias, n_out)
         else:
-            layer = Int8Linear(linear.in_features, linear.out_features, bias)
+            int8_activations = qconfig.get("activations", "int8") == "int8"
+            layer = Int8Linear(linear.in_features, linear.out_features, bias, int8_activations)
         set_module(model, name, layer)
     embedding = embedding_of(model)
     if embedding is not None and "embed_tokens.qweight" in shapes:
@@ -194,19 +200,25 @@ def load_weights(model: nn.Module, folder: Path, qconfig: dict[str, Any]) -> Non
                     raise KeyError(f"checkpoint tensor {name!r} has no place in the model")
                 state[name].data.copy_(f.get_tensor(name))
     if qconfig.get("tied_lm_head"):
-        model.lm_head = tied_head(model.embed_tokens)
+        model.lm_head = tied_head(model.embed_tokens, qconfig.get("activations") != "bf16")
     prepare_kernels(model)
     log.info("%s", describe(model, qconfig))
 
 
 def prepare_kernels(model: nn.Module) -> None:
-    """Pick every layer's kernels now (not on the first request); free what they copied."""
+    """Pick every layer's kernels now (not on the first request); free what they copied;
+    route small decode steps through one C call per decoder layer (fused.py)."""
+    from bitserve.quant.fused import fuse_decode_layers
+
     for module in model.modules():
         if isinstance(module, QuantLinear):
             module.prepare()
             module.prepared_for = module.device
             if isinstance(module, Int4Linear):
                 module.free_unpacked()
+    fused = fuse_decode_layers(model)
+    if fused:
+        log.info("quantized decode: %d decoder layers fused into C calls", fused)
 
 
 def describe(model: nn.Module, qconfig: dict[str, Any]) -> str:
@@ -225,6 +237,8 @@ def kernel_summary(layer: QuantLinear) -> str:
     if isinstance(layer, Int4Linear):
         return "int4: int4pack" if layer.use_pack else "int4: dequantize + matmul"
     small = "int8pack" if layer.use_pack else "dequantize + matmul"
+    if layer.c_weight is not None:
+        small = "C GEMV (bitserve/quant/kernels.py)"
     large = "_int_mm" if layer.use_int_mm else small
     return f"{layer.method}: {small} up to {SMALL_M} rows, {large} above"
 

@@ -1,0 +1,127 @@
+"""Quantized decode steps in one C call per layer, as the fp32 engine runs them.
+
+The engine's fused fp32 decode (`LlamaForCausalLM.fused_decode`) reads fp32 weight
+pointers, so a quantized model turns it off. Instead each Llama decoder layer whose
+linear layers are all plain int8 (not int8-outlier, not int4) gets a subclass of
+its own class whose `forward` sends a small all-decode batch to
+`bs_q_llama_decode_layer` (bitserve/quant/kernels.py) and everything else (prefill,
+mixed batches, more than SMALL_M rows, a GPU) to the layer's own forward. The module
+tree and parameter names do not change.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from bitserve.llm.attention import AttentionMetadata
+from bitserve.quant import kernels as qkernels
+from bitserve.quant.linear import SMALL_M, Int8Linear
+
+_classes: dict[type, type] = {}
+
+
+def c_readable(layer: nn.Module) -> bool:
+    """Plain int8 (not int8-outlier, not int4) with its C view built."""
+    return type(layer) is Int8Linear and getattr(layer, "c_weight", None) is not None
+
+
+def fusable(layer: nn.Module) -> bool:
+    """A Llama decoder layer with plain SwiGLU MLP, no TP, all four linears C-readable."""
+    attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+    linears = [
+        getattr(attn, "qkv_proj", None),
+        getattr(attn, "o_proj", None),
+        getattr(mlp, "gate_up_proj", None),
+        getattr(mlp, "down_proj", None),
+    ]
+    tp = getattr(mlp, "tp", None)
+    return (
+        all(lin is not None and c_readable(lin) for lin in linears)
+        and hasattr(layer, "input_layernorm")
+        and (tp is None or tp.size == 1)
+    )
+
+
+def fuse_decode_layers(model: nn.Module) -> int:
+    """Swap the class of every fusable decoder layer; returns how many."""
+    if qkernels.get() is None:
+        return 0
+    count = 0
+    for layer in getattr(model, "layers", []):
+        if fusable(layer):
+            base = type(layer)
+            if base not in _classes:
+                _classes[base] = type(f"QuantFused{base.__name__}", (FusedDecode, base), {})
+            layer.__class__ = _classes[base]
+            count += 1
+    return count
+
+
+class FusedDecode:
+    """Mixed into a decoder layer class: the C path for small all-decode batches."""
+
+    def forward(self, x, positions, meta: AttentionMetadata, rotary):
+        if self.can_fuse(x, meta, rotary):
+            return self.fused(x, positions, meta, rotary)
+        return super().forward(x, positions, meta, rotary)
+
+    def can_fuse(self, x: torch.Tensor, meta: AttentionMetadata, rotary) -> bool:
+        attn = self.self_attn
+        return (
+            meta.decode is not None
+            and not meta.seqs
+            and x.dim() == 2
+            and x.shape[0] <= SMALL_M
+            and x.dtype is torch.float32
+            and x.is_cpu
+            and not torch.is_grad_enabled()
+            and rotary is not None
+            and rotary.cos.shape[-1] == attn.head_dim
+            and attn.kv_cache is not None
+            and attn.kv_cache[0].dtype is torch.float32
+        )
+
+    def c_params(self, rotary) -> qkernels.QLayerParams:
+        """The C view of this layer, rebuilt when its KV pool or RoPE tables change."""
+        attn, mlp = self.self_attn, self.mlp
+        key = (attn.kv_cache, rotary.cos, rotary.sin)
+        cached = getattr(self, "_c_params", None)
+        if cached is not None and all(a is b for a, b in zip(cached[0], key, strict=True)):
+            return cached[1]
+        k_pool, v_pool = attn.kv_cache
+        params = qkernels.QLayerParams(
+            ln1=self.input_layernorm.weight.data_ptr(),
+            ln2=self.post_attention_layernorm.weight.data_ptr(),
+            qkv=qkernels.qweight(attn.qkv_proj),
+            o=qkernels.qweight(attn.o_proj),
+            gu=qkernels.qweight(mlp.gate_up_proj),
+            down=qkernels.qweight(mlp.down_proj),
+            kpool=k_pool.data_ptr(),
+            vpool=v_pool.data_ptr(),
+            cos=rotary.cos.data_ptr(),
+            sin=rotary.sin.data_ptr(),
+            H=self.input_layernorm.weight.shape[0],
+            Hq=attn.num_heads,
+            Hkv=attn.num_kv_heads,
+            D=attn.head_dim,
+            I=mlp.intermediate,
+            nblk=k_pool.shape[1],
+            bs=k_pool.shape[2],
+            eps=self.input_layernorm.eps,
+            scale=attn.scale,
+        )
+        self._c_params = (key, params)
+        return params
+
+    def fused(self, x, positions, meta: AttentionMetadata, rotary) -> torch.Tensor:
+        attn = self.self_attn
+        per_row = 2 * x.shape[1] + 2 * (attn.q_size + attn.kv_size) + 3 * self.mlp.intermediate
+        scratch = getattr(self, "_scratch", None)
+        if scratch is None or scratch.numel() < per_row * x.shape[0]:
+            scratch = self._scratch = torch.empty(per_row * SMALL_M)
+        x = x.contiguous().clone()  # updated in place by the kernel
+        qkernels.get().decode_layer(
+            self.c_params(rotary), x, positions, meta.slot_mapping, meta.decode, scratch
+        )
+        return x
