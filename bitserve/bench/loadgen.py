@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from bitserve.bench.client import ConnectionLost, Pool
+from bitserve.bench.client import ConnectionLost, Pool, StaleConnection
 from bitserve.bench.stream import Result, StreamReader, read_full
 from bitserve.bench.workloads import Request
 
@@ -99,7 +99,12 @@ async def send(pool: Pool, request: Request, timeout: float) -> Result:
         result.start = time.perf_counter()  # connecting is not the server's latency
         if reader is not None:
             reader.start = result.start
-        status, body = await conn.request(request.raw, reader.feed if reader else None, timeout)
+        try:
+            status, body = await conn.request(request.raw, reader.feed if reader else None, timeout)
+        except StaleConnection:  # never reached the server: once more on a new connection
+            pool.put(conn)
+            conn = await pool.fresh()
+            status, body = await conn.request(request.raw, reader.feed if reader else None, timeout)
         result.latency = time.perf_counter() - result.start
     except TimeoutError:
         result.error, result.latency = "timeout", time.perf_counter() - result.start

@@ -53,3 +53,42 @@ def test_closed_loop_bounds():
         Load(concurrency=1)  # no bound
     with pytest.raises(ValueError):
         Load(concurrency=1, rate=1.0, num_requests=1)
+
+
+def test_a_server_that_closes_after_each_answer_costs_no_request():
+    """Like llama.cpp's server after a streamed answer: the close can arrive just after
+    the client reused the connection; that request never reached the server and is
+    sent again on a new connection, as HTTP clients do, instead of counting an error."""
+    import asyncio
+    import threading
+
+    answered = 0
+    ready = threading.Event()
+    loop = asyncio.new_event_loop()
+
+    async def handle(reader, writer):
+        nonlocal answered
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+        await writer.drain()
+        answered += 1
+        await asyncio.sleep(0.02)  # keep-alive, then close: the client may reuse it first
+        writer.close()
+
+    async def serve():
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        holder.append(server.sockets[0].getsockname()[1])
+        ready.set()
+        async with server:
+            await server.serve_forever()
+
+    holder: list[int] = []
+    thread = threading.Thread(target=loop.run_until_complete, args=(serve(),), daemon=True)
+    thread.start()
+    ready.wait(5)
+    url = f"http://127.0.0.1:{holder[0]}"
+    requests = [Request(build_request(url.removeprefix("http://"), "/x", b"{}"))]
+    done = run(url, requests, Load(concurrency=4, num_requests=40))
+    assert [r.error for r in done.results if not r.ok] == []
+    assert len(done.results) == 40 and answered == 40
+    loop.call_soon_threadsafe(loop.stop)
