@@ -3,7 +3,8 @@
 LLM: perplexity on held-out text (non-overlapping windows from an empty cache, as
 tools/train_lm.py scores tinylm), next-token agreement (the share of positions where
 both models' argmax is the same token, on the same text), greedy generation agreement
-(the share of the first N greedily generated tokens that match), weight memory, and
+(the share of the first N greedily generated tokens that match, and how many come
+before the first difference: one near-tie changes all that follows), weight memory, and
 batch-1 decode tokens/s through the engine.
 Encoders: cosine similarity of each text's embedding to the reference's, memory,
 sentences/s.
@@ -93,11 +94,14 @@ def evaluate_llm(
     result["reference"] = summary(ref, reference)
     same = (model.predictions == ref.predictions).float().mean()
     n = min(len(model.generated), len(ref.generated))
-    matches = sum(a == b for a, b in zip(model.generated[:n], ref.generated[:n], strict=True))
+    pairs = list(zip(model.generated[:n], ref.generated[:n], strict=True))
+    matches = sum(a == b for a, b in pairs)
+    prefix = next((i for i, (a, b) in enumerate(pairs) if a != b), n)
     result["comparison"] = {
         "perplexity_change": model.perplexity / ref.perplexity - 1,
         "next_token_agreement": float(same),
-        "greedy_agreement": matches / max(n, 1),
+        "greedy_agreement": matches / max(n, 1),  # same token at the same position
+        "greedy_same_prefix": prefix,  # tokens before the first difference
         "greedy_tokens": n,
         "memory_ratio": model.weight_bytes / ref.weight_bytes,
         "decode_speedup": model.decode_tok_s / max(ref.decode_tok_s, 1e-9),
@@ -192,7 +196,7 @@ def evaluate_encoder(folder: Path, reference: Path | None, texts: list[str]) -> 
 def format_table(result: dict) -> str:
     """The two models side by side, then the comparison."""
     columns = [k for k in ("model", "reference") if k in result]
-    keys = [k for k in result["model"] if k != "folder"]
+    keys = [k for k in result["model"] if k not in ("folder", "name")]
     lines = [f"{'':<22}" + "".join(f"{c:>16}" for c in columns)]
     for key in keys:
         cells = "".join(f"{fmt(key, result[c][key]):>16}" for c in columns)
