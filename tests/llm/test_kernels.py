@@ -22,12 +22,12 @@ def restore_kernels():
 
 
 @needs_kernels
-@pytest.mark.parametrize("rows", [1, 3, 8])
-@pytest.mark.parametrize("k", [64, 72])
+@pytest.mark.parametrize("rows", [1, 3, 8, 18, 64])  # from 4 rows: the 4x4 tile + leftovers
+@pytest.mark.parametrize("k", [64, 72])  # 72: not a multiple of 16, the plain loop
 @pytest.mark.parametrize("bias", [False, True])
 def test_linear_matches_torch(rows, k, bias):
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(rows, k, generator=g)
+    x = torch.randn(rows, k + 16, generator=g)[:, :k]  # a row stride that is not k
     w = torch.randn(37, k, generator=g)
     b = torch.randn(37, generator=g) if bias else None
     got = kernels.get().linear(x, w, b)
