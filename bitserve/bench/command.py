@@ -193,7 +193,7 @@ def make_requests(url: str, opts: dict, loads: list[loadgen.Load]) -> list[workl
         ignore_eos=opts["ignore_eos"],
         stream=not opts["no_stream"],
     )
-    n = max(load.num_requests or 1000 for load in loads)
+    n = max(load.num_requests or 1000 for load in loads) + opts["warmup"]
     return workloads.openai_requests(host, spec, n, seed=opts["seed"])
 
 
@@ -209,9 +209,13 @@ def run_point(url: str, requests: list, load: loadgen.Load, slos: dict, opts: di
     """Warm up, scrape, run with a progress bar, scrape again, summarise."""
     from tqdm import tqdm
 
-    if opts["warmup"]:
+    if warm := opts["warmup"]:
+        # Warm up on the last requests, measure from the first: a prompt seen in the
+        # warm-up would be a prefix-cache hit and flatter TTFT.
         users = load.concurrency or load.max_concurrency or 8
-        loadgen.run(url, requests, loadgen.Load(concurrency=users, num_requests=opts["warmup"]))
+        spare = requests[-warm:] if len(requests) > warm else requests
+        loadgen.run(url, spare, loadgen.Load(concurrency=users, num_requests=warm))
+        requests = requests[:-warm] if len(requests) > warm else requests
     before = server_view.scrape(url, opts["model"])
     total = load.num_requests
     with tqdm(
