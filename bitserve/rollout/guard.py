@@ -31,17 +31,27 @@ class Window:
         self.samples: deque[tuple[float, bool]] = deque(maxlen=size)
         self.requests = 0
         self.errors = 0
+        self._window_errors = 0  # kept as samples enter and leave: O(1) per request
 
     def add(self, seconds: float, ok: bool) -> None:
+        if len(self.samples) == self.samples.maxlen:
+            self._window_errors -= not self.samples[0][1]  # about to be evicted
         self.samples.append((seconds, ok))
+        self._window_errors += not ok
         self.requests += 1
         self.errors += not ok
+
+    def resize(self, size: int) -> None:
+        """A new window length; the latest samples stay."""
+        if size != self.samples.maxlen:
+            self.samples = deque(self.samples, maxlen=size)
+            self._window_errors = sum(not ok for _, ok in self.samples)
 
     def __len__(self) -> int:
         return len(self.samples)
 
     def window_errors(self) -> int:
-        return sum(not ok for _, ok in self.samples)
+        return self._window_errors
 
     def latencies(self) -> np.ndarray:
         """Seconds of the successful requests in the window (a failure's latency says

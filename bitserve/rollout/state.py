@@ -74,6 +74,8 @@ class ModelRollout:
         self.kinds = dict(traffic.compare)
         self.canary_requests = 0  # since the policy was set: drives the rollback checks
         self.looks = 0
+        for window in self.windows.values():
+            window.resize(traffic.window)
         if self.mirror is None or (old.shadow_queue_size, old.shadow_concurrency) != (
             traffic.shadow_queue_size,
             traffic.shadow_concurrency,
@@ -136,7 +138,14 @@ class ModelRollout:
         return found
 
     def finish(self, route: Route, status: int, seconds: float, parsed: Any, outputs: Any) -> None:
-        """Record a routed request; check the canary; offer the copy to the shadow."""
+        """Record a routed request; check the canary; offer the copy to the shadow. The
+        primary's answer is already made: nothing here may fail it."""
+        try:
+            self._finish(route, status, seconds, parsed, outputs)
+        except Exception:
+            log.exception("model %s: recording a rollout request failed", self.name)
+
+    def _finish(self, route: Route, status: int, seconds: float, parsed: Any, outputs: Any) -> None:
         ok = not counts_as_error(status)
         if status >= 400 and ok:
             return  # the caller's mistake says nothing about the version
@@ -230,6 +239,17 @@ class Rollouts:
         else:
             rollout.set_policy(traffic, action, reason)
         return rollout
+
+    def clear(self, entry: ModelEntry) -> None:
+        """No policy until the model reloads: the highest version answers again."""
+        rollout = self.get(entry)
+        if rollout is not None:
+            rollout.close()
+            if rollout._canary_label is not None:
+                self.metrics.canary_weight.remove(entry.name, rollout._canary_label)
+            log.info("model %s: traffic policy removed (admin API)", entry.name)
+        assert entry.config is not None
+        self.models[entry.name] = (entry.config, None)
 
     def close(self) -> None:
         for _, rollout in self.models.values():

@@ -66,3 +66,15 @@ def test_each_look_alone_is_calibrated_near_alpha():
         for _ in range(runs // 4)
     )
     assert rejected <= sp.binom.ppf(0.995, runs // 4, alpha)
+
+
+def test_window_counts_errors_as_samples_enter_and_leave():
+    window = guard.Window(100)
+    rng = np.random.default_rng(8)
+    for ok in rng.random(1000) > 0.1:
+        window.add(0.01, bool(ok))
+        assert window.window_errors() == sum(not o for _, o in window.samples)
+    assert (window.requests, len(window)) == (1000, 100)
+    window.resize(50)
+    assert len(window) == 50
+    assert window.window_errors() == sum(not o for _, o in window.samples)

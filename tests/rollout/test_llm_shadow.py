@@ -61,7 +61,7 @@ def test_llm_shadow_compares_text_by_exact_match_and_tokens(llm_server):
     assert figures["token_agreement"]["mean"] == 1.0
 
 
-def test_openai_completions_follow_the_traffic_policy(llm_server):
+def test_openai_and_generate_follow_the_traffic_policy(llm_server):
     """Without a policy the highest version (2) would answer; the policy says 1, then
     a canary 2 at 100%."""
     auth = {"Authorization": f"Bearer {TOKEN}"}
@@ -80,6 +80,11 @@ def test_openai_completions_follow_the_traffic_policy(llm_server):
             after = _tokens(client.get("/metrics").text)
             grew = {v for v in after if after[v] > before.get(v, 0)}
             assert grew == {answering}
+            generated = client.post(
+                "/v2/models/tinylm/generate",
+                json={"text_input": "Amen", "parameters": {"max_tokens": 2}},
+            )
+            assert generated.json()["model_version"] == answering
 
 
 def _tokens(metrics: str) -> dict[str, float]:

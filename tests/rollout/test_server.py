@@ -71,7 +71,8 @@ def test_canary_share_on_a_real_server_and_pinned_requests_stay_put(canary_serve
         )
         canary = versions.count("2")
         assert set(versions) == {"1", "2"}
-        assert sp.binom.ppf(0.005, n, 0.1) <= canary <= sp.binom.ppf(0.995, n, 0.1), canary
+        # 99.9%: the in-process test holds the 99% check over 2000 with a seeded draw
+        assert sp.binom.ppf(0.0005, n, 0.1) <= canary <= sp.binom.ppf(0.9995, n, 0.1), canary
         for pinned in ("1", "2", "3"):
             for _ in range(30):
                 by_path = _infer(client, f"/v2/models/m/versions/{pinned}/infer")
@@ -84,7 +85,8 @@ def test_canary_share_on_a_real_server_and_pinned_requests_stay_put(canary_serve
     assert by_version["1"]["requests"] == n - canary
     assert by_version["1"]["latency_ms"]["p50"]["method"] == "normal"
     candidate = report["candidates"][0]
-    assert candidate["role"] == "canary" and candidate["recommendation"] == "keep watching"
+    assert candidate["role"] == "canary"
+    assert candidate["recommendation"] == "keep watching", candidate
     assert candidate["more_requests_needed"] > 0
     assert "more needed" in candidate["reasons"][0]
 
@@ -115,6 +117,12 @@ def test_traffic_admin_api_promote_rollback_and_metrics(canary_server):
         } == {"2"}
         events = [e["action"] for e in client.get("/v2/models/m/rollout").json()["events"]]
         assert events[-3:] == ["rollback", "set", "promote"]
+        assert client.delete(path, headers=AUTH).status_code == 200
+        assert client.get(path, headers=AUTH).json() is None
+        assert client.get("/v2/models/m/rollout").status_code == 404
+        # no policy: the highest version answers, as without a [traffic] table
+        assert _infer(client, "/v2/models/m/infer").json()["model_version"] == "3"
+        assert 'bitserve_rollout_canary_weight_percent{model="m"' not in client.get("/metrics").text
 
 
 def test_a_failing_canary_is_rolled_back_automatically(canary_server):
