@@ -34,7 +34,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -111,7 +110,6 @@ class RayModel:
         self.dead: str | None = None  # why, once the actor is known to be gone
         self._ping: Any = None
         self._last_ping = time.monotonic()
-        self._lock = threading.Lock()
 
     @classmethod
     def spawn(cls, config: ModelConfig, version_dir: Path, kind: str, slot: int) -> RayModel:
@@ -167,18 +165,19 @@ class RayModel:
         """Non-blocking: what the last ping said; sends the next one when it is due."""
         if self.dead:
             return False
-        with self._lock:
-            if self._ping is None and time.monotonic() - self._last_ping >= PING_PERIOD_S:
-                self._ping = self.actor.ping.remote().future()
-                self._ping.add_done_callback(self._pinged)
+        if self._ping is None and time.monotonic() - self._last_ping >= PING_PERIOD_S:
+            # No lock here: a ping already answered runs its callback right inside
+            # add_done_callback, on this thread.
+            self._ping = self.actor.ping.remote().future()
+            self._ping.add_done_callback(self._pinged)
         return not self.dead
 
     def _pinged(self, future: Any) -> None:
-        with self._lock:
-            self._ping = None
-            self._last_ping = time.monotonic()
+        """On Ray's thread (or inside add_done_callback): record the answer."""
         if future.exception() is not None:
             self.dead = self.dead or "died"
+        self._last_ping = time.monotonic()
+        self._ping = None
 
     def unload(self) -> None:
         import ray
