@@ -138,6 +138,10 @@ class Instance:
         self.ready_at = time.time()
 
     def _build(self) -> Model | RemoteModel:
+        if self.config.instance_group.isolation == "ray":
+            from bitserve.repository.replica import RayModel
+
+            return RayModel.spawn(self.config, self.version_dir, self.device, self.slot)
         if self.config.instance_group.isolation == "process":
             return RemoteModel.spawn(self.config, self.version_dir, self.device)
         return build_model(self.config, self.version_dir, self.device)
@@ -161,7 +165,8 @@ class Instance:
     def alive(self) -> bool:
         if self.worker is None or not self.worker.thread.is_alive():
             return False
-        return not isinstance(self.model, RemoteModel) or self.model.alive()
+        alive = getattr(self.model, "alive", None)  # a child process or a Ray replica
+        return alive is None or alive()
 
     async def stop(self) -> None:
         """Unload gracefully on the worker, then end the thread."""
@@ -174,7 +179,7 @@ class Instance:
     def kill(self) -> None:
         """Give up on this instance now. A child process is killed; a wedged thread
         cannot be, so it is abandoned (it is a daemon) and its late result is ignored."""
-        if isinstance(self.model, RemoteModel):
+        if hasattr(self.model, "kill"):  # a child process or a Ray replica
             self.model.kill()
         if self.worker is not None:
             self.worker.stop()

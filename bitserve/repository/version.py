@@ -23,6 +23,7 @@ from bitserve.batching.clock import LoopClock
 from bitserve.metrics import Metrics
 from bitserve.repository.config import ModelConfig
 from bitserve.repository.instance import Instance
+from bitserve.repository.replica import ReplicaGone
 
 if TYPE_CHECKING:
     from bitserve.backends.llm import LLMService
@@ -32,6 +33,12 @@ log = logging.getLogger("bitserve.repository")
 
 class ExecutionError(Exception):
     """The model failed on a batch; every request in it gets this error (HTTP 500)."""
+
+
+class ReplicaLost(Exception):
+    """A Ray replica died while running the request's batch (HTTP 503, Retry-After)."""
+
+    retry_after = 1
 
 
 class ModelVersion:
@@ -51,19 +58,35 @@ class ModelVersion:
         self.llm: LLMService | None = None  # the engine, for backend "llm"
         self.pending = 0  # submitted and not yet finished
         self.restarts = {"wedged": 0, "died": 0}
+        # Ray replicas: one dying leaves the version serving on the others.
+        self.replicated = config.instance_group.isolation == "ray"
+        self.retried = 0  # requests put back in the queue: their replica died first
         self.load_seconds = 0.0  # wall time of load(), warm-up included
         self.weights_seconds = 0.0  # of which loading (summed over instances)
         self.warmup_seconds = 0.0  # of which warm-up (summed over instances)
         self.spans: list[tuple[coldstart.Span, coldstart.Span]] = []  # (load, warmup) each
         self._idle = asyncio.Event()
         self._idle.set()
+        self._replacing: set[asyncio.Future] = set()
         labels = (config.name, str(version))
         # label-bound metric children, resolved once: the request path only observes
         self.m = _bind(metrics or Metrics(), labels)
 
     @property
     def ready(self) -> bool:
+        if self.replicated:  # degraded but serving while one replica is healthy
+            return self.state == "ready" and len(self.unhealthy) < len(self.instances)
         return self.state == "ready" and not self.unhealthy
+
+    def degraded(self) -> str | None:
+        """Ray replicas being replaced while the others serve (None when all are up)."""
+        if not (self.replicated and self.unhealthy and self.ready):
+            return None
+        healthy = len(self.instances) - len(self.unhealthy)
+        return (
+            f"{healthy} of {len(self.instances)} replicas healthy, "
+            f"replacing {sorted(self.unhealthy)}"
+        )
 
     @property
     def platform(self) -> str:
@@ -73,7 +96,7 @@ class ModelVersion:
 
     def problem(self) -> str | None:
         """Why liveness should fail for this version (None when healthy)."""
-        if self.unhealthy:
+        if self.unhealthy and not self.replicated:  # a lost replica is not this process's
             return f"instance(s) {sorted(self.unhealthy)} restarting"
         if self.llm is not None and self.state in ("ready", "draining"):
             return self.llm.healthy()
@@ -88,7 +111,8 @@ class ModelVersion:
             return await self._load_llm()
         started = time.perf_counter()
         count = self.config.instance_group.count
-        device = _device(self.config.instance_group.kind)
+        kind = self.config.instance_group.kind
+        device = kind if self.replicated else _device(kind)  # a replica resolves its own
         self.instances = [Instance(self.config, self.version_dir, i, device) for i in range(count)]
         results = await asyncio.gather(*(i.start() for i in self.instances), return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException)]
@@ -223,6 +247,8 @@ class ModelVersion:
             return  # a restarted instance's late answer: its requests already failed
         del self.running[slot]
         batch = current[1]
+        if self.replicated and isinstance(error, ReplicaGone):
+            return self._replica_gone(slot, batch, error)
         if error is not None:
             if not isinstance(error, ExecutionError):
                 log.error(
@@ -245,6 +271,24 @@ class ModelVersion:
             request.finish(output, error)
         assert self.batcher is not None
         self.batcher.release(slot)
+
+    def _replica_gone(self, slot: int, batch: list[Request], error: ReplicaGone) -> None:
+        """A batch's replica died: retry the batch if it had not started, else fail it
+        with 503; replace the replica (its slot stays out of the batcher meanwhile)."""
+        assert self.batcher is not None
+        log.error("model %s v%d replica %d: %s", self.config.name, self.version, slot, error)
+        if error.started:
+            lost = ReplicaLost(f"model '{self.config.name}': {error}; retry the request")
+            for request in batch:
+                request.finish(None, lost)
+        else:
+            self.retried += len(batch)
+            self.batcher.requeue(batch)
+        if slot not in self.unhealthy and self.state in ("ready", "draining"):
+            self.unhealthy.add(slot)  # before the watchdog looks again
+            task = asyncio.ensure_future(self.restart(slot, "died"))
+            self._replacing.add(task)
+            task.add_done_callback(self._replacing.discard)
 
     # --------------------------------------------------------------- health
 
@@ -274,11 +318,14 @@ class ModelVersion:
         old.kill()
         if slot in self.batcher.free:
             self.batcher.free.remove(slot)
-        held = self.running.pop(slot, None)
-        if held is not None:
-            error = ExecutionError(f"model '{self.config.name}': instance {reason}; restarted")
-            for request in held[1]:
-                request.finish(None, error)
+        if not self.replicated:
+            held = self.running.pop(slot, None)
+            if held is not None:
+                error = ExecutionError(f"model '{self.config.name}': instance {reason}; restarted")
+                for request in held[1]:
+                    request.finish(None, error)
+        # A replica's batch is settled by its own call, which the kill ends: retried if
+        # it had not started there, else failed with 503.
         while self.state in ("ready", "draining"):
             fresh = Instance(self.config, self.version_dir, slot, old.device)
             try:
@@ -288,10 +335,19 @@ class ModelVersion:
                 await asyncio.sleep(1.0)
                 continue
             self.instances[slot] = fresh
+            self._fail_held(slot, reason)
             self.unhealthy.discard(slot)
             self.batcher.release(slot)
             log.info("model %s v%d instance %d restarted", self.config.name, self.version, slot)
             return
+
+    def _fail_held(self, slot: int, reason: str) -> None:
+        """A batch still held by the replaced replica (its call never returned): fail it."""
+        held = self.running.pop(slot, None)
+        if held is not None:
+            lost = ReplicaLost(f"model '{self.config.name}': replica {reason}; retry the request")
+            for request in held[1]:
+                request.finish(None, lost)
 
 
 class Lease:

@@ -5,6 +5,8 @@
   batch the instance held, and restarts it; live turns 200 again once it is back.
 - ready (`/v2/health/ready`, `/readyz`): 200 only when every model the repository asks
   for is loaded and warmed, no instance is restarting, and the server is not draining.
+  Ray replicas are the exception: a model stays ready while one replica is healthy, and
+  the body lists the others being replaced (`"degraded"`); it is not ready with none.
 - startup (`/startupz`): 503 "loading" while models load, 500 naming the model when one
   is broken, 200 once everything loaded. Kubernetes can tell slow from broken.
 """
@@ -59,8 +61,19 @@ class Health:
             return _answer(503, "draining")
         reason = self.server.repository.not_ready_reason()
         lazy = self.server.repository.lazy_models()
-        if reason is None and lazy:  # ready, and it says which models are not loaded yet
-            return json_response({"ready": True, "lazy_models": lazy})
+        degraded = [
+            f"model '{name}' version {v.version}: {why}"
+            for name, entry in self.server.repository.models.items()
+            for v in entry.versions.values()
+            if (why := v.degraded())
+        ]
+        if reason is None and (lazy or degraded):  # ready, and it says what is missing
+            body: dict = {"ready": True}
+            if lazy:
+                body["lazy_models"] = lazy
+            if degraded:  # Ray replicas being replaced while the others serve
+                body["degraded"] = degraded
+            return json_response(body)
         return _answer(200 if reason is None else 503, reason or "")
 
     async def startup(self, request: Request) -> Response:
@@ -123,6 +136,11 @@ def collect(server: Server) -> Iterator[Metric]:
         "Instances restarted by the watchdog, by reason (wedged, died).",
         labels=["model", "version", "reason"],
     )
+    retried = CounterMetricFamily(
+        "bitserve_requests_retried",
+        "Requests put back in the queue because their Ray replica died before starting them.",
+        labels=["model", "version"],
+    )
     draining = GaugeMetricFamily("bitserve_draining", "1 while the server drains.")
     draining.add_metric([], 1.0 if server.draining else 0.0)
     yield from _engine_metrics(server)
@@ -137,7 +155,8 @@ def collect(server: Server) -> Iterator[Metric]:
             runs.add_metric(labels, version.batcher.stats.execution_count)
             for reason, count in version.restarts.items():
                 restarts.add_metric([*labels, reason], count)
-    yield from (depth, healthy, rows, runs, restarts, draining)
+            retried.add_metric(labels, version.retried)
+    yield from (depth, healthy, rows, runs, restarts, retried, draining)
 
 
 def _engine_metrics(server: Server) -> Iterator[Metric]:
