@@ -2,7 +2,7 @@
 
 The engine's fused fp32 decode (`LlamaForCausalLM.fused_decode`) reads fp32 weight
 pointers, so a quantized model turns it off. Instead each Llama decoder layer whose
-linear layers are all plain int8 (not int8-outlier, not int4) gets a subclass of
+linear layers are all plain int8 or int4 (not int8-outlier) gets a subclass of
 its own class whose `forward` sends a small all-decode batch to
 `bs_q_llama_decode_layer` (bitserve/quant/kernels.py) and everything else (prefill,
 mixed batches, more than SMALL_M rows, a GPU) to the layer's own forward. The module
@@ -16,14 +16,15 @@ from torch import nn
 
 from bitserve.llm.attention import AttentionMetadata
 from bitserve.quant import kernels as qkernels
-from bitserve.quant.linear import SMALL_M, Int8Linear
+from bitserve.quant.linear import SMALL_M, Int4Linear, Int8Linear
 
 _classes: dict[type, type] = {}
 
 
 def c_readable(layer: nn.Module) -> bool:
-    """Plain int8 (not int8-outlier, not int4) with its C view built."""
-    return type(layer) is Int8Linear and getattr(layer, "c_weight", None) is not None
+    """Plain int8 (not int8-outlier) or int4, with its C view built."""
+    plain = type(layer) is Int8Linear or type(layer) is Int4Linear
+    return plain and getattr(layer, "c_weight", None) is not None
 
 
 def fusable(layer: nn.Module) -> bool:

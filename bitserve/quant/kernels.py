@@ -1,24 +1,27 @@
-"""C kernels for int8 decode on the CPU: an int8 GEMV and a fused decoder layer.
+"""C kernels for quantized decode on the CPU: int8 and int4 GEMVs and a fused layer.
 
 Batch-1 decode reads every weight once per token, so it runs at the speed weights stream
 from memory. torch's `_weight_int8pack_mm` reads int8 weights at ~16 GB/s here, while
 bitserve's own fp32 GEMV (bitserve/llm/kernels.py) reads fp32 at ~37 GB/s: int8 through
 torch is only ~1.7x faster than fp32, and the ~600 small torch ops of an unfused decode
-step cost about as much again. So, like the fp32 engine, int8 models decode through C:
+step cost about as much again. So, like the fp32 engine, quantized models decode in C:
 
-- `bs_qgemv`: y = x @ W.T + b for a few rows, W int8 with a scale per output row. Each
-  weight row is widened to fp32 in registers once per tile of up to 4 rows of x;
-  activations stay fp32, so the result is the dequantized weights times x, in fp32
-  (~31 GB/s of int8 here, 3.3x the fp32 GEMV on the 58M bench model's layers).
+- `bs_qgemv`: y = x @ W.T + b for a few rows of x.
+  - int8 (a scale per output row): each weight row is widened to fp32 in registers
+    once per tile of up to 4 rows of x; activations stay fp32, so the result is the
+    dequantized weights times x in fp32. ~31 GB/s of int8 on the 58M bench model's
+    layers, 3.3x the fp32 GEMV.
+  - int4 (groups of 32/64/128, bf16 scale and zero): 4-bit codes become bf16 through a
+    register table and meet x, rounded to bf16 as torch's int4pack rounds it, in
+    AVX512-BF16 dot products. About as fast as `_weight_int4pack_mm_for_cpu` (a first
+    version widening to fp32 ran at half its speed); the gain is the fusion below.
 - `bs_q_llama_decode_layer`: bitserve/llm/kernels.py's fused Llama decode layer with
   `bs_qgemv` in place of its fp32 GEMV. It is compiled in one unit with that file's
   SOURCE and reuses its RMSNorm, RoPE and paged attention, so the steps are the same.
 
-An int4 GEMV was written too (fp32 activations, nibbles widened in registers); it read
-weights at half the rate of torch's `_weight_int4pack_mm_for_cpu`, which int4 keeps.
 Built and cached the way bitserve/llm/kernels.py builds its own (gcc, -march=native,
 ctypes); without a compiler, or with BITSERVE_NO_KERNELS=1, `get()` is None and the
-int8 layers keep torch's kernels.
+quantized layers use torch's kernels.
 """
 
 from __future__ import annotations
@@ -39,11 +42,19 @@ Q_SOURCE = r"""
 #include <stdint.h>
 
 typedef struct {
-    const int8_t *q; /* [N, K] */
-    const float *scale; /* [N] */
+    long kind; /* 1: int8 rows, 2: int4 groups */
+    const uint8_t *q; /* int8: [N, K]; int4: [N, Kp / 2], see Int4Linear */
+    const float *scale; /* int8: [N] */
+    const uint16_t *s4, *z4; /* int4: bf16 [N, Kp / group], w = (q - 8) * s + z */
     const float *bias; /* [N] or NULL */
-    long N, K;
+    long N, K, Kp, group;
 } QWeight;
+
+static inline float bf16_to_float(uint16_t v) {
+    union { uint32_t u; float f; } c;
+    c.u = (uint32_t)v << 16;
+    return c.f;
+}
 
 #ifdef __AVX512F__
 /* rows r < R of x (row stride ldx) against weight row n; R is a constant after inlining,
@@ -51,7 +62,7 @@ typedef struct {
 static inline __attribute__((always_inline)) void q8_tile(const QWeight *w, const float *x,
                                                           long ldx, long n, float *out,
                                                           const long R) {
-    const int8_t *wn = w->q + n * w->K;
+    const int8_t *wn = (const int8_t *)w->q + n * w->K;
     long K = w->K, k = 0;
     __m512 acc[4][4];
     for (long r = 0; r < R; r++)
@@ -83,16 +94,144 @@ static inline __attribute__((always_inline)) void q8_tile(const QWeight *w, cons
 #endif
 
 static void q8_row_plain(const QWeight *w, const float *x, long n, float *out) {
-    const int8_t *wn = w->q + n * w->K;
+    const int8_t *wn = (const int8_t *)w->q + n * w->K;
     float t = 0.f;
 #pragma omp simd reduction(+ : t)
     for (long k = 0; k < w->K; k++) t += (float)wn[k] * x[k];
     *out = t;
 }
 
-/* y [M, N] = x [M, K] (row stride ldx) @ (q * scale).T + bias */
+/* int4: every 64 columns are 32 bytes, column j in the low nibble of byte j and column
+   32 + j in its high nibble, so one 32-byte load widens to two vectors of 32 columns.
+   The nibbles become bf16(q - 8) through a 16-entry table (vpermw) and meet x, rounded
+   to bf16, in bf16 dot products (32 multiply-adds an instruction); each group's partial
+   sum is scaled once, and the zero points act through x's fp32 sum over the group, so
+   only the centred part (q - 8) * s sees x's bf16 rounding. */
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+static inline __attribute__((always_inline)) void q4_tile(const QWeight *w, const uint16_t *xb,
+                                                          const float *xs, long n, float *out,
+                                                          const long R) {
+    long Kp = w->Kp, g = w->group, G = Kp / g;
+    const uint8_t *qn = w->q + n * (Kp / 2);
+    const uint16_t *sn = w->s4 + n * G, *zn = w->z4 + n * G;
+    const __m512i lut = _mm512_set_epi16( /* q -> bf16(q - 8) */
+        0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0x40e0, 0x40c0, 0x40a0, 0x4080, 0x4040,
+        0x4000, 0x3f80, 0, (short)0xbf80, (short)0xc000, (short)0xc040, (short)0xc080,
+        (short)0xc0a0, (short)0xc0c0, (short)0xc0e0, (short)0xc100);
+    const __m512i nib = _mm512_set1_epi16(15);
+    __m512 acc[4][2], t[4];
+    float zs[4];
+    for (long r = 0; r < R; r++) {
+        acc[r][0] = acc[r][1] = t[r] = _mm512_setzero_ps();
+        zs[r] = 0.f;
+    }
+    long blocks_per_group = g / 64, left = blocks_per_group, gi = 0; /* g >= 64 */
+    for (long c = 0; c < Kp; c += 64) {
+        __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(qn + c / 2)));
+        __m512bh lo = (__m512bh)_mm512_permutexvar_epi16(_mm512_and_si512(v, nib), lut);
+        __m512bh hi = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(v, 4), lut);
+        if (g == 32) { /* two groups per 64 columns: one scale each */
+            long g0 = c / 32;
+            float s0 = bf16_to_float(sn[g0]), s1 = bf16_to_float(sn[g0 + 1]);
+            float z0 = bf16_to_float(zn[g0]), z1 = bf16_to_float(zn[g0 + 1]);
+            __m512 sv0 = _mm512_set1_ps(s0), sv1 = _mm512_set1_ps(s1);
+            for (long r = 0; r < R; r++) {
+                const uint16_t *xr = xb + r * Kp + c;
+                __m512 zero = _mm512_setzero_ps();
+                __m512 t0 = _mm512_dpbf16_ps(zero, lo, (__m512bh)_mm512_loadu_si512(xr));
+                __m512 t1 = _mm512_dpbf16_ps(zero, hi, (__m512bh)_mm512_loadu_si512(xr + 32));
+                acc[r][0] = _mm512_fmadd_ps(t0, sv0, acc[r][0]);
+                acc[r][1] = _mm512_fmadd_ps(t1, sv1, acc[r][1]);
+                zs[r] += z0 * xs[r * G + g0] + z1 * xs[r * G + g0 + 1];
+            }
+            continue;
+        }
+        for (long r = 0; r < R; r++) {
+            const uint16_t *xr = xb + r * Kp + c;
+            t[r] = _mm512_dpbf16_ps(t[r], lo, (__m512bh)_mm512_loadu_si512(xr));
+            t[r] = _mm512_dpbf16_ps(t[r], hi, (__m512bh)_mm512_loadu_si512(xr + 32));
+        }
+        if (--left == 0) { /* a group ends: scale it */
+            float s = bf16_to_float(sn[gi]), z = bf16_to_float(zn[gi]);
+            __m512 sv = _mm512_set1_ps(s);
+            for (long r = 0; r < R; r++) {
+                acc[r][0] = _mm512_fmadd_ps(t[r], sv, acc[r][0]);
+                t[r] = _mm512_setzero_ps();
+                zs[r] += z * xs[r * G + gi];
+            }
+            gi++;
+            left = blocks_per_group;
+        }
+    }
+    for (long r = 0; r < R; r++)
+        out[r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1])) + zs[r];
+}
+#endif
+
+static void q4_row_plain(const QWeight *w, const uint16_t *xb, const float *xs, long n,
+                         float *out) {
+    long Kp = w->Kp, g = w->group, G = Kp / g;
+    const uint8_t *qn = w->q + n * (Kp / 2);
+    float t = 0.f;
+    for (long gi = 0; gi < G; gi++) {
+        float d = 0.f;
+        for (long k = gi * g; k < (gi + 1) * g; k++) {
+            uint8_t b = qn[(k / 64) * 32 + k % 32];
+            float q = (float)((k % 64) < 32 ? (b & 15) : (b >> 4)) - 8.f;
+            d += q * bf16_to_float(xb[k]);
+        }
+        t += bf16_to_float(w->s4[n * G + gi]) * d + bf16_to_float(w->z4[n * G + gi]) * xs[gi];
+    }
+    *out = t;
+}
+
+static inline uint16_t float_to_bf16(float f) { /* round to nearest even, as torch does */
+    union { float f; uint32_t u; } c;
+    c.f = f;
+    return (uint16_t)((c.u + 0x7FFF + ((c.u >> 16) & 1)) >> 16);
+}
+
+static void q4_gemv(const QWeight *w, const float *x, long ldx, long M, float *y) {
+    long N = w->N, Kp = w->Kp, G = Kp / w->group;
+    uint16_t *xb = (uint16_t *)calloc(M * Kp, sizeof(uint16_t));
+    float *xs = (float *)calloc(M * G, sizeof(float));
+    for (long m = 0; m < M; m++) {
+        for (long k = 0; k < w->K; k++) {
+            xb[m * Kp + k] = float_to_bf16(x[m * ldx + k]);
+            xs[m * G + k / w->group] += x[m * ldx + k];
+        }
+    }
+    for (long n = 0; n < N; n++) {
+        for (long m0 = 0; m0 < M; m0 += 4) {
+            long R = M - m0 < 4 ? M - m0 : 4;
+            const uint16_t *xm = xb + m0 * Kp;
+            const float *sm = xs + m0 * G;
+            float out[4];
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+            switch (R) {
+            case 1: q4_tile(w, xm, sm, n, out, 1); break;
+            case 2: q4_tile(w, xm, sm, n, out, 2); break;
+            case 3: q4_tile(w, xm, sm, n, out, 3); break;
+            default: q4_tile(w, xm, sm, n, out, 4); break;
+            }
+#else
+            for (long r = 0; r < R; r++) q4_row_plain(w, xm + r * Kp, sm + r * G, n, out + r);
+#endif
+            float b = w->bias ? w->bias[n] : 0.f;
+            for (long r = 0; r < R; r++) y[(m0 + r) * N + n] = out[r] + b;
+        }
+    }
+    free(xb);
+    free(xs);
+}
+
+/* y [M, N] = x [M, K] (row stride ldx) @ dequant(W).T + bias */
 void bs_qgemv(const QWeight *w, const float *x, long ldx, long M, float *y) {
     long N = w->N;
+    if (w->kind == 2) {
+        q4_gemv(w, x, ldx, M, y);
+        return;
+    }
     for (long n = 0; n < N; n++) {
         for (long m0 = 0; m0 < M; m0 += 4) {
             long R = M - m0 < 4 ? M - m0 : 4;
@@ -170,8 +309,9 @@ class QWeight(ctypes.Structure):
     """Mirror of the C `QWeight`: one int8 layer's pointers and sizes."""
 
     _fields_ = [
-        *[(name, ctypes.c_void_p) for name in ("q", "scale", "bias")],
-        *[(name, ctypes.c_long) for name in ("N", "K")],
+        ("kind", ctypes.c_long),
+        *[(name, ctypes.c_void_p) for name in ("q", "scale", "s4", "z4", "bias")],
+        *[(name, ctypes.c_long) for name in ("N", "K", "Kp", "group")],
     ]
 
 
@@ -222,14 +362,18 @@ def ptr(t: torch.Tensor | None) -> int | None:
 
 
 def qweight(layer, bias: bool = True) -> QWeight:
-    """The C view of an Int8Linear (pointers into its buffers, which must stay alive)."""
-    return QWeight(
-        q=layer.qweight.data_ptr(),
-        scale=layer.scales.data_ptr(),
-        bias=ptr(layer.bias) if bias else None,
-        N=layer.out_features,
-        K=layer.in_features,
-    )
+    """The C view of an Int8Linear or Int4Linear (pointers into its buffers, which must
+    stay alive as long as the view)."""
+    from bitserve.quant.linear import Int4Linear
+
+    w = QWeight(N=layer.out_features, K=layer.in_features, q=layer.qweight.data_ptr())
+    w.bias = ptr(layer.bias) if bias else None
+    if isinstance(layer, Int4Linear):
+        w.kind, w.s4, w.z4 = 2, layer.scales.data_ptr(), layer.zeros.data_ptr()
+        w.Kp, w.group = layer.padded_in, layer.group_size
+    else:
+        w.kind, w.scale = 1, layer.scales.data_ptr()
+    return w
 
 
 class QuantKernels:

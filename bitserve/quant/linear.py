@@ -8,9 +8,9 @@ picks its kernels in `prepare()`, once its buffers sit on their device. On this 
   above, `torch._int_mm` with int8 activations, vector-wise (per row) scales; or, for
   weight-only int8 (`int8_activations=False`), int8pack up to PACK_MAX_M rows and a bf16
   dequantize + matmul above (measured faster there than int8pack).
-- int4: `_weight_int4pack_mm_for_cpu` (bf16 activations) at every size (still ~1.7x
-  fp32 at M=256). A C int4 GEMV (fp32 activations) was tried and read weights at about
-  half int4pack's rate, so int4 stays on torch's kernel, unfused.
+- int4: the C GEMV (bitserve/quant/kernels.py, bf16 dot products) up to INT4_C_MAX_M
+  rows and a bf16 dequantize + matmul above; without the C kernels (or on a GPU),
+  `_weight_int4pack_mm_for_cpu` / `_weight_int4pack_mm` (bf16 activations).
 
 With fp32 activations `_weight_int8pack_mm` is 4-30x slower than fp32, so activations go
 to bf16 for the packed kernels and come back in their own dtype. A kernel that does not
@@ -33,6 +33,7 @@ aten = torch.ops.aten
 
 SMALL_M = 4  # up to here the packed weight-only kernels win; above, _int_mm (W8A8) wins
 PACK_MAX_M = 32  # weight-only int8: above, bf16 dequantize + matmul beats int8pack
+INT4_C_MAX_M = 16  # int4 with the C kernels: C up to here, bf16 dequantize + matmul above
 _fallbacks_logged: set[str] = set()
 
 
@@ -83,7 +84,7 @@ class QuantLinear(nn.Module):
         raise NotImplementedError
 
     def prepare_c(self) -> None:
-        """The C GEMV view of an int8 layer (bitserve/quant/kernels.py), or None."""
+        """The C GEMV view of this layer (bitserve/quant/kernels.py), or None."""
         self.c_weight = None
         if self.device.type == "cpu" and (k := qkernels.get()) is not None:
             self.c_weight = qkernels.qweight(self, bias=False)
@@ -228,9 +229,16 @@ class Int4Linear(QuantLinear):
 
     For each output row and each group of `group_size` input columns:
     W ~= (q - 8) * scale + zero, q in [0, 15]; `zero` is the value at the group's
-    midpoint, so min and max of the group map to q = 0 and q = 15. Two q per byte in
-    `qweight` [out, in / 2] (even column in the high nibble); scales and zeros are
-    bf16 [out, in / group_size], which is what the kernels take.
+    midpoint, so min and max of the group map to q = 0 and q = 15. Scales and zeros are
+    bf16 [out, in / group_size], which is what the kernels take. `qweight` holds two q
+    per byte, [out, padded in / 2]: in every 64 columns, column j sits in the low nibble
+    of byte j and column 32 + j in its high nibble, the layout the C kernel widens with
+    one load (bitserve/quant/kernels.py). The width is padded with zero columns to a
+    multiple of 64 and of the group.
+
+    Kernels: the C GEMV up to INT4_C_MAX_M rows, a bf16 dequantize + matmul above (the
+    C path keeps no second copy of the weights); without the C kernels, torch's int4pack
+    (which keeps its own packed copy and lets `qweight` go).
     """
 
     method = "int4"
@@ -238,8 +246,8 @@ class Int4Linear(QuantLinear):
     def __init__(self, in_features: int, out_features: int, bias: bool = False, group_size=32):
         super().__init__(in_features, out_features, bias)
         self.group_size = group_size
-        # a width that is not a multiple of the group is padded with zero columns
-        self.padded_in = -(-in_features // group_size) * group_size
+        unit = max(64, group_size)
+        self.padded_in = -(-in_features // unit) * unit
         groups = self.padded_in // group_size
         self.register_buffer(
             "qweight", torch.zeros(out_features, self.padded_in // 2, dtype=torch.uint8)
@@ -257,8 +265,8 @@ class Int4Linear(QuantLinear):
         scale = ((hi - lo) / 15).clamp(min=1e-8).to(torch.bfloat16)
         zero = (lo + 8 * scale.float()).to(torch.bfloat16)
         q = torch.round((w - zero.float()[..., None]) / scale.float()[..., None]) + 8
-        q = q.clamp(0, 15).to(torch.uint8).view(out_f, layer.padded_in)
-        layer.qweight = (q[:, ::2] << 4) | q[:, 1::2]
+        q = q.clamp(0, 15).to(torch.uint8).view(out_f, -1, 2, 32)
+        layer.qweight = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(out_f, -1)
         layer.scales, layer.zeros = scale, zero
         if linear.bias is not None:
             layer.bias.data = linear.bias.detach().float().clone()
@@ -266,7 +274,8 @@ class Int4Linear(QuantLinear):
 
     def unpacked(self) -> torch.Tensor:
         """q as int32 [out, padded in], values 0..15."""
-        q = torch.stack([self.qweight >> 4, self.qweight & 15], dim=-1)
+        b = self.qweight.view(self.out_features, -1, 1, 32)
+        q = torch.cat([b & 15, b >> 4], dim=2)
         return q.view(self.out_features, self.padded_in).to(torch.int32)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -276,15 +285,20 @@ class Int4Linear(QuantLinear):
         return w.view(self.out_features, self.padded_in)
 
     def prepare(self) -> None:
+        self.prepare_c()
+        self.packed, self.use_pack = None, False
+        if self.c_weight is not None:
+            return
         # [in / group, out, 2] bf16: what both int4pack kernels take
         pairs = torch.stack([self.scales, self.zeros], -1).to(torch.bfloat16)
         self.scales_and_zeros = pairs.transpose(0, 1).contiguous()
-        self.packed = None
         try:
+            q = self.unpacked()
             if self.device.type == "cpu":
-                self.packed = aten._convert_weight_to_int4pack_for_cpu(self.unpacked(), 1)
-            else:
-                self.packed = aten._convert_weight_to_int4pack(self.qweight.contiguous(), 8)
+                self.packed = aten._convert_weight_to_int4pack_for_cpu(q, 1)
+            else:  # torch's CUDA packing wants two q a byte, even column high
+                pairs = ((q[:, ::2] << 4) | q[:, 1::2]).to(torch.uint8)
+                self.packed = aten._convert_weight_to_int4pack(pairs, 8)
         except (RuntimeError, NotImplementedError) as e:
             fallback("int4 linear", f"int4pack conversion: {e}".splitlines()[0])
         w = self.dequantize()
@@ -309,11 +323,13 @@ class Int4Linear(QuantLinear):
         return F.linear(self.pad(x.to(torch.bfloat16)), self.dequantize(torch.bfloat16))
 
     def free_unpacked(self) -> None:
-        """Drop `qweight` once the kernel holds its own packed copy (half the memory)."""
+        """Drop `qweight` once int4pack holds its own packed copy (half the memory)."""
         if self.use_pack:
             self.qweight = torch.empty(0, dtype=torch.uint8, device=self.device)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] <= INT4_C_MAX_M and (y := self.c_matmul(x)) is not None:
+            return y
         return self.pack_matmul(x) if self.use_pack else self.dequant_matmul(x)
 
 

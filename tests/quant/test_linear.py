@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from bitserve.quant import kernels as qkernels
 from bitserve.quant.linear import (
     SMALL_M,
     Int4Linear,
@@ -48,16 +49,23 @@ def test_int8_linear_matches_the_dequantized_matmul(linear, rows) -> None:
     assert rel(got, linear(x)) < 0.03
 
 
+@pytest.mark.parametrize("kernels", ["C", "torch"])
 @pytest.mark.parametrize("group", [32, 64, 128])
 @pytest.mark.parametrize("rows", [1, 16, 100])
-def test_int4_linear_matches_the_dequantized_matmul(linear, group, rows) -> None:
+def test_int4_linear_matches_the_dequantized_matmul(linear, group, rows, kernels, monkeypatch):
+    if kernels == "torch":
+        monkeypatch.setattr(qkernels, "get", lambda: None)
+    elif qkernels.get() is None:
+        pytest.skip("no C compiler")
     layer = Int4Linear.from_float(linear, group)
     assert layer.qweight.shape == (384, 256) and layer.scales.shape == (384, 512 // group)
     x = torch.randn(rows, 512)
     want = F.linear(x, layer.dequantize(), linear.bias)
-    got = layer(x)
-    assert layer.use_pack
-    assert rel(got, want) < 0.01  # int4pack against its own dequantization (bf16 x)
+    with torch.inference_mode():
+        got = layer(x)
+    assert (layer.c_weight is not None) == (kernels == "C")
+    assert layer.use_pack == (kernels == "torch")  # int4pack only without the C kernels
+    assert rel(got, want) < 0.01  # against its own dequantization (bf16 x)
     assert rel(got, linear(x)) < 0.15  # 4 bits of a Gaussian weight
 
 
