@@ -132,6 +132,13 @@ def render(doc: dict) -> str:
         diff = c["latency_difference_ms"]
         if diff:
             lines.append(f"  mean latency difference  {_interval(diff)} ms")
+        pairs = doc["shadow_comparison"]
+        if c["role"] == "shadow" and pairs["compared"]:
+            lines.append(
+                f"  same requests on both     {pairs['compared']} of {pairs['mirrored']} mirrored: "
+                f"stable {pairs['primary_ms_mean']:.2f} ms, shadow {pairs['shadow_ms_mean']:.2f} "
+                f"ms; shadow errors {pairs['shadow_errors']}"
+            )
         for output, figures in (c["agreement"] or {}).items():
             text = ", ".join(
                 f"{k} {f['mean']:.4f} (min {f['min']:.4f})" for k, f in figures.items()

@@ -128,6 +128,7 @@ class Comparisons:
         self.both_ok = 0
         self.shadow_errors = 0
         self.primary_errors = 0
+        self.latency_ms = [0.0, 0.0]  # primary, shadow: sums over the compared pairs
         # output -> figure -> [count, sum, min, max]
         self.totals: dict[str, dict[str, list[float]]] = {}
 
@@ -139,6 +140,8 @@ class Comparisons:
         if not (record.primary_ok and record.shadow_ok):
             return
         self.both_ok += 1
+        self.latency_ms[0] += record.primary_ms
+        self.latency_ms[1] += record.shadow_ms
         for name, figures in record.outputs.items():
             totals = self.totals.setdefault(name, {})
             for figure, value in figures.items():
@@ -156,9 +159,13 @@ class Comparisons:
             }
             for name, figures in self.totals.items()
         }
+        pairs = max(self.both_ok, 1)
         return {
             "mirrored": self.mirrored,
             "compared": self.both_ok,
+            # the same requests on both: the paired latency comparison
+            "primary_ms_mean": self.latency_ms[0] / pairs,
+            "shadow_ms_mean": self.latency_ms[1] / pairs,
             "shadow_errors": self.shadow_errors,
             "primary_errors": self.primary_errors,
             "outputs": outputs,

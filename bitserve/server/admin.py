@@ -50,11 +50,12 @@ class Admin:
     # ------------------------------------------------- traffic (bitserve/rollout)
 
     def _traffic_routes(self) -> list[Route]:
-        """GET the policy; PUT replaces it, PATCH merges fields into it; POST promote or
-        rollback. Changing traffic runs no new code, so any model-control mode allows it."""
+        """GET the policy; PUT replaces it, PATCH merges fields into it, DELETE removes it
+        (until the model reloads); POST promote or rollback. Changing traffic runs no new
+        code, so any model-control mode allows it."""
         base = "/v2/repository/models/{model}/traffic"
         return [
-            Route(base, self._guard(self.traffic), methods=["GET", "PUT", "PATCH"]),
+            Route(base, self._guard(self.traffic), methods=["GET", "PUT", "PATCH", "DELETE"]),
             Route(base + "/promote", self._guard(self.promote), methods=["POST"]),
             Route(base + "/rollback", self._guard(self.rollback), methods=["POST"]),
         ]
@@ -63,7 +64,12 @@ class Admin:
         from bitserve.rollout import policy
 
         entry = self.server.repository.entry(request.path_params["model"])
+        if entry.config is None:
+            raise InvalidRequest(f"model '{entry.name}' has no valid config: {entry.error}")
         current = self._rollout(entry, required=False)
+        if request.method == "DELETE":
+            self.server.rollout.clear(entry)
+            return json_response(None)
         if request.method != "GET":
             base = current.policy if current and request.method == "PATCH" else None
             try:

@@ -49,3 +49,12 @@ def test_comparisons_keep_totals_over_all_and_a_window_of_records():
     cosine = summary["outputs"]["y"]["cosine"]
     assert cosine["count"] == 8 and cosine["min"] == pytest.approx(0.91)
     assert len(totals.recent) == 3
+
+
+def test_paired_latency_means_over_compared_requests():
+    totals = Comparisons()
+    totals.add(Record(1, 2, 10.0, 30.0, True, True))
+    totals.add(Record(1, 2, 20.0, 50.0, True, True))
+    totals.add(Record(1, 2, 99.0, 1.0, True, False))  # a failed shadow: not a pair
+    summary = totals.summary()
+    assert (summary["primary_ms_mean"], summary["shadow_ms_mean"]) == (15.0, 40.0)
