@@ -4,14 +4,17 @@ Each layer keeps its quantized tensors as buffers (what is saved to safetensors)
 picks its kernels in `prepare()`, once its buffers sit on their device. On this CPU
 (shared/research/cpu-facts.md §3, re-measured on the 58M bench model's shapes):
 
-- int8, int8-outlier: up to SMALL_M rows `_weight_int8pack_mm` (bf16 activations);
-  above, `torch._int_mm` with int8 activations, vector-wise (per row) scales; or, for
-  weight-only int8 (`int8_activations=False`), int8pack up to PACK_MAX_M rows and a bf16
-  dequantize + matmul above (measured faster there than int8pack).
-- int4: the C GEMV (bitserve/quant/kernels.py, bf16 dot products) up to INT4_C_MAX_M
-  rows and a bf16 dequantize + matmul above; without the C kernels (or on a GPU),
-  `_weight_int4pack_mm_for_cpu` / `_weight_int4pack_mm` (bf16 activations).
+- int8, int8-outlier: up to SMALL_M rows (decode) the C GEMV (bitserve/quant/kernels.py,
+  fp32 activations), or `_weight_int8pack_mm` (bf16 activations) without it; above,
+  `torch._int_mm` with int8 activations, vector-wise (per row) scales. Weight-only int8
+  (`int8_activations=False`) uses int8pack up to PACK_MAX_M rows and a bf16
+  dequantize + matmul above (measured faster there than int8pack) instead of _int_mm.
+- int4: the C GEMV (bf16 dot products) up to INT4_C_MAX_M rows and a bf16 dequantize +
+  matmul above; without the C kernels (or on a GPU), `_weight_int4pack_mm_for_cpu` /
+  `_weight_int4pack_mm` (bf16 activations).
 
+Small all-decode batches of plain int8 or int4 Llama layers go one C call per decoder
+layer (fused.py), as fp32 decode does.
 With fp32 activations `_weight_int8pack_mm` is 4-30x slower than fp32, so activations go
 to bf16 for the packed kernels and come back in their own dtype. A kernel that does not
 exist on the device (or gives a wrong answer on a probe) is replaced by dequantize-and-

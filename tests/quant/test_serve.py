@@ -69,3 +69,17 @@ def test_served_int8_minilm_version_2_next_to_fp32_version_1(server) -> None:
     fp32, int8 = embed(1), embed(2)
     cosine = (fp32 * int8).sum(1) / np.linalg.norm(fp32, axis=1) / np.linalg.norm(int8, axis=1)
     assert cosine.min() >= 0.99 and not np.array_equal(fp32, int8)
+
+
+def test_batch_runs_the_quantized_models_as_the_server_does(server, repository, tmp_path) -> None:
+    from tests.offline.conftest import openai_line, read_output, run_batch
+
+    completion = {"model": "tinylm-int4", "prompt": PROMPT, "max_tokens": 12, "temperature": 0}
+    inp = tmp_path / "in.jsonl"
+    inp.write_text(openai_line("c", "/v1/completions", completion) + "\n")
+    out = tmp_path / "out.jsonl"
+    run_batch(repository, inp, out)
+    (doc,) = read_output(out)
+    online = httpx.post(server.url + "/v1/completions", json=completion, timeout=60).json()
+    assert doc["error"] is None
+    assert doc["response"]["body"]["choices"][0]["text"] == online["choices"][0]["text"]
