@@ -21,6 +21,7 @@ from bitserve.repository.repository import ModelEntry, ModelUnavailable, Reposit
 from bitserve.repository.version import ModelVersion
 from bitserve.rollout import guard, policy, shadow
 from bitserve.rollout.compare import Comparisons, Record, compare_outputs
+from bitserve.rollout.window import Window
 
 log = logging.getLogger("bitserve.rollout")
 
@@ -57,7 +58,7 @@ class ModelRollout:
         self.config = config
         self.metrics = metrics
         self.rng = rng or random.Random()
-        self.windows: dict[int, guard.Window] = {}
+        self.windows: dict[int, Window] = {}
         self.comparisons = Comparisons()
         self.events: deque[dict] = deque(maxlen=50)
         self.kinds = dict(traffic.compare)
@@ -131,10 +132,10 @@ class ModelRollout:
             mirror = entry.versions.get(self.policy.shadow)
         return Route(self, chosen, role, mirror)
 
-    def window(self, version: int) -> guard.Window:
+    def window(self, version: int) -> Window:
         found = self.windows.get(version)
         if found is None:
-            found = self.windows[version] = guard.Window(self.policy.window)
+            found = self.windows[version] = Window(self.policy.window)
         return found
 
     def finish(self, route: Route, status: int, seconds: float, parsed: Any, outputs: Any) -> None:

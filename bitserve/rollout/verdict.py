@@ -21,8 +21,8 @@ import numpy as np
 
 from bitserve.repository.config import Traffic
 from bitserve.rollout import stats
-from bitserve.rollout.guard import Window
 from bitserve.rollout.state import ModelRollout
+from bitserve.rollout.window import Window
 
 MIN_COMPARED = 30  # mirrored pairs before output agreement can condemn a shadow
 LEVEL = 0.95

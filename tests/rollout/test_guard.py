@@ -8,11 +8,12 @@ from scipy import stats as sp
 
 from bitserve.repository.config import RollbackRule
 from bitserve.rollout import guard, stats
+from bitserve.rollout.window import Window
 
 
 def _run(rule: RollbackRule, rng, canary_error=0.01, canary_slow=1.0, canary_n=1000) -> int | None:
     """Simulate a canary at 50% weight; the canary request count at rollback, or None."""
-    stable, canary = guard.Window(10_000), guard.Window(10_000)
+    stable, canary = Window(10_000), Window(10_000)
     s_lat = rng.lognormal(np.log(0.010), 0.4, canary_n)
     c_lat = rng.lognormal(np.log(0.010), 0.4, canary_n) * canary_slow
     s_ok = rng.random(canary_n) >= 0.01
@@ -66,15 +67,3 @@ def test_each_look_alone_is_calibrated_near_alpha():
         for _ in range(runs // 4)
     )
     assert rejected <= sp.binom.ppf(0.995, runs // 4, alpha)
-
-
-def test_window_counts_errors_as_samples_enter_and_leave():
-    window = guard.Window(100)
-    rng = np.random.default_rng(8)
-    for ok in rng.random(1000) > 0.1:
-        window.add(0.01, bool(ok))
-        assert window.window_errors() == sum(not o for _, o in window.samples)
-    assert (window.requests, len(window)) == (1000, 100)
-    window.resize(50)
-    assert len(window) == 50
-    assert window.window_errors() == sum(not o for _, o in window.samples)
