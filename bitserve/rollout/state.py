@@ -39,6 +39,20 @@ class Route:
         self.rollout.finish(self, status, seconds, parsed, outputs)
 
 
+@dataclass
+class Snapshot:
+    """A copy of a rollout's figures, for a report computed off the event loop."""
+
+    name: str
+    policy: Traffic
+    windows: dict[int, Window]
+    comparisons: dict
+    events: list[dict]
+
+    def window(self, version: int) -> Window:
+        return self.windows.get(version) or Window(self.policy.window)
+
+
 def counts_as_error(status: int) -> bool:
     """Server-side failures count against a version; a caller's mistakes (4xx) do not,
     except 429: a version that sheds load is failing its callers."""
@@ -113,6 +127,15 @@ class ModelRollout:
     def close(self) -> None:
         if self.mirror is not None:
             self.mirror.close()
+
+    def snapshot(self) -> Snapshot:
+        return Snapshot(
+            self.name,
+            self.policy,
+            {v: w.copy() for v, w in self.windows.items()},
+            self.comparisons.summary(),
+            list(self.events),
+        )
 
     # ------------------------------------------------------------ requests
 

@@ -68,7 +68,7 @@ def mean_interval(x: np.ndarray, level: float = 0.95, seed: int = 0) -> Interval
     if n >= MIN_NORMAL_MEAN:
         half = z(level) * float(np.std(x, ddof=1)) / math.sqrt(n)
         return Interval(mean, mean - half, mean + half, "normal")
-    low, high = _bootstrap(x, np.mean, level, seed)
+    low, high = _bootstrap(x, lambda rows: rows.mean(axis=1), level, seed)
     return Interval(mean, low, high, "bootstrap")
 
 
@@ -91,7 +91,7 @@ def quantile_interval(
         low = max(math.floor(n * q - half), 0)
         high = min(math.ceil(n * q + half), n - 1)
         return Interval(value, float(ordered[low]), float(ordered[high]), "normal")
-    low_v, high_v = _bootstrap(x, lambda s: np.quantile(s, q), level, seed)
+    low_v, high_v = _bootstrap(x, lambda rows: np.quantile(rows, q, axis=1), level, seed)
     return Interval(value, low_v, high_v, "bootstrap")
 
 
@@ -115,19 +115,19 @@ def difference_interval(a: np.ndarray, b: np.ndarray, level: float = 0.95) -> In
         se = math.sqrt(np.var(a, ddof=1) / len(a) + np.var(b, ddof=1) / len(b))
         return Interval(diff, diff - z(level) * se, diff + z(level) * se, "normal")
     rng = np.random.default_rng(0)
-    diffs = [
-        rng.choice(b, len(b)).mean() - rng.choice(a, len(a)).mean()
-        for _ in range(BOOTSTRAP_RESAMPLES)
-    ]
+    diffs = rng.choice(b, (BOOTSTRAP_RESAMPLES, len(b))).mean(axis=1) - rng.choice(
+        a, (BOOTSTRAP_RESAMPLES, len(a))
+    ).mean(axis=1)
     tail = (1 - level) / 2 * 100
     low, high = np.percentile(diffs, [tail, 100 - tail])
     return Interval(diff, float(low), float(high), "bootstrap")
 
 
 def _bootstrap(x: np.ndarray, statistic, level: float, seed: int) -> tuple[float, float]:
+    """The percentile bootstrap; `statistic` maps a (resamples, n) matrix to one value
+    per row, so all resamples are computed at once."""
     rng = np.random.default_rng(seed)
-    samples = rng.choice(x, size=(BOOTSTRAP_RESAMPLES, len(x)), replace=True)
-    values = np.array([statistic(row) for row in samples])
+    values = statistic(rng.choice(x, size=(BOOTSTRAP_RESAMPLES, len(x)), replace=True))
     tail = (1 - level) / 2 * 100
     low, high = np.percentile(values, [tail, 100 - tail])
     return float(low), float(high)

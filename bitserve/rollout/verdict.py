@@ -21,14 +21,15 @@ import numpy as np
 
 from bitserve.repository.config import Traffic
 from bitserve.rollout import stats
-from bitserve.rollout.state import ModelRollout
+from bitserve.rollout.state import Snapshot
 from bitserve.rollout.window import Window
 
 MIN_COMPARED = 30  # mirrored pairs before output agreement can condemn a shadow
 LEVEL = 0.95
 
 
-def report(rollout: ModelRollout) -> dict:
+def report(rollout: Snapshot) -> dict:
+    """The whole report; pure, so it can run on a thread."""
     traffic = rollout.policy
     roles = {v: role for role, v in traffic.versions().items()}
     versions = sorted(set(rollout.windows) | set(roles))
@@ -39,14 +40,14 @@ def report(rollout: ModelRollout) -> dict:
         "window": traffic.window,
         "versions": [describe(v, roles.get(v, "retired"), rollout.window(v)) for v in versions],
         "candidates": [],
-        "shadow_comparison": rollout.comparisons.summary(),
-        "events": list(rollout.events),
+        "shadow_comparison": rollout.comparisons,
+        "events": rollout.events,
     }
     stable = rollout.window(traffic.stable)
     for role in ("canary", "shadow"):
         number = getattr(traffic, role)
         if number is not None:
-            agreement = rollout.comparisons.summary() if role == "shadow" else None
+            agreement = rollout.comparisons if role == "shadow" else None
             out["candidates"].append(
                 compare(traffic, role, number, stable, rollout.window(number), agreement)
             )

@@ -36,6 +36,13 @@ class Window:
             self.samples = deque(self.samples, maxlen=size)
             self._window_errors = sum(not ok for _, ok in self.samples)
 
+    def copy(self) -> Window:
+        twin = Window(self.samples.maxlen or 1)
+        twin.samples.extend(self.samples)
+        twin.requests, twin.errors = self.requests, self.errors
+        twin._window_errors = self._window_errors
+        return twin
+
     def __len__(self) -> int:
         return len(self.samples)
 

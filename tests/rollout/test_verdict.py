@@ -26,7 +26,7 @@ def _feed(rollout: ModelRollout, version: int, n: int, rng, scale=1.0, error_rat
 
 
 def _candidate(rollout: ModelRollout, role: str = "canary") -> dict:
-    report = verdict.report(rollout)
+    report = verdict.report(rollout.snapshot())
     return next(c for c in report["candidates"] if c["role"] == role)
 
 
@@ -82,7 +82,7 @@ def test_report_lists_every_version_with_intervals_and_their_method():
     rollout, rng = _rollout(TRAFFIC), np.random.default_rng(4)
     _feed(rollout, 1, 2000, rng)
     _feed(rollout, 2, 20, rng)
-    versions = {v["version"]: v for v in verdict.report(rollout)["versions"]}
+    versions = {v["version"]: v for v in verdict.report(rollout.snapshot())["versions"]}
     assert versions["1"]["latency_ms"]["p99"]["method"] == "normal"  # 2000 * .01 * .99 >= 10
     assert versions["2"]["latency_ms"]["mean"]["method"] == "bootstrap"  # 20 < 30
     for v in versions.values():
