@@ -117,10 +117,10 @@ def test_a_killed_replica_loses_no_request_that_had_not_started(server):
     import os
     import signal
 
-    with httpx.Client() as client:
-        before = {pid_of(infer(client, server.url, 1.0)) for _ in range(20)}
     load = Load(server.url)
-    time.sleep(1.0)
+    time.sleep(1.5)
+    before = {pid for _, _, pid in list(load.answers)}
+    assert len(before) == 2, before  # both replicas busy
     victim = sorted(before)[0]
     os.kill(victim, signal.SIGKILL)
     killed_at = time.monotonic()
@@ -149,7 +149,7 @@ def test_a_killed_replica_loses_no_request_that_had_not_started(server):
     assert len(failures) <= 8, failures  # at most one batch (max_batch_size 8)
     pids = {pid for _, _, pid in answers if pid is not None}
     assert victim not in {pid for _, _, pid in answers[-20:]}
-    assert len(pids - before) >= 1, "no answer came from the replacement replica"
+    assert pids - before, "no answer came from the replacement replica"
     metrics = httpx.get(f"{server.url}/metrics", timeout=5).text
     assert (
         'bitserve_instance_restarts_total{model="pid",reason="died",version="1"} 1.0' in (metrics)
@@ -172,3 +172,28 @@ def test_a_ray_model_without_the_ray_option_says_how_to_fix_it(tmp_path):
         assert answer.status_code == 500 and "--ray ADDRESS" in answer.text, answer.text
     finally:
         server.stop()
+
+
+@pytest.mark.slow
+def test_with_every_replica_dead_the_model_is_not_ready_until_one_is_back(server):
+    import os
+    import signal
+
+    load = Load(server.url)
+    time.sleep(1.0)
+    pids = {pid for _, _, pid in load.stop() if pid is not None}
+    assert len(pids) == 2
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
+    statuses = []
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        statuses.append(httpx.get(f"{server.url}/v2/health/ready", timeout=5).status_code)
+        if statuses[-1] == 200 and 503 in statuses:
+            break
+        time.sleep(0.05)
+    assert 503 in statuses, "ready stayed 200 with no replica alive"
+    assert statuses[-1] == 200, "no replica came back within 60 s"
+    with httpx.Client() as client:
+        answer = infer(client, server.url, 2.0)
+    assert answer.status_code == 200 and pid_of(answer) not in pids

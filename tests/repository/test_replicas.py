@@ -151,6 +151,8 @@ def test_config_table_is_checked():
         InstanceGroup(num_cpus=2)
     with pytest.raises(ValueError, match="choose one"):
         InstanceGroup(isolation="ray", kind="cpu", num_gpus=1)
+    with pytest.raises(ValueError, match='isolation = "ray"'):
+        InstanceGroup(kind="ray", count=2)
 
 
 def test_serving_code_does_not_import_ray():
