@@ -15,6 +15,7 @@ Latency figures are in milliseconds over each version's window of latest request
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -103,6 +104,12 @@ def compare(
     elif more is None or more > 0:
         recommendation = "keep watching"
         reasons = [_more_reason(traffic, role, needed, more)]
+    elif agreement is not None and agreement["compared"] < MIN_COMPARED:
+        recommendation = "keep watching"
+        reasons = [
+            f"only {agreement['compared']} mirrored requests compared with stable's "
+            f"answers; {MIN_COMPARED} needed to judge the outputs"
+        ]
     else:
         recommendation = "promote"
         reasons = [
@@ -182,8 +189,10 @@ def _needed(traffic: Traffic, a: np.ndarray, b: np.ndarray, e_a: int, n_a: int) 
 
 
 def rollout_floor(traffic: Traffic) -> int:
-    """Never fewer than the CLT's usual 30, nor than the automatic rule's minimum."""
-    return max(stats.MIN_NORMAL_MEAN, traffic.rollback.min_requests)
+    """Never fewer than the CLT's usual 30, than the automatic rule's minimum, nor than
+    the p99 tail test needs (5 expected above the p99: 500)."""
+    tail = math.ceil(stats.MIN_EXCEEDANCES / (1 - 0.99))
+    return max(stats.MIN_NORMAL_MEAN, traffic.rollback.min_requests, tail)
 
 
 def _more_reason(traffic: Traffic, role: str, needed: int | None, more: int | None) -> str:

@@ -88,3 +88,25 @@ def test_report_lists_every_version_with_intervals_and_their_method():
     for v in versions.values():
         for figure in v["latency_ms"].values():
             assert figure["low"] <= figure["value"] <= figure["high"]
+
+
+def test_a_shadow_with_too_few_compared_answers_is_kept_watching():
+    rollout, rng = _rollout(Traffic(stable=1, shadow=2)), np.random.default_rng(5)
+    _feed(rollout, 1, 6000, rng)
+    _feed(rollout, 2, 6000, rng)
+    for _ in range(10):
+        rollout.comparisons.add(Record(1, 2, 10, 10, True, True, outputs={"y": {"cosine": 1.0}}))
+    c = _candidate(rollout, "shadow")
+    assert c["recommendation"] == "keep watching" and "only 10 mirrored" in c["reasons"][0]
+    for _ in range(30):
+        rollout.comparisons.add(Record(1, 2, 10, 10, True, True, outputs={"y": {"cosine": 1.0}}))
+    assert _candidate(rollout, "shadow")["recommendation"] == "promote"
+
+
+def test_promote_needs_the_requests_the_p99_test_needs():
+    rollout = _rollout(Traffic(stable=1, canary=2, latency_effect=0.5, error_effect=0.2))
+    rng = np.random.default_rng(6)
+    _feed(rollout, 1, 450, rng)
+    _feed(rollout, 2, 450, rng)
+    c = _candidate(rollout)
+    assert c["requests_needed_per_version"] == 500 and c["recommendation"] == "keep watching"
