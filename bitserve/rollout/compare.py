@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
 
 EPS = 1e-12
+RECENT_SHOWN = 10  # of the window of records, the latest shown in a report
 
 
 @dataclass
@@ -169,4 +170,5 @@ class Comparisons:
             "shadow_errors": self.shadow_errors,
             "primary_errors": self.primary_errors,
             "outputs": outputs,
+            "recent": [asdict(r) for r in list(self.recent)[-RECENT_SHOWN:]],
         }

@@ -58,3 +58,12 @@ def test_paired_latency_means_over_compared_requests():
     totals.add(Record(1, 2, 99.0, 1.0, True, False))  # a failed shadow: not a pair
     summary = totals.summary()
     assert (summary["primary_ms_mean"], summary["shadow_ms_mean"]) == (15.0, 40.0)
+
+
+def test_the_summary_shows_the_latest_records_with_both_latencies_and_statuses():
+    totals = Comparisons()
+    for i in range(15):
+        totals.add(Record(1, 2, float(i), 2.0 * i, True, i != 14, shadow_error="boom"))
+    recent = totals.summary()["recent"]
+    assert len(recent) == 10 and recent[-1]["primary_ms"] == 14.0
+    assert recent[-1]["shadow_ms"] == 28.0 and recent[-1]["shadow_ok"] is False
