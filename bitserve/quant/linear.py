@@ -36,7 +36,7 @@ aten = torch.ops.aten
 
 SMALL_M = 4  # up to here the packed weight-only kernels win; above, _int_mm (W8A8) wins
 PACK_MAX_M = 32  # weight-only int8: above, bf16 dequantize + matmul beats int8pack
-INT4_C_MAX_M = 16  # int4 with the C kernels: C up to here, bf16 dequantize + matmul above
+INT4_C_MAX_M = 64  # int4 with the C kernels: C up to here, bf16 dequantize + matmul above
 _fallbacks_logged: set[str] = set()
 
 

