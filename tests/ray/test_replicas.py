@@ -159,6 +159,38 @@ def test_a_killed_replica_loses_no_request_that_had_not_started(server):
     assert httpx.get(f"{server.url}/v2/health/live", timeout=5).status_code == 200
 
 
+def retried(url: str) -> float:
+    for line in httpx.get(f"{url}/metrics", timeout=5).text.splitlines():
+        if line.startswith('bitserve_requests_retried_total{model="pid"'):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_a_request_sent_to_a_replica_that_just_died_runs_on_the_other(server):
+    """Killed while idle, before any ping noticed: the next batch goes to it, finds it
+    dead before starting, and is put back in the queue for the healthy replica."""
+    import os
+    import signal
+
+    with httpx.Client() as client:
+        # An idle router sends a lone request to the replica that answered last.
+        last = pid_of(infer(client, server.url, 1.0))
+        assert pid_of(infer(client, server.url, 1.0)) == last
+        before = retried(server.url)
+        os.kill(last, signal.SIGKILL)
+        answer = infer(client, server.url, 3.0)
+    assert answer.status_code == 200, answer.text
+    assert pid_of(answer) != last
+    assert retried(server.url) == before + 1
+    deadline = time.monotonic() + 60
+    while "degraded" in httpx.get(f"{server.url}/v2/health/ready", timeout=5).text or (
+        'bitserve_instances_healthy{model="pid",version="1"} 2.0'
+        not in httpx.get(f"{server.url}/metrics", timeout=5).text
+    ):
+        assert time.monotonic() < deadline, "the replica was not replaced within 60 s"
+        time.sleep(0.1)
+
+
 def test_a_ray_model_without_the_ray_option_says_how_to_fix_it(tmp_path):
     write_model(tmp_path / "models", "pid", REPLICATED, PID_MODEL)
     server = Server(tmp_path / "models", wait_ready=False)
