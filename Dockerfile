@@ -43,11 +43,14 @@ RUN pip install ".${EXTRAS:+[$EXTRAS]}"
 COPY tools ./tools
 COPY ${MODELS} /models
 # Generated weights (tools/build_models.py) are made here, at build time, never at run
-# time; onnx builds the ONNX model and stays out of the runtime image.
+# time, for the default models the repository holds (a folder with a config.toml); onnx
+# builds the ONNX model and leaves again.
 # hadolint ignore=DL3013
-RUN pip install --target /tmp/buildtools onnx \
-    && PYTHONPATH=/tmp/buildtools python tools/build_models.py --repository /models \
-    && rm -rf /tmp/buildtools
+RUN pip install onnx \
+    && python -c "import sys; from pathlib import Path; sys.path.insert(0, 'tools'); \
+from build_models import BUILDERS, build; \
+build(Path('/models'), names=[n for n in BUILDERS if Path('/models', n, 'config.toml').is_file()])" \
+    && pip uninstall -y onnx
 
 # ----------------------------------------------------------------------- runtime
 FROM base AS runtime
