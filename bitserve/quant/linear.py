@@ -288,6 +288,9 @@ class Int4Linear(QuantLinear):
         return w.view(self.out_features, self.padded_in)
 
     def prepare(self) -> None:
+        # a model-wide .to(float32) (the hf backend does one) must not change the kernels'
+        # bf16 scales and zeros
+        self.scales, self.zeros = self.scales.to(torch.bfloat16), self.zeros.to(torch.bfloat16)
         self.prepare_c()
         self.packed, self.use_pack = None, False
         if self.c_weight is not None:
