@@ -89,13 +89,14 @@ static inline void tile4x1(const float *x, long K, const float *w, const float *
     for (int i = 0; i < 4; i++) a[i] = _mm512_setzero_ps();
     for (long k = 0; k < K; k += 16) {
         __m512 xv = _mm512_loadu_ps(x + k);
-        for (int i = 0; i < 4; i++) a[i] = _mm512_fmadd_ps(_mm512_loadu_ps(w + i * K + k), xv, a[i]);
+        for (int i = 0; i < 4; i++)
+            a[i] = _mm512_fmadd_ps(_mm512_loadu_ps(w + i * K + k), xv, a[i]);
     }
     for (int i = 0; i < 4; i++) y[i] = _mm512_reduce_add_ps(a[i]) + (b ? b[i] : 0.f);
 }
 
-static void linear_tiled(const float *x, long ldx, long M, long K, const float *w, long N,
-                         const float *b, float *y) {
+static void linear_tiled_rows(const float *x, long ldx, long M, long K, const float *w, long N,
+                              const float *b, float *y) {
     long n = 0;
     for (; n + 4 <= N; n += 4) {
         const float *wn = w + n * K, *bn = b ? b + n : NULL;
@@ -104,7 +105,18 @@ static void linear_tiled(const float *x, long ldx, long M, long K, const float *
         for (; m < M; m++) tile4x1(x + m * ldx, K, wn, bn, y + m * N + n);
     }
     for (; n < N; n++)
-        for (long m = 0; m < M; m++) y[m * N + n] = dot(w + n * K, x + m * ldx, K) + (b ? b[n] : 0.f);
+        for (long m = 0; m < M; m++)
+            y[m * N + n] = dot(w + n * K, x + m * ldx, K) + (b ? b[n] : 0.f);
+}
+
+/* Many rows (prefill, big batches): blocks of rows whose x stays in half the L2, so the
+   tile reads x from L2 while the weights stream once per block. */
+static void linear_tiled(const float *x, long ldx, long M, long K, const float *w, long N,
+                         const float *b, float *y) {
+    long block = ((128 * 1024) / K) & ~3L;
+    if (block < 4) block = 4;
+    for (long m = 0; m < M; m += block)
+        linear_tiled_rows(x + m * ldx, ldx, M - m < block ? M - m : block, K, w, N, b, y + m * N);
 }
 #endif
 

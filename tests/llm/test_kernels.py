@@ -35,6 +35,18 @@ def test_linear_matches_torch(rows, k, bias):
 
 
 @needs_kernels
+def test_linear_in_row_blocks_matches_torch():
+    """Many rows of a wide input: the kernel works in L2-sized row blocks (128 rows of
+    1024 here) with a partial block and leftover rows at the end."""
+    g = torch.Generator().manual_seed(1)
+    x, w = torch.randn(301, 1024, generator=g), torch.randn(21, 1024, generator=g)
+    b = torch.randn(21, generator=g)
+    torch.testing.assert_close(
+        kernels.get().linear(x, w, b), F.linear(x, w, b), rtol=1e-4, atol=1e-4
+    )
+
+
+@needs_kernels
 @pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(4, 2, 16), (8, 8, 64), (4, 1, 64)])
 def test_paged_decode_matches_sdpa(heads, kv_heads, dim):
     g = torch.Generator().manual_seed(1)
