@@ -211,8 +211,8 @@ def _run(app, host: str, port: int, log_level: str, drain_timeout: float) -> Non
         timeout_graceful_shutdown=5,
     )
     DrainingServer(config).run()
-    if "bitserve.raycluster" in sys.modules:  # a `--ray local` cluster stops with us
-        sys.modules["bitserve.raycluster"].shutdown()
+    # A `--ray local` cluster ends with this process (Ray's own processes follow their
+    # driver); ray.shutdown() after a SIGTERM aborts, so it is not called.
     os._exit(0)  # abandoned (wedged) instance threads must not hold the exit
 
 

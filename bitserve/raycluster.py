@@ -70,14 +70,3 @@ def connect() -> None:
             resources.get("GPU", 0),
         )
         _connected = True
-
-
-def shutdown() -> None:
-    """Leave the cluster (a `local` one stops with it)."""
-    global _connected
-    with _lock:
-        if _connected:
-            import ray
-
-            ray.shutdown()
-            _connected = False
