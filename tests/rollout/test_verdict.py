@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 import numpy as np
+from scipy import stats as sp
 
 from bitserve.metrics import Metrics
 from bitserve.repository.config import Traffic
@@ -110,3 +111,19 @@ def test_promote_needs_the_requests_the_p99_test_needs():
     _feed(rollout, 2, 450, rng)
     c = _candidate(rollout)
     assert c["requests_needed_per_version"] == 500 and c["recommendation"] == "keep watching"
+
+
+def test_with_no_real_difference_the_verdict_rarely_says_roll_back():
+    """A canary identical to stable: 'roll back' at most about alpha of the time."""
+    runs, alpha = 200, 0.05
+    rng = np.random.default_rng(7)
+    rolled = 0
+    for _ in range(runs):
+        traffic = Traffic(stable=1, canary=2, canary_weight=10, alpha=alpha)
+        rollout = _rollout(traffic)
+        _feed(rollout, 1, 1000, rng, error_rate=0.02)
+        _feed(rollout, 2, 600, rng, error_rate=0.02)
+        stable, canary = rollout.window(1), rollout.window(2)
+        found = verdict.compare(traffic, "canary", 2, stable, canary, None)
+        rolled += found["recommendation"] == "roll back"
+    assert rolled <= sp.binom.ppf(0.995, runs, alpha), rolled
