@@ -5,7 +5,7 @@ pointers, so a quantized model turns it off. Instead each Llama decoder layer wh
 linear layers are all plain int8 or int4 (not int8-outlier) gets a subclass of
 its own class whose `forward` sends a small all-decode batch to
 `bs_q_llama_decode_layer` (bitserve/quant/kernels.py) and everything else (prefill,
-mixed batches, more than SMALL_M rows, a GPU) to the layer's own forward. The module
+mixed batches, more rows than `fuse_rows`, a GPU) to the layer's own forward. The module
 tree and parameter names do not change.
 """
 
@@ -16,7 +16,11 @@ from torch import nn
 
 from bitserve.llm.attention import AttentionMetadata
 from bitserve.quant import kernels as qkernels
-from bitserve.quant.linear import SMALL_M, Int4Linear, Int8Linear
+from bitserve.quant.linear import SMALL_M, Int4Linear, Int8Linear, QuantLinear
+
+# int8 above SMALL_M rows is faster through _int_mm; the int4 C GEMV keeps up with
+# int4pack to 64 rows, so batched int4 decode stays in C (and saves the torch ops)
+INT4_FUSE_ROWS = 16
 
 _classes: dict[type, type] = {}
 
@@ -55,6 +59,8 @@ def fuse_decode_layers(model: nn.Module) -> int:
             if base not in _classes:
                 _classes[base] = type(f"QuantFused{base.__name__}", (FusedDecode, base), {})
             layer.__class__ = _classes[base]
+            int4 = all(type(m) is Int4Linear for m in layer.modules() if isinstance(m, QuantLinear))
+            layer.fuse_rows = INT4_FUSE_ROWS if int4 else SMALL_M
             count += 1
     return count
 
@@ -73,7 +79,7 @@ class FusedDecode:
             meta.decode is not None
             and not meta.seqs
             and x.dim() == 2
-            and x.shape[0] <= SMALL_M
+            and x.shape[0] <= self.fuse_rows
             and x.dtype is torch.float32
             and x.is_cpu
             and not torch.is_grad_enabled()
@@ -120,7 +126,7 @@ class FusedDecode:
         per_row = 2 * x.shape[1] + 2 * (attn.q_size + attn.kv_size) + 3 * self.mlp.intermediate
         scratch = getattr(self, "_scratch", None)
         if scratch is None or scratch.numel() < per_row * x.shape[0]:
-            scratch = self._scratch = torch.empty(per_row * SMALL_M)
+            scratch = self._scratch = torch.empty(per_row * self.fuse_rows)
         x = x.contiguous().clone()  # updated in place by the kernel
         qkernels.get().decode_layer(
             self.c_params(rotary), x, positions, meta.slot_mapping, meta.decode, scratch

@@ -79,3 +79,19 @@ def test_fused_decode_layers_match_the_torch_path(quantized_tinylm, monkeypatch,
         assert a.keys() == b.keys()
         # int4 rounds activations to bf16, which turns fp32 op-order noise into ~1e-3
         assert max(abs(a[t] - b[t]) for t in a) < (1e-3 if method == "int8" else 1e-2)
+
+
+def test_batched_int4_decode_is_fused_and_matches(quantized_tinylm, monkeypatch) -> None:
+    prompts = ["And God said,", "The LORD is my shepherd;", "In the beginning", "Woe unto"] * 3
+    greedy = SamplingParams(temperature=0, max_tokens=8)
+    llm = LLM(quantized_tinylm["int4"] / "1", num_kv_blocks=128)
+    rows = []
+    original = fused.FusedDecode.fused
+    monkeypatch.setattr(
+        fused.FusedDecode, "fused", lambda s, x, *a: rows.append(x.shape[0]) or original(s, x, *a)
+    )
+    fast = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
+    assert max(rows) == len(prompts)  # all 12 decodes in one call per layer
+    monkeypatch.setattr(fused.FusedDecode, "can_fuse", lambda *a: False)
+    slow = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
+    assert fast == slow
