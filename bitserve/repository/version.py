@@ -334,6 +334,9 @@ class ModelVersion:
                 log.error("restarting %s instance %d failed: %s", self.config.name, slot, e)
                 await asyncio.sleep(1.0)
                 continue
+            if self.state not in ("ready", "draining"):  # unloaded while it started
+                await fresh.stop()
+                return
             self.instances[slot] = fresh
             self._fail_held(slot, reason)
             self.unhealthy.discard(slot)

@@ -162,6 +162,9 @@ def test_config_table_is_checked():
         InstanceGroup(isolation="ray", kind="cpu", num_gpus=1)
     with pytest.raises(ValueError, match='isolation = "ray"'):
         InstanceGroup(kind="ray", count=2)
+    llm = {"name": "m", "backend": "llm", "instance_group": {"isolation": "ray"}}
+    with pytest.raises(ValueError, match="distributed_executor"):
+        ModelConfig.model_validate(llm)
 
 
 def test_serving_code_does_not_import_ray():
