@@ -227,6 +227,8 @@ class ModelVersion:
         return True
 
     def _execute(self, slot: int, batch: list[Request]) -> None:
+        if self.replicated and not self.instances[slot].alive():  # known dead: not sent
+            return self._replica_gone(slot, batch, ReplicaGone("replica is dead", False))
         generation = self.generation = self.generation + 1
         self.running[slot] = (generation, batch)
         now = asyncio.get_running_loop().time()
