@@ -130,6 +130,7 @@ class AsyncLLMEngine:
         self._stopped = True
         self._work.set()
         self._thread.join(timeout=10)
+        self.engine.shutdown()
 
 
 def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:

@@ -15,10 +15,13 @@ from typing import Any
 
 import torch
 
+from bitserve.llm.parallel import STARTUP_TIMEOUT_S, check_parallel
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "auto": "float32"}
 KV_CACHE_MEMORY_CAP = 8 << 30  # never take more than 8 GiB for KV by default
 KV_CACHE_MEMORY_FRACTION = 0.25  # of the memory that is available when the engine starts
+PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 
 
 def available_memory() -> int:
@@ -78,6 +81,19 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"
     seed: int = 0
     device: str = "auto"  # "cpu", "cuda", "cuda:N"; "auto": cuda when available, else cpu
+    # parallelism (parallel.py): heads/columns split over tensor_parallel_size ranks,
+    # layers over pipeline_parallel_size stages; ranks other than 0 are worker processes
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    distributed_executor: str = "mp"  # "mp": local processes; "ray": Ray actors
+    placement_strategy: str = "PACK"  # the Ray placement group's strategy for the workers
+    distributed_timeout_s: float = 120.0  # a collective waiting longer fails the step
+
+    @property
+    def startup_timeout_s(self) -> float:
+        """How long workers may take to start and load their share of the model."""
+        return max(self.distributed_timeout_s, STARTUP_TIMEOUT_S)
+
     hf_config: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -105,8 +121,26 @@ class EngineConfig:
                     "max_position_embeddings", self.hf_config.get("n_positions", 4096)
                 )
             )
+        self.check_parallel()
         if self.kv_cache_memory is None and self.num_kv_blocks is None:
             self.kv_cache_memory = default_kv_cache_memory(self.device)
+
+    def check_parallel(self) -> None:
+        check_parallel(self.hf_config, self.tensor_parallel_size, self.pipeline_parallel_size)
+        if self.distributed_executor not in ("mp", "ray"):
+            raise ValueError(
+                f"distributed_executor must be 'mp' or 'ray', got {self.distributed_executor!r}"
+            )
+        if self.placement_strategy not in PLACEMENT_STRATEGIES:
+            raise ValueError(
+                f"placement_strategy must be one of {PLACEMENT_STRATEGIES}, "
+                f"got {self.placement_strategy!r}"
+            )
+
+    @property
+    def world_size(self) -> int:
+        """Processes that run the model: 1 is this process alone."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
     @property
     def torch_dtype(self) -> torch.dtype:

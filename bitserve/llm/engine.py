@@ -22,10 +22,12 @@ from bitserve.llm.detokenizer import IncrementalDetokenizer
 from bitserve.llm.metrics import EngineMetrics, kv_slots
 from bitserve.llm.model_runner import ModelOutput, ModelRunner
 from bitserve.llm.outputs import CompletionOutput, RequestOutput
+from bitserve.llm.parallel import SINGLE
 from bitserve.llm.sampler import Sampler
 from bitserve.llm.sampling_params import SamplingParams
 from bitserve.llm.scheduler import Scheduler, SchedulerOutput
 from bitserve.llm.sequence import Sequence, SequenceStatus
+from bitserve.llm.workers import Workers
 
 Prompt = str | list[int]
 
@@ -66,7 +68,15 @@ class LLMEngine:
     def __init__(self, model: str | Path, **kwargs: Any):
         self.config = EngineConfig(model=model, **kwargs)
         torch.manual_seed(self.config.seed)
-        self.runner = ModelRunner(self.config)
+        # tensor/pipeline parallelism: this process is rank 0, the others are workers
+        self.workers = Workers(self.config) if self.config.world_size > 1 else None
+        parallel = self.workers.parallel if self.workers is not None else SINGLE
+        try:
+            self.runner = ModelRunner(self.config, parallel)
+        except BaseException as error:
+            if self.workers is not None:
+                self.workers.fail(error)
+            raise
         self.block_manager = BlockManager(self.config, self.runner.num_blocks)
         self.scheduler = Scheduler(self.config, self.block_manager)
         self.sampler = Sampler()
@@ -128,8 +138,19 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch:
             return []
-        output = self.runner.execute(batch)
+        if self.workers is None:
+            return self.update(batch, self.runner.execute(batch))
+        self.workers.check()
+        try:
+            output = self.runner.execute(batch)
+        except Exception as error:  # a worker died or hung: say which, stop the rest
+            self.workers.fail(error)
         return self.update(batch, output)
+
+    def shutdown(self) -> None:
+        """Stop the worker processes of tensor/pipeline parallelism (nothing without)."""
+        if self.workers is not None:
+            self.workers.shutdown()
 
     def update(self, batch: SchedulerOutput, output: ModelOutput) -> list[RequestOutput]:
         for seq, num_new in batch.scheduled:
@@ -254,3 +275,6 @@ class LLM:
                 if out.finished:
                     finals[out.request_id] = out
         return [finals[i] for i in ids]
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()

@@ -10,11 +10,19 @@ Everything lives on `config.device`: weights, the KV pool, RoPE tables and the
 per-step index tensors (built on the host, then copied over once per step). The C
 kernels and the huge-page pool are CPU-only; on cuda the pool is a plain
 `torch.zeros` in the model's dtype and attention takes the torch/flash-attn paths.
+
+Tensor/pipeline parallelism (parallel.py, workers.py): rank 0 (this process) turns
+the scheduler's decision into `StepInput`s, plain lists that it broadcasts to the
+worker ranks; every rank builds the same tensors and runs `run()`, its share of the
+forward. With pipeline stages the batch is cut into micro-batches by sequence, so
+stage 0 starts micro-batch 2 while stage 1 runs micro-batch 1; the last stage sends
+the logits back to rank 0, which samples.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import torch
 
@@ -28,6 +36,7 @@ from bitserve.llm.attention import (
 )
 from bitserve.llm.config import EngineConfig
 from bitserve.llm.models import load_model
+from bitserve.llm.parallel import SINGLE, Parallel
 from bitserve.llm.scheduler import SchedulerOutput
 from bitserve.llm.sequence import Sequence
 
@@ -42,16 +51,56 @@ class ModelOutput:
     # request_id -> (first position predicted, logits rows [n, vocab])
 
 
+@dataclass
+class StepInput:
+    """One (micro-)batch's forward inputs as plain lists: planned once on rank 0, sent
+    as is to the worker ranks, made into tensors on each rank's device by `build`."""
+
+    input_ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)
+    seqs: list[tuple[int, int, int, list[int]]] = field(default_factory=list)
+    # (start, end, context_len, block table): the sequences attended one by one
+    decode: tuple[list[int], list[list[int]], list[int]] | None = None
+    # (rows, block tables padded with 0, context lens): decodes for the C kernel
+    sample_rows: list[int] = field(default_factory=list)
+    prompt_rows: list[tuple[str, int, list[int]]] = field(default_factory=list)
+    # (request_id, first position predicted, rows) for prompt logprobs
+
+
+Logits = tuple[torch.Tensor | None, dict[str, tuple[int, torch.Tensor]]]
+
+
+def split_micro_batches(scheduled: list, n: int) -> list[list]:
+    """At most `n` contiguous groups of sequences with about equal token counts."""
+    if n == 1 or len(scheduled) <= 1:
+        return [scheduled]
+    total = sum(k for _, k in scheduled)
+    groups: list[list] = [[]]
+    done = 0
+    for i, item in enumerate(scheduled):
+        groups[-1].append(item)
+        done += item[1]
+        left = len(scheduled) - i - 1
+        if len(groups) < n and left and done >= total * len(groups) / n:
+            groups.append([])
+    return groups
+
+
 class ModelRunner:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, parallel: Parallel = SINGLE):
         self.config = config
+        self.parallel = parallel
         self.device = config.torch_device
         self.on_cpu = config.on_cpu
         # fp32 on CPU (see KV_DTYPE_CPU); the model's dtype on a GPU
         self.kv_dtype = KV_DTYPE_CPU if self.on_cpu else config.torch_dtype
-        self.model = load_model(config)
+        self.model = load_model(config, parallel)
         self.attentions = self.model.attentions
         self.num_blocks = self.plan_num_blocks()
+        if parallel.world_size > 1:  # every rank's pool has the same number of blocks
+            timeout = timedelta(seconds=config.startup_timeout_s)
+            self.num_blocks = parallel.min_over_ranks(self.num_blocks, self.device, timeout)
         self.allocate_kv_cache()
         self.workspace = GatherWorkspace()
         self.flash = self.pick_flash_attn()
@@ -103,14 +152,24 @@ class ModelRunner:
     def to_device(self, t: torch.Tensor) -> torch.Tensor:
         return t if self.on_cpu else t.to(self.device, non_blocking=True)
 
-    def prepare(self, batch: SchedulerOutput):
-        input_ids, positions, slots, slices, sample_rows = [], [], [], [], []
+    def plan(self, batch: SchedulerOutput) -> tuple[list[StepInput], ModelOutput]:
+        """The step's inputs: one, or one per micro-batch under pipeline parallelism."""
+        out = ModelOutput()
+        groups = split_micro_batches(batch.scheduled, self.parallel.pp_size)
+        return [self.plan_one(group, out) for group in groups], out
+
+    def plan_one(self, scheduled: list[tuple[Sequence, int]], out: ModelOutput) -> StepInput:
+        step = StepInput()
+        input_ids, positions, slots, sample_rows = (
+            step.input_ids,
+            step.positions,
+            step.slots,
+            step.sample_rows,
+        )
         dec_rows, dec_tables, dec_lens = [], [], []
         batched_decode = self.use_decode_kernel()
-        out = ModelOutput()
         bs, row = self.config.block_size, 0
-        prompt_rows: dict[str, tuple[int, list[int]]] = {}
-        for seq, n in batch.scheduled:
+        for seq, n in scheduled:
             start = seq.num_computed_tokens
             end = start + n
             table = seq.block_table
@@ -128,35 +187,123 @@ class ModelRunner:
                 dec_tables.append(table[:num_ctx_blocks])
                 dec_lens.append(end)
             else:
-                block_table = self.to_device(torch.tensor(table[:num_ctx_blocks]))
-                slices.append(SeqSlice(row, row + n, end, block_table))
+                step.seqs.append((row, row + n, end, table[:num_ctx_blocks]))
             if end == seq.num_tokens:
                 out.sample_seqs.append(seq)
                 sample_rows.append(row + n - 1)
             if seq.wants_prompt_logprobs:
                 last = min(end, seq.num_prompt_tokens - 1)  # rows predicting prompt tokens
                 if last > start:
-                    prompt_rows[seq.request_id] = (start + 1, list(range(row, row + last - start)))
+                    rows = list(range(row, row + last - start))
+                    step.prompt_rows.append((seq.request_id, start + 1, rows))
             row += n
-        tensors = (torch.tensor(input_ids), torch.tensor(positions), torch.tensor(slots))
-        if not self.on_cpu:
-            tensors = tuple(self.to_device(t) for t in tensors)
-        meta = AttentionMetadata(tensors[2], slices, self.workspace, flash=self.flash)
         if dec_rows:  # only with the C kernel, so only on the CPU
             width = max(len(t) for t in dec_tables)
-            meta.decode = DecodeBatch(
-                torch.tensor(dec_rows, dtype=torch.int32),
-                torch.tensor([t + [0] * (width - len(t)) for t in dec_tables], dtype=torch.int32),
-                torch.tensor(dec_lens, dtype=torch.int32),
-            )
-        return tensors, meta, out, sample_rows, prompt_rows
+            step.decode = (dec_rows, [t + [0] * (width - len(t)) for t in dec_tables], dec_lens)
+        return step
+
+    def build(self, step: StepInput) -> tuple[tuple[torch.Tensor, ...], AttentionMetadata]:
+        tensors = (torch.tensor(step.input_ids), torch.tensor(step.positions))
+        tensors += (torch.tensor(step.slots),)
+        if not self.on_cpu:
+            tensors = tuple(self.to_device(t) for t in tensors)
+        slices = [
+            SeqSlice(start, end, context, self.to_device(torch.tensor(table)))
+            for start, end, context, table in step.seqs
+        ]
+        meta = AttentionMetadata(tensors[2], slices, self.workspace, flash=self.flash)
+        if step.decode is not None:
+            meta.decode = DecodeBatch(*(torch.tensor(x, dtype=torch.int32) for x in step.decode))
+        return tensors, meta
 
     @torch.inference_mode()
     def execute(self, batch: SchedulerOutput) -> ModelOutput:
-        (input_ids, positions, _), meta, out, sample_rows, prompt_rows = self.prepare(batch)
-        hidden = self.model(input_ids, positions, meta)
-        if sample_rows:
-            out.logits = self.model.compute_logits(hidden[sample_rows]).float()
-        for request_id, (first, rows) in prompt_rows.items():
-            out.prompt_logits[request_id] = (first, self.model.compute_logits(hidden[rows]).float())
+        """Rank 0: plan the step, send it to the other ranks, run, collect the logits."""
+        steps, out = self.plan(batch)
+        if self.parallel.world_size > 1:
+            self.parallel.broadcast_object(steps)
+        results = self.run(steps)
+        if len(results) == 1:
+            out.logits, out.prompt_logits = results[0]
+            return out
+        sample = [logits for logits, _ in results if logits is not None]
+        out.logits = torch.cat(sample) if sample else None
+        for _, prompt in results:
+            out.prompt_logits.update(prompt)
         return out
+
+    @torch.inference_mode()
+    def run(self, steps: list[StepInput]) -> list[Logits]:
+        """This rank's share of a step, micro-batch after micro-batch: receive the
+        previous stage's hidden states, run this stage's layers, send them on without
+        waiting (the next micro-batch starts while the next stage works). Returns the
+        logits of each micro-batch on rank 0, nothing on the other ranks."""
+        par = self.parallel
+        results: list[Logits] = []
+        sending = []
+        for tag, step in enumerate(steps):
+            (input_ids, positions, _), meta = self.build(step)
+            hidden = None
+            if not par.is_first_stage:
+                hidden = par.recv_prev(self.hidden_buffer(len(step.input_ids)), tag)
+            hidden = self.model(input_ids, positions, meta, hidden)
+            if not par.is_last_stage:
+                sending.append((par.send_next(hidden, tag), hidden))
+            elif par.samples:
+                results.append(self.compute_logits(hidden, step))
+        for work, _ in sending:
+            work.wait()
+        if par.pp_size > 1:
+            results = self.logits_to_rank0(steps, results)
+        return results
+
+    def compute_logits(self, hidden: torch.Tensor, step: StepInput) -> Logits:
+        logits = None
+        if step.sample_rows:
+            logits = self.model.compute_logits(hidden[step.sample_rows]).float()
+        prompt = {
+            request_id: (first, self.model.compute_logits(hidden[rows]).float())
+            for request_id, first, rows in step.prompt_rows
+        }
+        return logits, prompt
+
+    def hidden_buffer(self, num_tokens: int) -> torch.Tensor:
+        hf = self.config.hf_config
+        hidden = hf.get("hidden_size") or hf["n_embd"]
+        return torch.empty(num_tokens, hidden, dtype=self.config.torch_dtype, device=self.device)
+
+    def logits_to_rank0(self, steps: list[StepInput], results: list[Logits]) -> list[Logits]:
+        """Pipeline parallelism: the last stage sends each micro-batch's logits (sample
+        rows, then prompt rows) to rank 0, which samples."""
+        par = self.parallel
+        if par.sampler_rank == 0:  # one stage (TP only): rank 0 computed them
+            return results
+        if par.samples:
+            works = []
+            for tag, (logits, prompt) in enumerate(results):
+                parts = ([] if logits is None else [logits]) + [p for _, p in prompt.values()]
+                if not parts:  # a prefill chunk that samples nothing: nothing to send
+                    continue
+                packed = torch.cat(parts)
+                works.append((par.send(packed, 0, tag), packed))
+            for work, _ in works:
+                work.wait()
+            return []
+        if par.rank != 0:
+            return []
+        vocab = self.config.hf_config["vocab_size"]
+        received: list[Logits] = []
+        for tag, step in enumerate(steps):
+            sizes = [len(step.sample_rows)] + [len(rows) for _, _, rows in step.prompt_rows]
+            if not sum(sizes):
+                received.append((None, {}))
+                continue
+            packed = torch.empty(sum(sizes), vocab, dtype=torch.float32, device=self.device)
+            parts = par.recv(packed, par.sampler_rank, tag).split(sizes)
+            logits = parts[0] if step.sample_rows else None
+            prompt = {
+                request_id: (first, part)
+                for (request_id, first, _), part in zip(step.prompt_rows, parts[1:], strict=True)
+            }
+            received.append((logits, prompt))
+        return received

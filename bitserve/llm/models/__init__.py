@@ -16,6 +16,7 @@ from bitserve.llm.config import EngineConfig
 from bitserve.llm.models.gpt2 import GPT2LMHeadModel
 from bitserve.llm.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
 from bitserve.llm.models.mixtral import MixtralForCausalLM
+from bitserve.llm.parallel import SINGLE, Parallel
 
 ARCHITECTURES: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -41,8 +42,9 @@ def model_class(config: EngineConfig) -> type[nn.Module]:
     )
 
 
-def load_model(config: EngineConfig) -> nn.Module:
-    """Build the model in the configured dtype and fill it from `*.safetensors`."""
+def load_model(config: EngineConfig, parallel: Parallel = SINGLE) -> nn.Module:
+    """Build the model in the configured dtype and fill it from `*.safetensors`; under
+    tensor/pipeline parallelism, only this rank's share (parallel.py)."""
     cls = model_class(config)
     quant = config.hf_config.get("quantization_config")  # written by `bitserve quantize`
     if quant is not None:
@@ -51,7 +53,7 @@ def load_model(config: EngineConfig) -> nn.Module:
     torch.set_default_dtype(config.torch_dtype)
     try:
         with torch.device("meta"):
-            model = cls(config.hf_config, config.max_model_len)
+            model = cls(config.hf_config, config.max_model_len, parallel)
             if quant is not None:
                 quantized.prepare_modules(model, Path(config.model), quant)
         model = model.to_empty(device=config.device)

@@ -1,7 +1,9 @@
 """GPT-2: learned positions, LayerNorm, fused c_attn with bias, tanh-GELU, tied lm_head.
 
 GPT-2's checkpoints store `Conv1D` weights as [in, out]; they are transposed into
-`nn.Linear`'s [out, in] at load time.
+`nn.Linear`'s [out, in] at load time. Under tensor parallelism the fused `c_attn`
+is cut per part (this rank's q, k and v heads), `c_fc` by output columns, both
+`c_proj` by input columns (their biases on TP rank 0 only); see parallel.py.
 """
 
 from __future__ import annotations
@@ -13,7 +15,14 @@ import torch
 from torch import nn
 
 from bitserve.llm.attention import AttentionMetadata
-from bitserve.llm.models.layers import Attention
+from bitserve.llm.models.layers import NO_TP, Attention
+from bitserve.llm.parallel import (
+    SINGLE,
+    Parallel,
+    StageMissing,
+    TensorParallel,
+    on_other_stage,
+)
 
 CONV1D = ("c_attn.weight", "c_proj.weight", "c_fc.weight")
 
@@ -26,23 +35,24 @@ def gelu_new(x: torch.Tensor) -> torch.Tensor:
 
 
 class GPT2MLP(nn.Module):
-    def __init__(self, hidden: int, inner: int):
+    def __init__(self, hidden: int, inner: int, tp: TensorParallel = NO_TP):
         super().__init__()
-        self.c_fc = nn.Linear(hidden, inner)
-        self.c_proj = nn.Linear(inner, hidden)
+        self.tp = tp
+        self.c_fc = nn.Linear(hidden, inner // tp.size)
+        self.c_proj = nn.Linear(inner // tp.size, hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.c_proj(gelu_new(self.c_fc(x)))
+        return self.tp.all_reduce(self.c_proj(gelu_new(self.c_fc(x))))
 
 
 class GPT2Block(nn.Module):
-    def __init__(self, hf: dict[str, Any]):
+    def __init__(self, hf: dict[str, Any], tp: TensorParallel = NO_TP):
         super().__init__()
         hidden, heads, eps = hf["n_embd"], hf["n_head"], hf.get("layer_norm_epsilon", 1e-5)
         self.ln_1 = nn.LayerNorm(hidden, eps=eps)
-        self.attn = Attention(hidden, heads, heads, hidden // heads, bias=True, o_bias=True)
+        self.attn = Attention(hidden, heads, heads, hidden // heads, True, True, tp=tp)
         self.ln_2 = nn.LayerNorm(hidden, eps=eps)
-        self.mlp = GPT2MLP(hidden, hf.get("n_inner") or 4 * hidden)
+        self.mlp = GPT2MLP(hidden, hf.get("n_inner") or 4 * hidden, tp)
 
     def forward(self, x, positions, meta: AttentionMetadata) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x), positions, meta, None)
@@ -50,25 +60,35 @@ class GPT2Block(nn.Module):
 
 
 class GPT2LMHeadModel(nn.Module):
-    def __init__(self, hf: dict[str, Any], max_model_len: int):
+    def __init__(self, hf: dict[str, Any], max_model_len: int, parallel: Parallel = SINGLE):
         super().__init__()
         act = hf.get("activation_function", "gelu_new")
         if act not in ("gelu_new", "gelu_pytorch_tanh"):
             raise ValueError(f"GPT-2 activation {act!r} is not supported (gelu_new only)")
-        self.wte = nn.Embedding(hf["vocab_size"], hf["n_embd"])
-        self.wpe = nn.Embedding(hf["n_positions"], hf["n_embd"])
-        self.h = nn.ModuleList(GPT2Block(hf) for _ in range(hf["n_layer"]))
-        self.ln_f = nn.LayerNorm(hf["n_embd"], eps=hf.get("layer_norm_epsilon", 1e-5))
+        self.parallel = parallel
+        first, last = parallel.is_first_stage, parallel.is_last_stage
+        hidden = hf["n_embd"]
+        # wte embeds on the first stage and is the (tied) LM head on the last
+        self.wte = nn.Embedding(hf["vocab_size"], hidden) if first or last else None
+        self.wpe = nn.Embedding(hf["n_positions"], hidden) if first else None
+        self.stage = parallel.layers(hf["n_layer"])
+        self.h = nn.ModuleList(
+            GPT2Block(hf, parallel.tp) if i in self.stage else StageMissing()
+            for i in range(hf["n_layer"])
+        )
+        eps = hf.get("layer_norm_epsilon", 1e-5)
+        self.ln_f = nn.LayerNorm(hidden, eps=eps) if last else None
 
     @property
     def attentions(self) -> list[Attention]:
-        return [block.attn for block in self.h]
+        return [self.h[i].attn for i in self.stage]
 
-    def forward(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
-        x = self.wte(input_ids) + self.wpe(positions)
-        for block in self.h:
-            x = block(x, positions, meta)
-        return self.ln_f(x)
+    def forward(self, input_ids, positions, meta: AttentionMetadata, hidden=None) -> torch.Tensor:
+        """`hidden`: the previous stage's output (pipeline parallelism), else None."""
+        x = self.wte(input_ids) + self.wpe(positions) if hidden is None else hidden
+        for i in self.stage:
+            x = self.h[i](x, positions, meta)
+        return self.ln_f(x) if self.ln_f is not None else x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.linear(hidden, self.wte.weight)
@@ -81,5 +101,22 @@ class GPT2LMHeadModel(nn.Module):
             tensor = tensor.t()
         name = name.replace("attn.c_attn", "attn.qkv_proj").replace("attn.c_proj", "attn.o_proj")
         if name not in params:
+            if on_other_stage(name, self.stage, self.parallel.pp_size):
+                return
             raise KeyError(f"checkpoint tensor {name!r} has no place in GPT2LMHeadModel")
-        params[name].data.copy_(tensor)
+        params[name].data.copy_(self.shard(name, tensor))
+
+    def shard(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """This TP rank's share of a checkpoint tensor (already in [out, in] layout)."""
+        tp = self.parallel.tp
+        if tp.size == 1:
+            return tensor
+        if "attn.qkv_proj" in name:  # q, k, v stacked: this rank's heads of each
+            return torch.cat([tp.shard(part, 0) for part in tensor.chunk(3, 0)])
+        if "mlp.c_fc" in name:
+            return tp.shard(tensor, 0)
+        if name.endswith(("attn.o_proj.weight", "mlp.c_proj.weight")):
+            return tp.shard(tensor, 1)
+        if name.endswith(("attn.o_proj.bias", "mlp.c_proj.bias")):
+            return tp.row_bias(tensor)
+        return tensor

@@ -15,6 +15,9 @@ from torch import nn
 
 from bitserve.llm import kernels
 from bitserve.llm.attention import AttentionMetadata, paged_attention
+from bitserve.llm.parallel import TensorParallel
+
+NO_TP = TensorParallel()
 
 SMALL_M = 64  # up to this many rows the C kernel beats MKL (2-3x at M=1, ~1.4x at 16-64)
 
@@ -133,12 +136,27 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    """Multi-head attention with GQA over the paged KV cache of one layer."""
+    """Multi-head attention with GQA over the paged KV cache of one layer.
 
-    def __init__(self, hidden, num_heads, num_kv_heads, head_dim, bias: bool, o_bias: bool):
+    Under tensor parallelism (parallel.py) this rank holds `num_heads / tp` query heads
+    and `num_kv_heads / tp` kv heads: `qkv_proj` is column-parallel, `o_proj`
+    row-parallel, and one all-reduce sums the partial outputs."""
+
+    def __init__(
+        self,
+        hidden,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        bias: bool,
+        o_bias: bool,
+        tp: TensorParallel = NO_TP,
+    ):
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
+        self.tp = tp
+        self.num_heads, self.num_kv_heads = num_heads // tp.size, num_kv_heads // tp.size
+        self.head_dim = head_dim
+        self.q_size, self.kv_size = self.num_heads * head_dim, self.num_kv_heads * head_dim
         self.qkv_proj = Linear(hidden, self.q_size + 2 * self.kv_size, bias=bias)
         self.o_proj = Linear(self.q_size, hidden, bias=o_bias)
         self.scale = head_dim**-0.5
@@ -152,7 +170,7 @@ class Attention(nn.Module):
         if rotary is not None:
             q, k = rotary(positions, q, k)
         out = paged_attention(q, k, v, self.kv_cache, meta, self.scale)
-        return self.o_proj(out.reshape(-1, self.q_size))
+        return self.tp.all_reduce(self.o_proj(out.reshape(-1, self.q_size)))
 
 
 def load_packed(param: torch.Tensor, tensor: torch.Tensor, shard: int, sizes: list[int]) -> None:

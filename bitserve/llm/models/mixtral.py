@@ -4,6 +4,12 @@ A router (linear `gate`) scores every expert per token; the top-k experts (softm
 then renormalised over the k) each run a SwiGLU MLP on the tokens routed to them, and
 the weighted outputs are summed. `tokens_per_expert` counts routed tokens: the
 per-expert load metric.
+
+Under tensor parallelism every rank holds every expert, each cut like a dense MLP
+(w1/w3 by intermediate rows, w2 by intermediate columns): the replicated router
+sends each token to the same experts on every rank, the work per rank is even
+whatever it picks, and the MoE output needs the same single all-reduce as a dense
+MLP (no all-to-all, as expert parallelism would).
 """
 
 from __future__ import annotations
@@ -15,13 +21,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from bitserve.llm.models.layers import NO_TP
 from bitserve.llm.models.llama import DecoderLayer, LlamaForCausalLM, attention_shape
+from bitserve.llm.parallel import TensorParallel
 
 
 class SparseMoE(nn.Module):
-    def __init__(self, hf: dict[str, Any]):
+    def __init__(self, hf: dict[str, Any], tp: TensorParallel = NO_TP):
         super().__init__()
-        hidden, inter = hf["hidden_size"], hf["intermediate_size"]
+        self.tp = tp
+        hidden, inter = hf["hidden_size"], hf["intermediate_size"] // tp.size
         self.num_experts, self.top_k, self.intermediate = (
             hf["num_local_experts"],
             hf["num_experts_per_tok"],
@@ -46,12 +55,12 @@ class SparseMoE(nn.Module):
             gate, up = F.linear(x[token_idx], self.w13[e]).split(self.intermediate, dim=-1)
             y = F.linear(F.silu(gate) * up, self.w2[e]) * weights[token_idx, k_idx, None]
             out.index_add_(0, token_idx, y.to(out.dtype))
-        return out
+        return self.tp.all_reduce(out)
 
 
 class MixtralDecoderLayer(DecoderLayer):
-    def make_mlp(self, hf: dict[str, Any]) -> nn.Module:
-        return SparseMoE(hf)
+    def make_mlp(self, hf: dict[str, Any], tp: TensorParallel) -> nn.Module:
+        return SparseMoE(hf, tp)
 
 
 EXPERT = re.compile(r"block_sparse_moe\.experts\.(\d+)\.(w1|w2|w3)\.weight$")
@@ -66,16 +75,20 @@ class MixtralForCausalLM(LlamaForCausalLM):
             name = name.replace("block_sparse_moe.gate", "mlp.gate")
             return super().load_weight(params, name, tensor)
         prefix = name[: match.start()].removeprefix("model.")
+        if self.elsewhere(prefix):
+            return
         expert, which = int(match.group(1)), match.group(2)
-        inter = self.hf["intermediate_size"]
-        if which == "w2":
-            params[f"{prefix}mlp.w2"].data[expert].copy_(tensor)
-        else:
+        tp = self.parallel.tp
+        inter = self.hf["intermediate_size"] // tp.size
+        if which == "w2":  # row-parallel: this rank's intermediate columns
+            params[f"{prefix}mlp.w2"].data[expert].copy_(tp.shard(tensor, 1))
+        else:  # column-parallel: this rank's intermediate rows of w1 (gate) or w3 (up)
             rows = slice(0, inter) if which == "w1" else slice(inter, 2 * inter)
-            params[f"{prefix}mlp.w13"].data[expert, rows].copy_(tensor)
+            params[f"{prefix}mlp.w13"].data[expert, rows].copy_(tp.shard(tensor, 0))
 
     def tokens_per_expert(self) -> list[int]:
-        counts = sum(layer.mlp.tokens_per_expert for layer in self.layers)
+        """Routed tokens per expert, over this stage's layers (all without PP)."""
+        counts = sum(layer.mlp.tokens_per_expert for layer in self.local_layers)
         return counts.tolist()
 
 

@@ -1,0 +1,222 @@
+"""Tensor and pipeline parallelism on CPU with gloo: worker processes started by the
+engine, greedy tokens identical to one process, loud failures instead of hangs.
+
+Each parity test builds one parallel engine (a spawned worker group costs ~3 s) and
+runs several scheduling paths through it: a mixed batch with 32-token chunks and a
+pool small enough to preempt, then shared prefixes one after another.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from bitserve.llm import LLM, SamplingParams
+from bitserve.llm.config import EngineConfig
+from bitserve.llm.engine import LLMEngine
+from bitserve.llm.model_runner import split_micro_batches
+from bitserve.llm.parallel import stage_layers
+from bitserve.llm.workers import WorkerDied
+from tests.llm.conftest import _engines
+from tests.llm.test_engine import MIXED, MODELS, SHARED, generate
+
+ENGINE = dict(num_kv_blocks=12, max_num_batched_tokens=32)  # preempts and chunks
+
+
+@pytest.fixture
+def parallel_engine():
+    """Build engines whose workers are always stopped after the test."""
+    engines: list[LLMEngine] = []
+
+    def make(path, **kwargs) -> LLMEngine:
+        engine = LLMEngine(path, **kwargs)
+        engines.append(engine)
+        _engines.append(engine)  # conftest: the pool must be whole after the test
+        return engine
+
+    yield make
+    for engine in engines:
+        engine.shutdown()
+
+
+def run_paths(engine) -> list[list[int]]:
+    """A mixed batch (chunked, preempted), then shared prefixes one by one."""
+    outputs = generate(engine, MIXED)
+    outputs += [generate(engine, [prompt])[0] for prompt in SHARED]
+    return outputs
+
+
+_single: dict[str, list[list[int]]] = {}
+
+
+def single_process(model_dirs, name) -> list[list[int]]:
+    if name not in _single:
+        engine = LLMEngine(model_dirs[name], **ENGINE)
+        _single[name] = run_paths(engine)
+    return _single[name]
+
+
+# -- the split ---------------------------------------------------------------------------
+
+
+def test_stages_are_contiguous_and_balanced():
+    assert [stage_layers(5, r, 2) for r in range(2)] == [range(0, 2), range(2, 5)]
+    assert [len(stage_layers(32, r, 3)) for r in range(3)] == [10, 11, 11]
+    assert [stage_layers(2, r, 2) for r in range(2)] == [range(0, 1), range(1, 2)]
+
+
+def test_micro_batches_split_by_sequence_with_even_tokens():
+    scheduled = [("a", 100), ("b", 1), ("c", 1), ("d", 1)]
+    assert split_micro_batches(scheduled, 1) == [scheduled]
+    assert split_micro_batches(scheduled, 2) == [[("a", 100)], [("b", 1), ("c", 1), ("d", 1)]]
+    even = [(i, 4) for i in range(6)]
+    assert [len(g) for g in split_micro_batches(even, 3)] == [2, 2, 2]
+    assert split_micro_batches([("a", 7)], 4) == [[("a", 7)]]
+    for n in (2, 3, 4):  # never an empty group, never a sequence lost or reordered
+        groups = split_micro_batches(even[:3], n)
+        assert all(groups) and [x for g in groups for x in g] == even[:3]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (
+            {"tensor_parallel_size": 3},
+            "tensor_parallel_size=3 does not divide num_attention_heads=4",
+        ),
+        ({"tensor_parallel_size": 4}, "does not divide num_key_value_heads=2"),
+        ({"tensor_parallel_size": 0}, "tensor_parallel_size must be a positive integer"),
+        ({"pipeline_parallel_size": 3}, "pipeline_parallel_size=3 is more than"),
+        ({"distributed_executor": "slurm"}, "distributed_executor must be"),
+        ({"placement_strategy": "ANY"}, "placement_strategy must be"),
+    ],
+)
+def test_a_split_the_model_cannot_take_is_refused_by_name(llama_dir, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(llama_dir, num_kv_blocks=4, **kwargs)
+    with pytest.raises(ValueError, match=message):  # before any worker starts
+        LLM(llama_dir, num_kv_blocks=4, **kwargs)
+
+
+def test_gpt2_split_names_its_fields(model_dirs):
+    with pytest.raises(ValueError, match="n_head=4"):
+        EngineConfig(model_dirs["gpt2"], num_kv_blocks=4, tensor_parallel_size=3)
+
+
+# -- parity --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_tensor_parallel_2_matches_one_process(model_dirs, parallel_engine, name):
+    engine = parallel_engine(model_dirs[name], tensor_parallel_size=2, **ENGINE)
+    attn = engine.runner.attentions[0]
+    assert attn.num_heads == 2 and attn.kv_cache[0].shape[0] == attn.num_kv_heads
+    assert run_paths(engine) == single_process(model_dirs, name)
+    assert engine.scheduler.num_preemptions > 0
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_pipeline_parallel_2_matches_one_process(model_dirs, parallel_engine, name):
+    engine = parallel_engine(model_dirs[name], pipeline_parallel_size=2, **ENGINE)
+    assert len(engine.runner.attentions) == 1  # stage 0 holds layer 0 and its KV only
+    assert run_paths(engine) == single_process(model_dirs, name)
+
+
+def test_pipeline_sends_prompt_logprobs_back_to_rank0(llama_dir, parallel_engine):
+    params = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=2, logprobs=2)
+    prompts = MIXED[1:4]
+
+    def logprobs(engine):
+        llm = LLM.__new__(LLM)
+        llm.engine = engine
+        return [(o.prompt_logprobs, o.outputs[0].logprobs) for o in llm.generate(prompts, params)]
+
+    want = logprobs(LLMEngine(llama_dir, num_kv_blocks=64, max_num_batched_tokens=32))
+    engine = parallel_engine(
+        llama_dir, pipeline_parallel_size=2, num_kv_blocks=64, max_num_batched_tokens=32
+    )
+    got = logprobs(engine)
+    for (want_prompt, want_out), (got_prompt, got_out) in zip(want, got, strict=True):
+        assert len(got_prompt) == len(want_prompt) and got_prompt[0] is None
+        for w, g in zip(want_prompt[1:] + want_out, got_prompt[1:] + got_out, strict=True):
+            assert set(g) == set(w)
+            assert all(g[t] == pytest.approx(w[t], abs=1e-4) for t in w)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["llama", "mixtral"])
+def test_tensor_2_by_pipeline_2_matches_one_process(model_dirs, parallel_engine, name):
+    engine = parallel_engine(
+        model_dirs[name], tensor_parallel_size=2, pipeline_parallel_size=2, **ENGINE
+    )
+    assert run_paths(engine) == single_process(model_dirs, name)
+
+
+# -- failures ------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("seen_by", ["liveness check", "collective"])
+def test_a_killed_worker_fails_the_engine_instead_of_hanging(
+    llama_dir, parallel_engine, monkeypatch, seen_by
+):
+    engine = parallel_engine(llama_dir, tensor_parallel_size=2, num_kv_blocks=64)
+    generate(engine, MIXED[:1], SamplingParams(temperature=0, max_tokens=2))
+    worker = engine.workers.launcher.procs[1]
+    if seen_by == "collective":  # as if it died after the check, inside the step
+        monkeypatch.setattr(engine.workers.launcher, "dead", lambda: {})
+    os.kill(worker.pid, signal.SIGKILL)
+    worker.join(timeout=10)
+    started = time.monotonic()
+    engine.add_request("r", MIXED[2], SamplingParams(temperature=0, max_tokens=4))
+    with pytest.raises(WorkerDied, match="rank 1" if seen_by != "collective" else "failed"):
+        while engine.has_unfinished_requests():
+            engine.step()
+    assert time.monotonic() - started < 10
+    with pytest.raises(WorkerDied):  # the engine stays failed, at once
+        engine.step()
+    engine.abort_request("r")
+
+
+@pytest.mark.timeout(120)
+def test_a_hung_worker_times_out(llama_dir, parallel_engine):
+    engine = parallel_engine(
+        llama_dir, tensor_parallel_size=2, num_kv_blocks=64, distributed_timeout_s=3
+    )
+    worker = engine.workers.launcher.procs[1]
+    os.kill(worker.pid, signal.SIGSTOP)
+    try:
+        engine.add_request("r", MIXED[2], SamplingParams(temperature=0, max_tokens=4))
+        started = time.monotonic()
+        with pytest.raises(WorkerDied, match="collective"):
+            engine.step()
+        assert time.monotonic() - started < 15
+    finally:
+        engine.abort_request("r")
+        with contextlib.suppress(ProcessLookupError):  # killed by the engine already
+            os.kill(worker.pid, signal.SIGCONT)
+    worker.join(timeout=10)
+    assert not worker.is_alive()
+
+
+def test_shutdown_stops_every_worker(llama_dir):
+    engine = LLMEngine(llama_dir, pipeline_parallel_size=2, num_kv_blocks=16)
+    procs = list(engine.workers.launcher.procs.values())
+    engine.shutdown()
+    assert all(p.exitcode == 0 for p in procs)
+    with pytest.raises(WorkerDied, match="shut down"):
+        engine.add_request("r", MIXED[0], SamplingParams(max_tokens=1))
+        engine.step()
+    engine.abort_request("r")
+
+
+def test_one_process_path_has_no_workers(llama_dir):
+    engine = LLMEngine(llama_dir, num_kv_blocks=16)
+    assert engine.workers is None
+    assert engine.runner.parallel.world_size == 1
+    assert torch.get_num_threads() == 1
