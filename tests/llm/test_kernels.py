@@ -110,6 +110,27 @@ def test_fused_decode_is_token_exact(model, llama64_dir, model_dirs, monkeypatch
     assert calls and max(calls) <= 4  # decode steps went through the fused layer
 
 
+@needs_kernels
+def test_fused_decode_of_a_big_batch_matches_torch(model_dirs, monkeypatch, restore_kernels):
+    """A small model's decode batch beyond SMALL_M rows also runs fused (its weights are
+    small enough for the tiled kernel); tokens equal the torch path's."""
+    from tests.llm.test_engine import random_prompts
+
+    folder, prompts = model_dirs["llama"], random_prompts([5 + i % 7 for i in range(72)], seed=3)
+    calls = []
+    real = kernels.Kernels.llama_decode_layer
+
+    def counting(self, *args):
+        calls.append(args[1].shape[0])
+        return real(self, *args)
+
+    monkeypatch.setattr(kernels.Kernels, "llama_decode_layer", counting)
+    fused = generate(make_engine(folder, num_kv_blocks=128, max_num_seqs=72), prompts)
+    assert max(calls) == 72  # every sequence decoding in one fused step
+    kernels.reset(enabled=False)
+    assert fused == generate(make_engine(folder, num_kv_blocks=128, max_num_seqs=72), prompts)
+
+
 def test_fallback_without_compiler(llama_dir, tmp_path, monkeypatch, restore_kernels):
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
     monkeypatch.setenv("BITSERVE_KERNEL_CACHE", str(tmp_path / "cache"))
