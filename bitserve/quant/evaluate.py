@@ -3,9 +3,9 @@
 LLM: perplexity on held-out text (non-overlapping windows from an empty cache, as
 tools/train_lm.py scores tinylm), next-token agreement (the share of positions where
 both models' argmax is the same token, on the same text), greedy generation agreement
-(the share of the first N greedily generated tokens that match, and how many come
-before the first difference: one near-tie changes all that follows), weight memory, and
-batch-1 decode tokens/s through the engine.
+over 8 prompts from across the text: the share of greedily generated tokens that match,
+and the mean number before the first difference, since one near-tie changes all that
+follows), weight memory, and batch-1 decode tokens/s through the engine.
 Encoders: cosine similarity of each text's embedding to the reference's, memory,
 sentences/s.
 """
@@ -31,11 +31,15 @@ class LLMScores:
     scored_tokens: int = 0
     decode_tok_s: float = 0.0
     predictions: torch.Tensor | None = field(default=None, repr=False)  # argmax per position
-    generated: list[int] = field(default_factory=list, repr=False)
+    generated: list[list[int]] = field(default_factory=list, repr=False)  # per prompt
 
 
-def decode_speed(engine, prompt: list[int], new_tokens: int) -> tuple[float, list[int]]:
-    """Greedy batch-1 decode tokens/s (after the first token) and the tokens."""
+GREEDY_PROMPTS = 8  # prompts for greedy agreement, from across the text
+PROMPT_TOKENS = 32
+
+
+def decode_speed(engine, prompt: list[int], new_tokens: int) -> tuple[float, float, list[int]]:
+    """Greedy batch-1 decode: (seconds after the first token, tokens after it, tokens)."""
     from bitserve.llm.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
@@ -47,8 +51,12 @@ def decode_speed(engine, prompt: list[int], new_tokens: int) -> tuple[float, lis
             if first is None:
                 first = time.perf_counter()
             tokens = list(out.outputs[0].token_ids)
-    elapsed = time.perf_counter() - (first or time.perf_counter())
-    return (len(tokens) - 1) / elapsed if elapsed > 0 else 0.0, tokens
+    return time.perf_counter() - (first or time.perf_counter()), len(tokens) - 1, tokens
+
+
+def greedy_prompts(ids: list[int], length: int) -> list[list[int]]:
+    step = max(len(ids) // GREEDY_PROMPTS, length)
+    return [ids[i : i + length] for i in range(0, len(ids) - length + 1, step)][:GREEDY_PROMPTS]
 
 
 def score_llm(
@@ -62,10 +70,15 @@ def score_llm(
     ids = text_token_ids(folder, text)
     window = min(window, engine.config.max_model_len)
     scores = LLMScores(name, weight_bytes=weight_bytes(model))
-    prompt = ids[: min(32, window // 2)]
-    new_tokens = min(new_tokens, engine.config.max_model_len - len(prompt) - 1)
-    decode_speed(engine, prompt, 4)  # warm-up
-    scores.decode_tok_s, scores.generated = decode_speed(engine, prompt, new_tokens)
+    length = min(PROMPT_TOKENS, window // 2)
+    new_tokens = min(new_tokens, engine.config.max_model_len - length - 1)
+    decode_speed(engine, ids[:length], 4)  # warm-up
+    seconds = tokens = 0.0
+    for prompt in greedy_prompts(ids, length):
+        s, n, generated = decode_speed(engine, prompt, new_tokens)
+        seconds, tokens = seconds + s, tokens + n
+        scores.generated.append(generated)
+    scores.decode_tok_s = tokens / seconds if seconds > 0 else 0.0
     nll, predictions = 0.0, []
     for chunk in windows(ids, window, max_tokens):  # the engine is done: its pool is reused
         logits = window_logits(model, chunk)[:-1]
@@ -93,15 +106,19 @@ def evaluate_llm(
     ref = score_llm(reference, "reference", text, window, max_tokens, new_tokens)
     result["reference"] = summary(ref, reference)
     same = (model.predictions == ref.predictions).float().mean()
-    n = min(len(model.generated), len(ref.generated))
-    pairs = list(zip(model.generated[:n], ref.generated[:n], strict=True))
-    matches = sum(a == b for a, b in pairs)
-    prefix = next((i for i, (a, b) in enumerate(pairs) if a != b), n)
+    n = matches = prefix = 0
+    for ours, theirs in zip(model.generated, ref.generated, strict=True):
+        pairs = list(zip(ours, theirs, strict=False))
+        n += len(pairs)
+        matches += sum(a == b for a, b in pairs)
+        prefix += next((i for i, (a, b) in enumerate(pairs) if a != b), len(pairs))
+    prompts = max(len(model.generated), 1)
     result["comparison"] = {
         "perplexity_change": model.perplexity / ref.perplexity - 1,
         "next_token_agreement": float(same),
         "greedy_agreement": matches / max(n, 1),  # same token at the same position
-        "greedy_same_prefix": prefix,  # tokens before the first difference
+        "greedy_same_prefix": prefix / prompts,  # mean tokens before the first difference
+        "greedy_prompts": len(model.generated),
         "greedy_tokens": n,
         "memory_ratio": model.weight_bytes / ref.weight_bytes,
         "decode_speedup": model.decode_tok_s / max(ref.decode_tok_s, 1e-9),
