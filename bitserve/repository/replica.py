@@ -4,7 +4,9 @@ With `instance_group.isolation = "ray"` every one of the group's `count` instanc
 a `ReplicaActor` placed by Ray with its own resources (`num_cpus`, `num_gpus`), on any
 machine of the cluster, running the same backend code as an in-process instance. The
 server stays the router: its dynamic batcher forms each batch and sends it to one idle
-replica, so batching still happens in front of the replicas.
+replica, so batching still happens in front of the replicas. A replica loads the version
+folder from its own node's disk, at the same path: every node needs bitserve and the
+repository (the same image, or a shared volume).
 
 Routing is least outstanding requests. A replica runs one batch at a time and the
 batcher dispatches only to an idle one, so every replica that gets a batch has zero
