@@ -53,3 +53,22 @@ def test_a_held_back_prefix_is_released_when_it_turns_out_not_to_be_a_stop(llama
     deltas, _detok, stop = stream(tok, tok.encode(TEXT), SamplingParams(stop=["the slow"]))
     assert stop is None
     assert "".join(deltas) == TEXT
+
+
+def test_the_raw_decoder_equals_transformers_decode(llama_dir, tmp_path):
+    """The shortcut to the Rust tokenizer decodes exactly as `tokenizer.decode`, for the
+    test model's tokenizer and for the default LM's (tinylm), specials kept or skipped."""
+    import random
+    from pathlib import Path
+
+    from bitserve.llm.detokenizer import raw_decoder
+
+    tinylm = Path(__file__).resolve().parents[2] / "models" / "tinylm" / "1"
+    for folder in (llama_dir, tinylm):
+        tok = AutoTokenizer.from_pretrained(folder)
+        decode = raw_decoder(tok)
+        rng = random.Random(0)
+        for _ in range(200):
+            ids = [rng.randrange(len(tok)) for _ in range(rng.randint(1, 12))]
+            for skip in (False, True):
+                assert decode(ids, skip) == tok.decode(ids, skip_special_tokens=skip)
