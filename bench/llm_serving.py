@@ -165,7 +165,7 @@ def serve_and_bench(name: str, cmd: list[str], ready: str, url: str, model: str,
         stop(proc)
 
 
-def goals(b: dict, ll: dict) -> list[str]:
+def goals(b: dict, ll: dict, quant: str) -> list[str]:
     def line(name: str, a, c, ok) -> str:
         status = "n/a" if a is None or c is None else ("pass" if ok(a, c) else "fail")
         return f"[{status:>4}] {name}: bitserve {a} vs llama.cpp {c}"
@@ -173,7 +173,7 @@ def goals(b: dict, ll: dict) -> list[str]:
     out_b, out_l = b.get("output_throughput"), ll.get("output_throughput")
     t_b, t_l = (p.get("ttft", {}).get("p99_ms") for p in (b, ll))
     return [
-        line("output tok/s >= llama.cpp (fp32)", out_b, out_l, lambda x, y: x >= y),
+        line(f"output tok/s >= llama.cpp ({quant})", out_b, out_l, lambda x, y: x >= y),
         line("TTFT p99 ms < llama.cpp", t_b, t_l, lambda x, y: x < y),
     ]
 
@@ -225,7 +225,7 @@ def main() -> int:
         f"servers on cpus {sorted(cfg.server_cpus)} with {threads} thread(s), "
         f"client on {sorted(cfg.client_cpus)}, load before: {os.getloadavg()[0]:.2f}"
     )
-    for line in goals(b, ll):
+    for line in goals(b, ll, "int8 vs q8_0" if cfg.quant == "int8" else "fp32"):
         print(line)
     for name, point in (("bitserve", b), ("llama.cpp", ll)):
         if "error" in point:
