@@ -199,17 +199,24 @@ class RayModel:
 
 
 def _check_feasible(ray: Any, name: str, resources: dict[str, float]) -> None:
-    """Refuse at once a replica no node of the cluster could hold (Ray would wait forever)."""
+    """A replica no node can hold: refused at once on a `local` Ray (it would wait for
+    ever); on a cluster only logged, since an autoscaler (KubeRay's) may add the node."""
     nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
     fits = any(
         node.get("CPU", 0) >= resources["num_cpus"] and node.get("GPU", 0) >= resources["num_gpus"]
         for node in nodes
     )
-    if not fits:
-        raise LoadError(
-            f"model '{name}': no Ray node has {resources['num_cpus']:g} CPU and "
-            f"{resources['num_gpus']:g} GPU for a replica"
-        )
+    if fits:
+        return
+    problem = (
+        f"model '{name}': no Ray node has {resources['num_cpus']:g} CPU and "
+        f"{resources['num_gpus']:g} GPU for a replica"
+    )
+    if raycluster.address() == "local":
+        raise LoadError(problem)
+    log.warning(
+        "%s; waiting up to %.0f s for one (an autoscaler may add it)", problem, START_TIMEOUT_S
+    )
 
 
 def _cause(error: BaseException) -> str:

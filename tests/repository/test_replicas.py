@@ -179,3 +179,23 @@ def test_serving_code_does_not_import_ray():
         """
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_a_replica_no_node_can_hold_is_refused_on_a_local_ray_only(monkeypatch, caplog):
+    from bitserve import raycluster
+    from bitserve.backends.base import LoadError
+    from bitserve.repository import replica
+
+    class OneCpuCluster:
+        @staticmethod
+        def nodes():
+            return [{"Alive": True, "Resources": {"CPU": 1.0}}]
+
+    gpu = {"num_cpus": 1.0, "num_gpus": 1.0}
+    monkeypatch.setattr(raycluster, "_address", "local")
+    with pytest.raises(LoadError, match="no Ray node has 1 CPU and 1 GPU"):
+        replica._check_feasible(OneCpuCluster, "m", gpu)
+    monkeypatch.setattr(raycluster, "_address", "10.0.0.1:6379")
+    replica._check_feasible(OneCpuCluster, "m", gpu)  # an autoscaler may add the node
+    assert "autoscaler" in caplog.text
+    replica._check_feasible(OneCpuCluster, "m", {"num_cpus": 1.0, "num_gpus": 0.0})
