@@ -37,6 +37,7 @@ aten = torch.ops.aten
 SMALL_M = 4  # up to here the packed weight-only kernels win; above, _int_mm (W8A8) wins
 PACK_MAX_M = 32  # weight-only int8: above, bf16 dequantize + matmul beats int8pack
 INT4_C_MAX_M = 64  # int4 with the C kernels: C up to here, bf16 dequantize + matmul above
+C_A8_MAX_M = 8  # int8 activations: the C kernel's VNNI path up to here, _int_mm above
 _fallbacks_logged: set[str] = set()
 
 
@@ -155,6 +156,10 @@ class Int8Linear(QuantLinear):
         return self.int8_weight()
 
     def prepare(self) -> None:
+        self.row_sums = None
+        if self.int8_activations:  # the C kernel's VNNI path (int8 activations) needs them
+            self.row_sums = self.qweight.sum(dim=1, dtype=torch.int32)
+            self.a8_rows = SMALL_M + 1
         self.prepare_c()
         self.scales_bf16 = self.scales.to(torch.bfloat16)
         w = self.int8_weight()
@@ -174,7 +179,8 @@ class Int8Linear(QuantLinear):
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         m = x.shape[0]
-        if m <= SMALL_M and (y := self.c_matmul(x)) is not None:
+        c_rows = C_A8_MAX_M if self.int8_activations else SMALL_M
+        if m <= c_rows and (y := self.c_matmul(x)) is not None:
             return y
         if m <= SMALL_M or (not self.int8_activations and m <= PACK_MAX_M):
             return self.pack_matmul(x) if self.use_pack else self.dequant_matmul(x)

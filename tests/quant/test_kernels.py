@@ -46,6 +46,18 @@ def test_int4_gemv_is_the_dequantized_matmul_to_bf16_precision(k, n, rows, group
     assert (got - want).norm() / want.norm() < 3e-3
 
 
+@pytest.mark.parametrize("rows", [5, 8, 13])
+def test_int8_activation_path_is_int_mm(rows) -> None:
+    """From 5 rows, int8 with int8 activations runs VNNI in C on the same per-row int8
+    activations as the torch._int_mm path: the same sums."""
+    torch.manual_seed(rows)
+    layer = Int8Linear.from_float(nn.Linear(200, 96).requires_grad_(False))  # 200: a tail
+    layer.prepare()
+    x = torch.randn(rows, 200)
+    got = kernels.get().linear(layer.c_weight, x)
+    torch.testing.assert_close(got, layer.int_mm_matmul(x), rtol=1e-5, atol=1e-5)
+
+
 def test_layers_use_the_gemv_for_few_rows(monkeypatch) -> None:
     layer = Int8Linear.from_float(nn.Linear(64, 32).requires_grad_(False))
     x = torch.randn(2, 64)
@@ -81,10 +93,11 @@ def test_fused_decode_layers_match_the_torch_path(quantized_tinylm, monkeypatch,
         assert max(abs(a[t] - b[t]) for t in a) < (1e-3 if method == "int8" else 1e-2)
 
 
-def test_batched_int4_decode_is_fused_and_matches(quantized_tinylm, monkeypatch) -> None:
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_batched_decode_is_fused_and_matches(quantized_tinylm, monkeypatch, method) -> None:
     prompts = ["And God said,", "The LORD is my shepherd;", "In the beginning", "Woe unto"] * 3
     greedy = SamplingParams(temperature=0, max_tokens=8)
-    llm = LLM(quantized_tinylm["int4"] / "1", num_kv_blocks=128)
+    llm = LLM(quantized_tinylm[method] / "1", num_kv_blocks=128)
     rows = []
     original = fused.FusedDecode.fused
     monkeypatch.setattr(
