@@ -26,6 +26,8 @@ import numpy as np
 class Model:
     def predict(self, inputs):
         x = inputs["x"]
+        if (x < 0).any():
+            raise ValueError("negative input")
         time.sleep(0.02)  # a batch takes a while, so a kill lands mid-batch too
         return {"y": x, "pid": np.full((len(x), 1), os.getpid(), dtype=np.int64)}
 """
@@ -157,6 +159,14 @@ def test_a_killed_replica_loses_no_request_that_had_not_started(server):
     )
     assert server.alive()
     assert httpx.get(f"{server.url}/v2/health/live", timeout=5).status_code == 200
+
+
+def test_a_model_error_on_a_replica_is_a_500_with_its_message(server):
+    with httpx.Client() as client:
+        failed = infer(client, server.url, -1.0)
+        assert failed.status_code == 500 and "negative input" in failed.json()["error"]
+        assert infer(client, server.url, 1.0).status_code == 200
+    assert "degraded" not in httpx.get(f"{server.url}/v2/health/ready", timeout=5).text
 
 
 def retried(url: str) -> float:
