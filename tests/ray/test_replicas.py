@@ -105,10 +105,19 @@ class Load:
         return self.answers
 
 
-def test_requests_spread_over_both_replicas(server):
-    load = Load(server.url)
+def stats(url: str) -> dict:
+    return httpx.get(f"{url}/v2/models/pid/stats", timeout=5).json()["model_stats"][0]
+
+
+def test_requests_spread_over_both_replicas_in_batches(server):
+    before = stats(server.url)
+    load = Load(server.url, workers=12)
     time.sleep(2.0)
     answers = load.stop()
+    after = stats(server.url)
+    rows = after["inference_count"] - before["inference_count"]
+    batches = after["execution_count"] - before["execution_count"]
+    assert rows / batches > 1.5, (rows, batches)  # the batcher batches in front of them
     assert all(status == 200 for status, _, _ in answers)
     pids = Counter(pid for _, _, pid in answers)
     assert len(pids) == 2, pids  # both replicas took batches
