@@ -12,7 +12,7 @@ step cost about as much again. So, like the fp32 engine, quantized models decode
     dequantized weights times x in fp32. ~31 GB/s of int8 on the 58M bench model's
     layers, 3.3x the fp32 GEMV. From 5 rows, a layer with int8 activations quantizes
     x per row as its torch._int_mm path does and runs AVX512-VNNI (64 multiply-adds an
-    instruction): the same sums, faster than _int_mm to 8 rows, ~20% behind at 16.
+    instruction): the same sums, faster than _int_mm to 8 rows (used there), behind at 16.
   - int4 (groups of 32/64/128, bf16 scale and zero): 4-bit codes become bf16 through a
     register table and meet x, rounded to bf16 as torch's int4pack rounds it, in
     AVX512-BF16 dot products; one row scales each group's sum, several rows first
