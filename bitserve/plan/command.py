@@ -9,6 +9,9 @@ bitserve plan capacity --profile result.json --fit fit.json --slo 200 [--rate 50
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
 
 import click
@@ -41,9 +44,16 @@ def memory_command(model_dir: Path, check: bool, **opts) -> None:
     estimate = memory.estimate(model, **opts)
     click.echo(report.memory_table(model, estimate, opts))
     if check:
-        if opts["quant"] or opts["dtype"] != "float32" or opts["kv_dtype"] != "float32":
-            raise click.UsageError("--check builds the fp32 CPU engine: drop --quant/--dtype")
-        measured = memory.measure(model_dir, opts["max_seqs"], opts["context"])
+        if opts["dtype"] != "float32" or opts["kv_dtype"] != "float32":
+            raise click.UsageError("--check builds the fp32 CPU engine: drop --dtype/--kv-dtype")
+        with tempfile.TemporaryDirectory(prefix="bitserve-plan-") as tmp:
+            built = model_dir
+            if opts["quant"]:  # measure what `bitserve quantize` really writes
+                built = Path(tmp) / opts["quant"]
+                command = [sys.executable, "-m", "bitserve.cli", "quantize", str(model_dir)]
+                command += [str(built), "--method", opts["quant"]]
+                subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
+            measured = memory.measure(built, opts["max_seqs"], opts["context"])
         click.echo(report.memory_check(estimate, measured))
 
 

@@ -15,9 +15,9 @@ from pathlib import Path
 from bitserve.plan.shape import ModelShape
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1}
-# Quantized linear weights: bytes per weight including scales. int8: one byte plus an
-# fp32 scale per output row (negligible, left out); int4: half a byte plus a bf16
-# scale and zero per group of 32 (4 bytes / 32 = 0.125).
+# Quantized weights, bytes per weight with their scales. int8: one byte plus an fp32
+# scale per output row (per embedding row); int4: half a byte plus a bf16 scale and zero
+# per group of 32 inputs (4 bytes / 32 = 0.125).
 QUANT_BYTES = {None: None, "int8": 1.0, "int4": 0.5 + 4 / 32}
 HUGE_PAGE = 2 << 20  # the engine aligns each KV pool of >= 2 MiB to a huge page
 
@@ -42,9 +42,29 @@ class MemoryPlan:
 
 
 def weight_bytes(shape: ModelShape, dtype: str, quant: str | None) -> int:
-    """Linear layers at the quantized width, everything else at the model dtype."""
-    per_weight = QUANT_BYTES[quant] or DTYPE_BYTES[dtype]
-    return int(shape.layer_matrix_params() * per_weight + shape.other_params() * DTYPE_BYTES[dtype])
+    """The weights as the engine holds them. Quantized as `bitserve quantize` writes them
+    (bitserve/quant): the decoder's linear layers at the quantized width, the embedding
+    in int8 with an fp32 scale per row, the LM head int8 (shared with a tied embedding)
+    or, for int4, its own int4 copy; norms, biases and MoE experts stay in the model
+    dtype."""
+    width = DTYPE_BYTES[dtype]
+    if quant is None:
+        return (shape.layer_matrix_params() + shape.other_params()) * width
+    table = shape.vocab * shape.hidden  # one embedding (or LM head) matrix
+    tables = table * (1 if shape.tied_embeddings else 2)
+    rest = shape.other_params() - tables  # norms, biases, learned positions
+    # MoE experts (stacked tensors, not linear layers) stay in the model dtype
+    experts = shape.layers * shape.experts * 3 * shape.hidden * shape.intermediate
+    experts = experts if shape.experts > 1 else 0
+    matrices = shape.layer_matrix_params() - experts
+    rest += experts
+    embedding = shape.vocab * (shape.hidden + 4)
+    if quant == "int8":
+        linear = matrices * (1 + 4 / shape.hidden)  # the scale of each output row
+        head = 0 if shape.tied_embeddings else embedding
+    else:
+        linear, head = matrices * QUANT_BYTES["int4"], table * QUANT_BYTES["int4"]
+    return int(linear + embedding + head + rest * width)
 
 
 def kv_pool(shape: ModelShape, max_seqs: int, context: int, kv_dtype: str, block_size: int):

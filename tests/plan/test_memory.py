@@ -46,10 +46,29 @@ def test_kv_bytes_per_token_is_the_textbook_formula():
     model = shape.from_config(hf)
     assert model.kv_bytes_per_token(2) == 2 * 32 * 8 * 128 * 2 == 131072
     assert 8.0e9 < model.params() < 8.1e9  # Llama 3 8B
-    matrices, rest = model.layer_matrix_params(), model.other_params()
-    assert memory.weight_bytes(model, "bfloat16", "int8") == matrices + 2 * rest
-    # int4: half a byte + a bf16 scale and zero per group of 32; embeddings stay bf16
-    assert memory.weight_bytes(model, "bfloat16", "int4") == int(matrices * 0.625 + 2 * rest)
+    matrices, rest = model.layer_matrix_params(), model.other_params() - 2 * 128256 * 4096
+    table = 128256 * 4096  # untied: an embedding and an LM head of this size
+    # int8: a byte per weight + an fp32 scale per row; norms stay bf16
+    int8 = matrices * (1 + 4 / 4096) + 2 * (table + 128256 * 4) + 2 * rest
+    assert memory.weight_bytes(model, "bfloat16", "int8") == int(int8)
+    # int4: half a byte + a bf16 scale and zero per group of 32; the embedding int8
+    int4 = matrices * 0.625 + table + 128256 * 4 + table * 0.625 + 2 * rest
+    assert memory.weight_bytes(model, "bfloat16", "int4") == int(int4)
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2", "mixtral"])
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_quantized_estimate_within_10_percent_of_engine(model_dirs, name, method, tmp_path):
+    """`--quant` predicts what the engine holds for the folder `bitserve quantize` writes."""
+    out = tmp_path / method
+    args = ["quantize", str(model_dirs[name]), str(out), "--method", method]
+    answer = CliRunner().invoke(main, args, catch_exceptions=False)
+    assert answer.exit_code == 0, answer.output
+    model = shape.from_config(shape.read_config(model_dirs[name]))
+    plan = memory.estimate(model, 8, 256, quant=method)
+    measured = memory.measure(out, 8, 256)
+    assert plan.static == pytest.approx(measured["total"], rel=0.10)
+    assert plan.weights + plan.tables == pytest.approx(measured["other"], rel=0.10)
 
 
 def test_cli_prints_parts_and_checks_against_the_engine(model_dirs):
@@ -58,3 +77,10 @@ def test_cli_prints_parts_and_checks_against_the_engine(model_dirs):
     assert answer.exit_code == 0, answer.output
     for word in ("weights", "KV cache", "activations", "engine built at this size", "0.0%"):
         assert word in answer.output
+
+
+def test_cli_checks_a_quantized_plan_against_the_quantized_engine(model_dirs):
+    args = ["plan", "memory", str(model_dirs["llama"]), "--max-seqs", "8", "--context", "256"]
+    answer = CliRunner().invoke(main, [*args, "--quant", "int8", "--check"])
+    assert answer.exit_code == 0, answer.output
+    assert "weights (int8)" in answer.output and "engine built at this size" in answer.output
