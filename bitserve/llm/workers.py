@@ -9,9 +9,11 @@ Where they run (`EngineConfig.distributed_executor`):
   forked OpenMP or CUDA state), rank r on `cuda:r` when the engine is on a GPU;
 - "ray": Ray actors in a placement group, one bundle per worker (`{"CPU": threads}`,
   plus a GPU on cuda), strategy `placement_strategy` (PACK by default: TP ranks want
-  one node). Ray must already be connected (`ray.init(address=...)`, as
-  `bitserve serve --ray ADDRESS` does) or `RAY_ADDRESS` set; otherwise `ray.init()`
-  starts a local cluster. The model folder must exist at the same path on each node.
+  one node; SPREAD puts pipeline stages on different nodes). The cluster is the one
+  this process is connected to, else the one `bitserve serve --ray ADDRESS` names
+  (raycluster.py), else `RAY_ADDRESS`, else a Ray of this process's own. The model
+  folder must exist at the same path on every node, and gloo must reach each node
+  (GLOO_SOCKET_IFNAME names the interface when the default one is wrong).
 
 Rendezvous: rank 0 opens a TCPStore on port 0 (the OS picks a free one, no race) and
 hands its address to the workers. Failure is loud, never a hang: before each step
@@ -58,8 +60,8 @@ def worker_main(config: EngineConfig, rank: int, host: str, port: int, threads: 
     store = dist.TCPStore(host, port, is_master=False, timeout=timeout)
     store.set(f"started/{rank}", str(os.getpid()))
     try:
-        if not config.on_cpu:  # rank r on the r-th GPU it sees (Ray shows each actor one)
-            index = rank % torch.cuda.device_count()
+        if not config.on_cpu:  # rank r on the r-th GPU after rank 0's (Ray shows one)
+            index = ((config.torch_device.index or 0) + rank) % torch.cuda.device_count()
             config = dataclasses.replace(config, device=f"cuda:{index}")
             torch.cuda.set_device(index)
         parallel = init_parallel(config, rank, store)
@@ -133,10 +135,20 @@ class RayWorkers:
     CHECK_EVERY_S = 1.0  # ray.wait costs more than a waitpid: look once a second
 
     def __init__(self, config: EngineConfig):
-        import ray
+        from bitserve import raycluster
 
-        if not ray.is_initialized():
-            ray.init(address=os.environ.get("RAY_ADDRESS"))
+        try:
+            import ray
+        except ImportError:
+            raise raycluster.RayUnavailable(
+                "distributed_executor='ray' needs Ray: pip install 'bitserve[ray]'"
+            ) from None
+        if ray.is_initialized():
+            pass
+        elif raycluster.address() is not None:  # bitserve serve --ray ADDRESS
+            raycluster.connect()
+        else:  # RAY_ADDRESS, else a Ray of this process's own
+            ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False)
         self.config = config
         self.host = ray.util.get_node_ip_address()
         self.actors: dict[int, Any] = {}
@@ -199,6 +211,7 @@ class RayWorkers:
             ray.kill(actor)
         if self.group is not None:
             remove_placement_group(self.group)
+        self.actors, self.runs, self.group = {}, {}, None  # a second stop does nothing
 
 
 class Workers:
@@ -216,6 +229,8 @@ class Workers:
         )
         self.stopped: str | None = None
         self._finalizer = weakref.finalize(self, self.launcher.stop, 0.0)  # dropped: kill
+        if not config.on_cpu:  # NCCL works on the current device
+            torch.cuda.set_device(config.torch_device)
         try:
             self.launcher.start(self.store.port, torch.get_num_threads())
             self.wait_started()
@@ -256,6 +271,7 @@ class Workers:
         world = f"tensor_parallel_size={self.config.tensor_parallel_size}, "
         world += f"pipeline_parallel_size={self.config.pipeline_parallel_size}"
         self.stopped = f"LLM engine workers ({world}) failed: " + "; ".join(lines)
+        self._finalizer.detach()
         self.launcher.stop(grace=0)  # the group is broken: the others are of no use
         raise WorkerDied(self.stopped) from error
 
@@ -274,4 +290,5 @@ class Workers:
             self.stopped = "the engine was shut down"
             with contextlib.suppress(Exception):  # a worker already gone: stop() ends the rest
                 self.parallel.broadcast_object(None)
-        self.launcher.stop()
+        if self._finalizer.detach() is not None:  # not stopped yet
+            self.launcher.stop()

@@ -8,6 +8,7 @@ pool small enough to preempt, then shared prefixes one after another.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import signal
@@ -220,3 +221,79 @@ def test_one_process_path_has_no_workers(llama_dir):
     assert engine.workers is None
     assert engine.runner.parallel.world_size == 1
     assert torch.get_num_threads() == 1
+
+
+# -- Ray ---------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def ray_cluster():
+    """A local Ray of 2 CPUs for this test (or the one this session already runs)."""
+    ray = pytest.importorskip("ray")
+    started = not ray.is_initialized()
+    if started:
+        ray.init(
+            num_cpus=2,
+            include_dashboard=False,
+            log_to_driver=False,
+            object_store_memory=80 << 20,
+        )
+    yield ray
+    if started:
+        ray.shutdown()
+
+
+@pytest.mark.timeout(300)
+def test_ray_workers_in_a_placement_group_match_one_process(
+    model_dirs, parallel_engine, ray_cluster
+):
+    from ray.util import placement_group_table
+
+    from bitserve.llm.workers import RayWorkers
+
+    engine = parallel_engine(
+        model_dirs["mixtral"], tensor_parallel_size=2, distributed_executor="ray", **ENGINE
+    )
+    launcher = engine.workers.launcher
+    assert isinstance(launcher, RayWorkers)
+    group = launcher.group
+    table = placement_group_table(group)
+    assert table["strategy"] == "PACK" and table["bundles"] == {0: {"CPU": 1.0}}
+    assert run_paths(engine) == single_process(model_dirs, "mixtral")
+    ray_cluster.kill(launcher.actors[1])  # a worker lost: the engine fails, loudly
+    engine.add_request("r", MIXED[0], SamplingParams(temperature=0, max_tokens=2))
+    started = time.monotonic()
+    with pytest.raises(WorkerDied, match="failed"):
+        while engine.has_unfinished_requests():
+            engine.step()
+    assert time.monotonic() - started < 30
+    engine.abort_request("r")
+    assert placement_group_table(group)["state"] == "REMOVED"
+
+
+# -- the server's engine -------------------------------------------------------------------
+
+
+@pytest.mark.timeout(120)
+async def test_the_async_engine_streams_over_workers_and_fails_loudly(llama_dir):
+    from bitserve.llm.async_engine import AsyncLLMEngine, EngineDead
+    from tests.llm.test_engine import GREEDY, reference
+
+    async def collect(engine, prompt, request_id):
+        return [out async for out in engine.generate(prompt, GREEDY, request_id)]
+
+    engine = AsyncLLMEngine(llama_dir, tensor_parallel_size=2, num_kv_blocks=64)
+    worker = engine.engine.workers.launcher.procs[1]
+    try:
+        prompts = MIXED[:3]
+        results = await asyncio.gather(
+            *(collect(engine, p, f"r{i}") for i, p in enumerate(prompts))
+        )
+        got = [outputs[-1].outputs[0].token_ids for outputs in results]
+        assert got == [reference(llama_dir, p) for p in prompts]
+        os.kill(worker.pid, signal.SIGKILL)
+        with pytest.raises(EngineDead, match="rank 1"):
+            await asyncio.wait_for(collect(engine, MIXED[0], "after"), timeout=30)
+    finally:
+        engine.shutdown()
+    assert not worker.is_alive()
