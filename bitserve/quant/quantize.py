@@ -167,9 +167,7 @@ def prepare_modules(model: nn.Module, folder: Path, qconfig: dict[str, Any]) -> 
     method = qconfig["method"]
     for name, linear in quantizable(model).items():
         if f"{name}.qweight" not in shapes:
-            if name == "lm_head" and qconfig.get("tied_lm_head"):
-                continue  # tied to the int8 embedding after loading
-            continue  # kept in full precision
+            continue  # kept in full precision (or a head tied to the embedding, below)
         bias = linear.bias is not None
         if method == "int4":
             layer: QuantLinear = Int4Linear(
@@ -185,6 +183,8 @@ def prepare_modules(model: nn.Module, folder: Path, qconfig: dict[str, Any]) -> 
     embedding = embedding_of(model)
     if embedding is not None and "embed_tokens.qweight" in shapes:
         model.embed_tokens = Int8Embedding(*embedding.weight.shape, dtype=torch.get_default_dtype())
+    if qconfig.get("tied_lm_head"):
+        model.lm_head = nn.Identity()  # shares the int8 embedding once it is loaded
     if getattr(model, "tie_word_embeddings", False):
         model.tie_word_embeddings = False
     disable_fused_decode(model)
@@ -193,12 +193,16 @@ def prepare_modules(model: nn.Module, folder: Path, qconfig: dict[str, Any]) -> 
 def load_weights(model: nn.Module, folder: Path, qconfig: dict[str, Any]) -> None:
     """Fill the prepared model from safetensors, tie the head, pick the kernels."""
     state = model.state_dict(keep_vars=True)
+    missing = set(state)
     for file in sorted(folder.glob("*.safetensors")):
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
                 if name not in state:
                     raise KeyError(f"checkpoint tensor {name!r} has no place in the model")
                 state[name].data.copy_(f.get_tensor(name))
+                missing.discard(name)
+    if missing:
+        raise KeyError(f"{folder}: tensors missing from the checkpoint: {sorted(missing)[:5]}")
     if qconfig.get("tied_lm_head"):
         model.lm_head = tied_head(model.embed_tokens, qconfig.get("activations") != "bf16")
     prepare_kernels(model)
