@@ -276,12 +276,17 @@ class Workers:
         raise WorkerDied(self.stopped) from error
 
     def worker_error(self, rank: int) -> str:
-        key = f"error/{rank}"
-        try:
-            if self.store.check([key]):
-                return "\n" + self.store.get(key).decode(errors="replace")
-        except Exception:
-            pass
+        """What the worker wrote before it died, or why it may not have started."""
+        with contextlib.suppress(Exception):  # the store itself may be what failed
+            if self.store.check([f"error/{rank}"]):
+                return "\n" + self.store.get(f"error/{rank}").decode(errors="replace")
+            local = isinstance(self.launcher, LocalWorkers)
+            if local and not self.store.check([f"started/{rank}"]):
+                return (
+                    " before it started (see its stderr; a script that starts a parallel "
+                    "engine needs `if __name__ == '__main__':`, since spawned workers "
+                    "import it again)"
+                )
         return ""
 
     def shutdown(self) -> None:

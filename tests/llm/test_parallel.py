@@ -104,6 +104,13 @@ def test_a_split_the_model_cannot_take_is_refused_by_name(llama_dir, kwargs, mes
         LLM(llama_dir, num_kv_blocks=4, **kwargs)
 
 
+def test_a_quantized_checkpoint_is_not_split():
+    hf = {"num_attention_heads": 4, "quantization_config": {"method": "int8"}}
+    with pytest.raises(ValueError, match="quantized checkpoint"):
+        EngineConfig(hf_config=hf, num_kv_blocks=4, pipeline_parallel_size=2)
+    EngineConfig(hf_config=hf, num_kv_blocks=4)  # one process: fine
+
+
 def test_gpt2_split_names_its_fields(model_dirs):
     with pytest.raises(ValueError, match="n_head=4"):
         EngineConfig(model_dirs["gpt2"], num_kv_blocks=4, tensor_parallel_size=3)
@@ -149,8 +156,7 @@ def test_pipeline_sends_prompt_logprobs_back_to_rank0(llama_dir, parallel_engine
             assert all(g[t] == pytest.approx(w[t], abs=1e-4) for t in w)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("name", ["llama", "mixtral"])
+@pytest.mark.parametrize("name", ["llama", pytest.param("mixtral", marks=pytest.mark.slow)])
 def test_tensor_2_by_pipeline_2_matches_one_process(model_dirs, parallel_engine, name):
     engine = parallel_engine(
         model_dirs[name], tensor_parallel_size=2, pipeline_parallel_size=2, **ENGINE
