@@ -303,3 +303,36 @@ async def test_the_async_engine_streams_over_workers_and_fails_loudly(llama_dir)
     finally:
         engine.shutdown()
     assert not worker.is_alive()
+
+
+@pytest.mark.timeout(120)
+async def test_config_toml_parameters_split_a_served_model(llama_dir):
+    """`tensor_parallel_size` in a model's config.toml reaches the engine; a lost
+    worker turns the service not-live; a split the model cannot take fails the load."""
+    from bitserve.backends.base import LoadError
+    from bitserve.backends.llm import LLMService
+    from bitserve.repository.config import ModelConfig
+
+    def service(**parameters) -> LLMService:
+        config = ModelConfig.model_validate(
+            {"name": "m", "backend": "llm", "parameters": {"num_kv_blocks": 32, **parameters}}
+        )
+        return LLMService(config, llama_dir)
+
+    with pytest.raises(LoadError, match="tensor_parallel_size=3 does not divide"):
+        await service(tensor_parallel_size=3).start()
+    svc = service(tensor_parallel_size=2)
+    await svc.start()  # loads, then a warm-up generation over both ranks
+    try:
+        assert svc.healthy() is None
+        os.kill(svc.engine.engine.workers.launcher.procs[1].pid, signal.SIGKILL)
+        with pytest.raises(Exception, match="rank 1"):
+            params = SamplingParams(temperature=0, max_tokens=4)
+            await asyncio.wait_for(collect_all(svc.generate([5, 6, 7], params)), timeout=30)
+        assert "died" in svc.healthy()
+    finally:
+        await svc.stop()
+
+
+async def collect_all(stream):
+    return [item async for item in stream]
