@@ -279,7 +279,7 @@ class ModelVersion:
         with 503; replace the replica (its slot stays out of the batcher meanwhile)."""
         assert self.batcher is not None
         log.error("model %s v%d replica %d: %s", self.config.name, self.version, slot, error)
-        if error.started:
+        if error.started or self.state not in ("ready", "draining"):  # unloaded: no retry
             lost = ReplicaLost(f"model '{self.config.name}': {error}; retry the request")
             for request in batch:
                 request.finish(None, lost)
