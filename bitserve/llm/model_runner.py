@@ -160,12 +160,7 @@ class ModelRunner:
 
     def plan_one(self, scheduled: list[tuple[Sequence, int]], out: ModelOutput) -> StepInput:
         step = StepInput()
-        input_ids, positions, slots, sample_rows = (
-            step.input_ids,
-            step.positions,
-            step.slots,
-            step.sample_rows,
-        )
+        input_ids, positions, slots = step.input_ids, step.positions, step.slots
         dec_rows, dec_tables, dec_lens = [], [], []
         batched_decode = self.use_decode_kernel()
         bs, row = self.config.block_size, 0
@@ -190,7 +185,7 @@ class ModelRunner:
                 step.seqs.append((row, row + n, end, table[:num_ctx_blocks]))
             if end == seq.num_tokens:
                 out.sample_seqs.append(seq)
-                sample_rows.append(row + n - 1)
+                step.sample_rows.append(row + n - 1)
             if seq.wants_prompt_logprobs:
                 last = min(end, seq.num_prompt_tokens - 1)  # rows predicting prompt tokens
                 if last > start:
