@@ -135,6 +135,50 @@ void bs_linear_small(const float *x, long ldx, long M, long K, const float *w, l
     }
 }
 
+#ifdef __AVX512F__
+/* out[j] = sum of the 16 lanes of v[j], for 16 vectors at once: a transpose-and-add
+   tree of 15 shuffles and adds in all, instead of 16 separate horizontal reductions. */
+static inline __m512 reduce16(const __m512 v[16]) {
+    __m512 p[8], q[4], r[2];
+    for (int i = 0; i < 8; i++) /* lanes: [a0+a2, b0+b2, a1+a3, b1+b3] per 128 bits */
+        p[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                             _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; i++) { /* [a, b, c, d] partial sums per 128 bits */
+        __m512d x = _mm512_castps_pd(p[2 * i]), y = _mm512_castps_pd(p[2 * i + 1]);
+        q[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
+                             _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+    }
+    for (int i = 0; i < 2; i++) /* 128-bit lanes pairwise: 8 keys, 2 partials each */
+        r[i] = _mm512_add_ps(_mm512_shuffle_f32x4(q[2 * i], q[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(q[2 * i], q[2 * i + 1], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(r[0], r[1], 0x88),
+                         _mm512_shuffle_f32x4(r[0], r[1], 0xDD));
+}
+
+/* Scores of one query head against a block of 16 keys (D = 32 or 64), n of them real. */
+static inline void block_scores(const float *qh, const float *kb, long n, long D, float scale,
+                                float *out) {
+    __m512 prod[16];
+    __m512 q0 = _mm512_loadu_ps(qh), q1 = _mm512_loadu_ps(qh + 16);
+    for (long j = 0; j < 16; j++) {
+        if (j >= n) {
+            prod[j] = _mm512_setzero_ps();
+            continue;
+        }
+        const float *kj = kb + j * D;
+        __m512 a = _mm512_mul_ps(q0, _mm512_loadu_ps(kj));
+        a = _mm512_fmadd_ps(q1, _mm512_loadu_ps(kj + 16), a);
+        if (D == 64) {
+            a = _mm512_fmadd_ps(_mm512_loadu_ps(qh + 32), _mm512_loadu_ps(kj + 32), a);
+            a = _mm512_fmadd_ps(_mm512_loadu_ps(qh + 48), _mm512_loadu_ps(kj + 48), a);
+        }
+        prod[j] = a;
+    }
+    __m512 s = _mm512_mul_ps(reduce16(prod), _mm512_set1_ps(scale));
+    _mm512_mask_storeu_ps(out, (__mmask16)((1u << n) - 1), s);
+}
+#endif
+
 /* Decode attention over a paged, head-major pool, for sequence i in row rows[i].
    q: row stride ldq, heads of D; out: row stride ldo; kpool, vpool: [Hkv, nblk, bs, D];
    tables: [B, max_blocks] int32; lens[i]: context length of sequence i (including its
@@ -156,6 +200,15 @@ static void paged_decode(const float *q, long ldq, float *out, long ldo, const i
             const float *vh = vpool + kvh * nblk * bs * D;
             /* scores: block by block (each block's keys are bs * D contiguous floats) */
             float mx = -3.0e38f;
+#ifdef __AVX512F__
+            if (bs == 16 && (D == 32 || D == 64)) { /* 16 keys at a time, one reduction */
+                for (long b = 0; b < nb; b++) {
+                    long n = len - b * bs < bs ? len - b * bs : bs;
+                    block_scores(qh, kh + (long)table[b] * bs * D, n, D, scale, scores + b * bs);
+                }
+                for (long t = 0; t < len; t++) mx = scores[t] > mx ? scores[t] : mx;
+            } else
+#endif
             for (long b = 0; b < nb; b++) {
                 const float *kb = kh + (long)table[b] * bs * D;
                 long n = len - b * bs < bs ? len - b * bs : bs;

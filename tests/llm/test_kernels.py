@@ -47,7 +47,9 @@ def test_linear_in_row_blocks_matches_torch():
 
 
 @needs_kernels
-@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(4, 2, 16), (8, 8, 64), (4, 1, 64)])
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "dim"), [(4, 2, 16), (8, 8, 64), (4, 1, 64), (8, 2, 32)]
+)
 def test_paged_decode_matches_sdpa(heads, kv_heads, dim):
     g = torch.Generator().manual_seed(1)
     bs, nblk = 16, 40
