@@ -41,6 +41,7 @@ import torch
 from torch import nn
 
 IDLE_TIMEOUT = timedelta(days=30)  # workers wait this long for the next step
+CONTROL_BYTES = 64 << 10  # one step's plan in one broadcast, up to this size
 STARTUP_TIMEOUT_S = 600.0  # at least this long for workers to start and load their share
 LAYER = re.compile(r"(?:^|\.)(?:layers|h)\.(\d+)\.")  # a decoder layer's parameter name
 
@@ -191,22 +192,33 @@ class Parallel:
     # -- the step plan, rank 0 to everyone ----------------------------------------------
     def broadcast_object(self, obj: Any) -> None:
         """Rank 0's side: workers wait for a plan without limit (an idle engine sends
-        none), but rank 0 gives up on a worker that does not take it (stopped, hung)."""
+        none), but rank 0 gives up on a worker that does not take it (stopped, hung).
+        One broadcast of a fixed-size message (length, then the pickle) per step; a
+        plan that does not fit sends its rest in a second one."""
         import torch.distributed as dist
 
         options = dist.BroadcastOptions()
         options.rootRank, options.timeout = 0, self.timeout
         data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-        self.control.broadcast([torch.tensor([len(data)], dtype=torch.int64)], options).wait()
-        payload = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        self.control.broadcast([payload], options).wait()
+        message = torch.zeros(CONTROL_BYTES, dtype=torch.uint8)
+        message[:8] = torch.tensor([len(data)], dtype=torch.int64).view(torch.uint8)
+        first = min(len(data), CONTROL_BYTES - 8)
+        message[8 : 8 + first] = torch.frombuffer(bytearray(data[:first]), dtype=torch.uint8)
+        self.control.broadcast([message], options).wait()
+        if len(data) > first:
+            rest = torch.frombuffer(bytearray(data[first:]), dtype=torch.uint8)
+            self.control.broadcast([rest], options).wait()
 
     def receive_object(self) -> Any:
-        size = torch.zeros(1, dtype=torch.int64)
-        self.control.broadcast(size, 0).wait()
-        payload = torch.empty(int(size), dtype=torch.uint8)
-        self.control.broadcast(payload, 0).wait()
-        return pickle.loads(payload.numpy().tobytes())
+        message = torch.empty(CONTROL_BYTES, dtype=torch.uint8)
+        self.control.broadcast(message, 0).wait()
+        size = int(message[:8].view(torch.int64))
+        data = message[8 : 8 + size].numpy().tobytes()
+        if size > CONTROL_BYTES - 8:
+            rest = torch.empty(size - (CONTROL_BYTES - 8), dtype=torch.uint8)
+            self.control.broadcast(rest, 0).wait()
+            data += rest.numpy().tobytes()
+        return pickle.loads(data)
 
 
 SINGLE = Parallel()

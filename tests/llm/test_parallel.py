@@ -83,6 +83,30 @@ def test_micro_batches_split_by_sequence_with_even_tokens():
         assert all(groups) and [x for g in groups for x in g] == even[:3]
 
 
+def test_step_plans_of_any_size_reach_the_workers():
+    """One fixed-size broadcast per step; a plan larger than it takes a second one."""
+    from concurrent.futures import ThreadPoolExecutor
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from bitserve.llm.parallel import CONTROL_BYTES, Parallel
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+
+    def rank(r: int) -> Parallel:
+        group = dist.ProcessGroupGloo(store, r, 2, timedelta(seconds=10))
+        return Parallel(control=group, timeout=timedelta(seconds=10))
+
+    plans = [None, [1, 2, 3], list(range(3 * CONTROL_BYTES)), {"x": "y" * (CONTROL_BYTES - 9)}]
+    with ThreadPoolExecutor(2) as pool:
+        root, worker = pool.map(rank, [0, 1])
+        received = pool.submit(lambda: [worker.receive_object() for _ in plans])
+        for plan in plans:
+            root.broadcast_object(plan)
+        assert received.result(timeout=30) == plans
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
