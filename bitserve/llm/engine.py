@@ -7,6 +7,7 @@ budget, the model runner computes them in one flattened batch, and the outputs
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import time
@@ -27,7 +28,7 @@ from bitserve.llm.sampler import Sampler
 from bitserve.llm.sampling_params import SamplingParams
 from bitserve.llm.scheduler import Scheduler, SchedulerOutput
 from bitserve.llm.sequence import Sequence, SequenceStatus
-from bitserve.llm.workers import Workers
+from bitserve.llm.workers import WorkerDied, Workers
 
 Prompt = str | list[int]
 
@@ -232,7 +233,6 @@ class LLMEngine:
     def metrics(self) -> EngineMetrics:
         bm = self.block_manager
         allocated, used = kv_slots(self.scheduler.running, bm.block_size)
-        tokens_per_expert = getattr(self.runner.model, "tokens_per_expert", None)
         return EngineMetrics(
             num_requests_running=len(self.scheduler.running),
             num_requests_waiting=len(self.scheduler.waiting),
@@ -247,8 +247,22 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions,
             prompt_tokens_total=self.prompt_tokens_total,
             generation_tokens_total=self.generation_tokens_total,
-            tokens_per_expert=tokens_per_expert() if tokens_per_expert else [],
+            tokens_per_expert=self.tokens_per_expert(),
         )
+
+    def tokens_per_expert(self) -> list[int]:
+        """The MoE load metric; with workers, asked of them (a failed worker: empty)."""
+        if self.workers is None:
+            return self.runner.tokens_per_expert()
+        try:
+            self.workers.check()
+            return self.runner.tokens_per_expert()
+        except WorkerDied:  # the next step reports the failure; a metric does not
+            return []
+        except Exception as error:  # a collective failed: the group is not to be trusted
+            with contextlib.suppress(WorkerDied):
+                self.workers.fail(error)
+            return []
 
 
 class LLM:

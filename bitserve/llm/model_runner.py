@@ -68,6 +68,8 @@ class StepInput:
     # (request_id, first position predicted, rows) for prompt logprobs
 
 
+EXPERT_COUNTS = "tokens_per_expert"  # rank 0's request for the MoE load metric
+EXPERT_TAG = 1 << 20  # its messages' tag, apart from the micro-batches' 0, 1, ...
 Logits = tuple[torch.Tensor | None, dict[str, tuple[int, torch.Tensor]]]
 
 
@@ -251,6 +253,29 @@ class ModelRunner:
         if par.pp_size > 1:
             results = self.logits_to_rank0(steps, results)
         return results
+
+    # -- the per-expert load metric ---------------------------------------------------
+    def tokens_per_expert(self) -> list[int]:
+        """Rank 0: tokens routed to each expert over all layers (empty for a dense model).
+        Each stage counts its own layers; under pipeline parallelism rank 0 asks every
+        other stage's TP rank 0 for its counts (TP ranks route alike: one is enough)."""
+        counts = getattr(self.model, "tokens_per_expert", None)
+        if counts is None:
+            return []
+        total = torch.tensor(counts(), dtype=torch.int64)
+        if self.parallel.pp_size > 1:
+            self.parallel.broadcast_object(EXPERT_COUNTS)
+            for stage in range(1, self.parallel.pp_size):
+                src = stage * self.parallel.tp.size
+                total += self.parallel.recv(torch.zeros_like(total), src, EXPERT_TAG)
+        return total.tolist()
+
+    def send_tokens_per_expert(self) -> None:
+        """A worker's side of `tokens_per_expert`."""
+        par = self.parallel
+        if par.tp.rank == 0 and par.rank != 0:
+            counts = torch.tensor(self.model.tokens_per_expert(), dtype=torch.int64)
+            par.send(counts, 0, EXPERT_TAG).wait()
 
     def compute_logits(self, hidden: torch.Tensor, step: StepInput) -> Logits:
         logits = None

@@ -53,7 +53,7 @@ def worker_main(config: EngineConfig, rank: int, host: str, port: int, threads: 
     """A worker rank: connect, load this rank's share of the model, run steps until None."""
     import torch.distributed as dist
 
-    from bitserve.llm.model_runner import ModelRunner
+    from bitserve.llm.model_runner import EXPERT_COUNTS, ModelRunner
 
     torch.set_num_threads(threads)
     timeout = timedelta(seconds=config.startup_timeout_s)
@@ -66,8 +66,11 @@ def worker_main(config: EngineConfig, rank: int, host: str, port: int, threads: 
             torch.cuda.set_device(index)
         parallel = init_parallel(config, rank, store)
         runner = ModelRunner(config, parallel)
-        while (steps := parallel.receive_object()) is not None:
-            runner.run(steps)
+        while (message := parallel.receive_object()) is not None:
+            if message == EXPERT_COUNTS:
+                runner.send_tokens_per_expert()
+            else:
+                runner.run(message)
     except BaseException:
         with contextlib.suppress(Exception):  # rank 0 gone with its store: nobody to tell
             store.set(f"error/{rank}", traceback.format_exc())

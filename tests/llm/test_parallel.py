@@ -52,14 +52,15 @@ def run_paths(engine) -> list[list[int]]:
     return outputs
 
 
-_single: dict[str, list[list[int]]] = {}
+_single: dict[str, tuple[list[list[int]], list[int]]] = {}
 
 
-def single_process(model_dirs, name) -> list[list[int]]:
+def single_process(model_dirs, name, counts: bool = False):
+    """The one-process engine's tokens (and, with `counts`, its per-expert load)."""
     if name not in _single:
         engine = LLMEngine(model_dirs[name], **ENGINE)
-        _single[name] = run_paths(engine)
-    return _single[name]
+        _single[name] = run_paths(engine), engine.metrics().tokens_per_expert
+    return _single[name] if counts else _single[name][0]
 
 
 # -- the split ---------------------------------------------------------------------------
@@ -148,7 +149,8 @@ def test_tensor_parallel_2_matches_one_process(model_dirs, parallel_engine, name
     engine = parallel_engine(model_dirs[name], tensor_parallel_size=2, **ENGINE)
     attn = engine.runner.attentions[0]
     assert attn.num_heads == 2 and attn.kv_cache[0].shape[0] == attn.num_kv_heads
-    assert run_paths(engine) == single_process(model_dirs, name)
+    outputs = run_paths(engine)
+    assert (outputs, engine.metrics().tokens_per_expert) == single_process(model_dirs, name, True)
     assert engine.scheduler.num_preemptions > 0
 
 
@@ -156,7 +158,8 @@ def test_tensor_parallel_2_matches_one_process(model_dirs, parallel_engine, name
 def test_pipeline_parallel_2_matches_one_process(model_dirs, parallel_engine, name):
     engine = parallel_engine(model_dirs[name], pipeline_parallel_size=2, **ENGINE)
     assert len(engine.runner.attentions) == 1  # stage 0 holds layer 0 and its KV only
-    assert run_paths(engine) == single_process(model_dirs, name)
+    outputs = run_paths(engine)  # the expert counts: both stages' layers, summed on rank 0
+    assert (outputs, engine.metrics().tokens_per_expert) == single_process(model_dirs, name, True)
 
 
 def test_pipeline_sends_prompt_logprobs_back_to_rank0(llama_dir, parallel_engine):
