@@ -157,6 +157,13 @@ def bench_point(url: str, args: argparse.Namespace, report_dir: Path) -> dict:
     return json.loads((report_dir / "result.json").read_text())["points"][0]
 
 
+def busy(point: dict, replicas: int) -> float:
+    """The share of the run each replica held a batch (router's view, Ray's hop included)."""
+    server = point.get("server") or {}
+    held_s = (server.get("batches") or 0) * (server.get("mean_compute_ms") or 0) / 1e3
+    return held_s / max(point["duration_s"], 1e-9) / replicas
+
+
 def thread_env() -> dict:
     return dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
 
@@ -209,13 +216,19 @@ def main() -> None:
     one, two = (points[n]["request_throughput"] for n in (1, 2))
     ratio = two / one
     print()
-    print(f"{'replicas':>8} {'req/s':>8} {'x ceiling':>10} {'p50 ms':>8} {'p99 ms':>8}")
+    print(
+        f"{'replicas':>8} {'req/s':>8} {'x ceiling':>10} {'p50 ms':>8} {'p99 ms':>8} "
+        f"{'batch':>6} {'busy':>6}"
+    )
     for n, point in points.items():
         rate = point["request_throughput"]
+        server = point.get("server") or {}
         print(
             f"{n:>8} {rate:>8.1f} {rate / per_core:>10.2f} "
-            f"{point['e2el']['median_ms']:>8.1f} {point['e2el']['p99_ms']:>8.1f}"
+            f"{point['e2el']['median_ms']:>8.1f} {point['e2el']['p99_ms']:>8.1f} "
+            f"{server.get('mean_batch_size') or 0:>6.1f} {busy(point, n):>6.0%}"
         )
+    print("busy: the share of the run each replica held a batch, as the router saw it")
     verdict = "pass" if ratio >= GOAL else "FAIL"
     print(f"\nscaling 2 vs 1 replicas: {ratio:.2f}x (goal >= {GOAL}x): {verdict}")
     print(
@@ -242,6 +255,7 @@ def main() -> None:
                 "p99_ms": p["e2el"]["p99_ms"],
                 "completed": p["completed"],
                 "failed": p["failed"],
+                "replica_busy": busy(p, n),
                 "server": p.get("server"),
             }
             for n, p in points.items()
