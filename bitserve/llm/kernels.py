@@ -371,19 +371,27 @@ def cache_dir() -> Path:
     return Path(root) if root else Path.home() / ".cache" / "bitserve" / "kernels"
 
 
-def build(compiler: str) -> Path:
-    """Compile SOURCE into a cached shared object (atomic rename: safe across processes)."""
+def compiler() -> str | None:
+    """The C compiler to build with; None without one or with BITSERVE_NO_KERNELS=1."""
+    if os.environ.get("BITSERVE_NO_KERNELS") == "1":
+        return None
+    return os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+
+
+def build(compiler: str, source: str = SOURCE, name: str = "llm") -> Path:
+    """Compile `source` into a cached shared object (atomic rename: safe across
+    processes), keyed by the source, the flags, the compiler and the CPU."""
     key = hashlib.sha256(
-        "\0".join([SOURCE, *COMPILE_FLAGS, *FAST_MATH, compiler, cpu_signature()]).encode()
+        "\0".join([source, *COMPILE_FLAGS, *FAST_MATH, compiler, cpu_signature()]).encode()
     ).hexdigest()[:16]
     folder = cache_dir()
-    target = folder / f"bitserve_llm_{key}.so"
+    target = folder / f"bitserve_{name}_{key}.so"
     if target.is_file():
         return target
     folder.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=folder) as tmp:
         src, obj, lib = Path(tmp) / "k.c", Path(tmp) / "k.o", Path(tmp) / "k.so"
-        src.write_text(SOURCE)
+        src.write_text(source)
         run = dict(check=True, capture_output=True, timeout=120)
         subprocess.run(
             [compiler, *COMPILE_FLAGS, *FAST_MATH, "-c", str(src), "-o", str(obj)], **run
@@ -516,10 +524,9 @@ def get() -> Kernels | None:
     global _kernels
     if _kernels is False:
         _kernels = None
-        compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
-        if os.environ.get("BITSERVE_NO_KERNELS") != "1" and compiler:
+        if cc := compiler():
             try:
-                _kernels = Kernels(build(compiler))
+                _kernels = Kernels(build(cc))
             except (OSError, subprocess.SubprocessError):
                 _kernels = None
     return _kernels

@@ -31,11 +31,7 @@ quantized layers use torch's kernels.
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
-import shutil
 import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
@@ -456,32 +452,6 @@ def source() -> str:
     return llm_kernels.SOURCE + Q_SOURCE
 
 
-def build(compiler: str) -> Path:
-    """Compile into a cached shared object, as bitserve/llm/kernels.py does."""
-    flags = [*llm_kernels.COMPILE_FLAGS, *llm_kernels.FAST_MATH]
-    text = source()
-    key = hashlib.sha256(
-        "\0".join([text, *flags, compiler, llm_kernels.cpu_signature()]).encode()
-    ).hexdigest()[:16]
-    folder = llm_kernels.cache_dir()
-    target = folder / f"bitserve_quant_{key}.so"
-    if target.is_file():
-        return target
-    folder.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=folder) as tmp:
-        src, obj, lib = Path(tmp) / "q.c", Path(tmp) / "q.o", Path(tmp) / "q.so"
-        src.write_text(text)
-        run = dict(check=True, capture_output=True, timeout=120)
-        subprocess.run([compiler, *flags, "-c", str(src), "-o", str(obj)], **run)
-        link = [compiler, "-shared", str(obj), "-o", str(lib)]
-        try:
-            subprocess.run([*link, "-lmvec", "-lm"], **run)
-        except subprocess.CalledProcessError:
-            subprocess.run([*link, "-lm"], **run)
-        os.replace(lib, target)
-    return target
-
-
 def ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
@@ -540,10 +510,9 @@ def get() -> QuantKernels | None:
     global _kernels
     if _kernels is False:
         _kernels = None
-        compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
-        if os.environ.get("BITSERVE_NO_KERNELS") != "1" and compiler:
-            try:
-                _kernels = QuantKernels(build(compiler))
+        if cc := llm_kernels.compiler():
+            try:  # the engine's kernels and these, in one library
+                _kernels = QuantKernels(llm_kernels.build(cc, source(), "quant"))
             except (OSError, subprocess.SubprocessError):
                 _kernels = None
     return _kernels
