@@ -3,6 +3,11 @@
 One decoder: RMSNorm -> attention (fused qkv, RoPE) -> RMSNorm -> SwiGLU MLP (fused
 gate/up). Checkpoint tensors `q_proj/k_proj/v_proj` and `gate_proj/up_proj` are copied
 into slices of the fused weights at load time.
+
+Under tensor parallelism each checkpoint tensor is cut to this rank's share on the
+way in (q, k, v by heads, gate and up by columns, o_proj and down_proj by input
+columns); under pipeline parallelism the model holds only its stage's layers
+(`parallel.py`).
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from torch import nn
 from bitserve.llm import kernels
 from bitserve.llm.attention import AttentionMetadata
 from bitserve.llm.models.layers import (
+    NO_TP,
     SMALL_M,
     Attention,
     Linear,
@@ -23,6 +29,13 @@ from bitserve.llm.models.layers import (
     RotaryEmbedding,
     load_packed,
     use_kernel,
+)
+from bitserve.llm.parallel import (
+    SINGLE,
+    Parallel,
+    StageMissing,
+    TensorParallel,
+    on_other_stage,
 )
 
 PACKED = {
@@ -32,18 +45,23 @@ PACKED = {
     "gate_proj": ("gate_up_proj", 0),
     "up_proj": ("gate_up_proj", 1),
 }
+ROW_PARALLEL = ("o_proj.weight", "down_proj.weight")  # split along the input dim
+ROW_PARALLEL_BIAS = ("o_proj.bias",)  # kept on TP rank 0 only
 
 
 class MLP(nn.Module):
-    def __init__(self, hidden: int, intermediate: int):
+    """SwiGLU; under TP `gate_up_proj` is column- and `down_proj` row-parallel."""
+
+    def __init__(self, hidden: int, intermediate: int, tp: TensorParallel = NO_TP):
         super().__init__()
-        self.intermediate = intermediate
-        self.gate_up_proj = Linear(hidden, 2 * intermediate, bias=False)
-        self.down_proj = Linear(intermediate, hidden, bias=False)
+        self.tp = tp
+        self.intermediate = intermediate // tp.size
+        self.gate_up_proj = Linear(hidden, 2 * self.intermediate, bias=False)
+        self.down_proj = Linear(self.intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.tp.all_reduce(self.down_proj(F.silu(gate) * up))
 
 
 def attention_shape(hf: dict[str, Any]) -> tuple[int, int, int]:
@@ -54,16 +72,18 @@ def attention_shape(hf: dict[str, Any]) -> tuple[int, int, int]:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, hf: dict[str, Any], qkv_bias: bool, o_bias: bool):
+    def __init__(self, hf: dict[str, Any], qkv_bias: bool, o_bias: bool, tp: TensorParallel):
         super().__init__()
         hidden, eps = hf["hidden_size"], hf.get("rms_norm_eps", 1e-6)
-        self.self_attn = Attention(hidden, *attention_shape(hf), bias=qkv_bias, o_bias=o_bias)
+        self.self_attn = Attention(
+            hidden, *attention_shape(hf), bias=qkv_bias, o_bias=o_bias, tp=tp
+        )
         self.input_layernorm = RMSNorm(hidden, eps)
         self.post_attention_layernorm = RMSNorm(hidden, eps)
-        self.mlp = self.make_mlp(hf)
+        self.mlp = self.make_mlp(hf, tp)
 
-    def make_mlp(self, hf: dict[str, Any]) -> nn.Module:
-        return MLP(hf["hidden_size"], hf["intermediate_size"])
+    def make_mlp(self, hf: dict[str, Any], tp: TensorParallel) -> nn.Module:
+        return MLP(hf["hidden_size"], hf["intermediate_size"], tp)
 
     def forward(self, x, positions, meta: AttentionMetadata, rotary) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), positions, meta, rotary)
@@ -77,37 +97,53 @@ class LlamaForCausalLM(nn.Module):
     qkv_bias = False  # default when config.json has no attention_bias
     o_proj_bias = True  # Llama's attention_bias covers o_proj too
 
-    def __init__(self, hf: dict[str, Any], max_model_len: int):
+    def __init__(self, hf: dict[str, Any], max_model_len: int, parallel: Parallel = SINGLE):
         super().__init__()
         self.hf = hf
+        self.parallel = parallel
         qkv_bias = hf.get("attention_bias", self.qkv_bias)
         o_bias = qkv_bias and self.o_proj_bias
-        self.embed_tokens = nn.Embedding(hf["vocab_size"], hf["hidden_size"])
-        self.layers = nn.ModuleList(
-            self.layer_class(hf, qkv_bias, o_bias) for _ in range(hf["num_hidden_layers"])
-        )
-        self.norm = RMSNorm(hf["hidden_size"], hf.get("rms_norm_eps", 1e-6))
+        hidden, vocab = hf["hidden_size"], hf["vocab_size"]
         self.tie_word_embeddings = bool(hf.get("tie_word_embeddings", False))
-        self.lm_head = Linear(hf["hidden_size"], hf["vocab_size"], bias=False)
+        first, last = parallel.is_first_stage, parallel.is_last_stage
+        # the last stage holds the embedding too when the LM head is tied to it
+        has_embedding = first or (last and self.tie_word_embeddings)
+        self.embed_tokens = nn.Embedding(vocab, hidden) if has_embedding else None
+        self.stage = parallel.layers(hf["num_hidden_layers"])
+        self.layers = nn.ModuleList(
+            self.layer_class(hf, qkv_bias, o_bias, parallel.tp)
+            if i in self.stage
+            else StageMissing()
+            for i in range(hf["num_hidden_layers"])
+        )
+        self.norm = RMSNorm(hidden, hf.get("rms_norm_eps", 1e-6)) if last else None
+        self.lm_head = Linear(hidden, vocab, bias=False) if last else None
         self.tie_weights()
         _, _, head_dim = attention_shape(hf)
         self.rotary = RotaryEmbedding(hf, head_dim, max_model_len)
 
     def tie_weights(self) -> None:
-        if self.tie_word_embeddings:
+        if self.tie_word_embeddings and self.lm_head is not None:
             self.lm_head.weight = self.embed_tokens.weight
 
     @property
-    def attentions(self) -> list[Attention]:
-        return [layer.self_attn for layer in self.layers]
+    def local_layers(self) -> list[DecoderLayer]:
+        """The layers of this pipeline stage (all of them without pipeline parallelism)."""
+        return [self.layers[i] for i in self.stage]
 
-    def forward(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
+    @property
+    def attentions(self) -> list[Attention]:
+        return [layer.self_attn for layer in self.local_layers]
+
+    def forward(self, input_ids, positions, meta: AttentionMetadata, hidden=None) -> torch.Tensor:
+        """`hidden`: the previous stage's output (pipeline parallelism), else None."""
+        x = self.embed_tokens(input_ids) if hidden is None else hidden
         if self.can_fuse_decode(x, meta):
-            return self.fused_decode(x, positions, meta)
-        for layer in self.layers:
-            x = layer(x, positions, meta, self.rotary)
-        return self.norm(x)
+            x = self.fused_decode(x, positions, meta)
+        else:
+            for layer in self.local_layers:
+                x = layer(x, positions, meta, self.rotary)
+        return self.norm(x) if self.norm is not None else x
 
     # -- small decode steps: one C call per layer (kernels.py) --------------------------
     def can_fuse_decode(self, x: torch.Tensor, meta: AttentionMetadata) -> bool:
@@ -121,6 +157,7 @@ class LlamaForCausalLM(nn.Module):
             and x.dtype is torch.float32
             and x.is_cpu
             and not torch.is_grad_enabled()
+            and self.parallel.tp.size == 1  # the all-reduces sit inside the layer
             and self.fusable()
             and kernels.get() is not None
         )
@@ -129,7 +166,7 @@ class LlamaForCausalLM(nn.Module):
         if not hasattr(self, "_fusable"):
             _, _, head_dim = attention_shape(self.hf)
             self._fusable = (
-                all(type(layer.mlp) is MLP for layer in self.layers)
+                all(type(layer.mlp) is MLP for layer in self.local_layers)
                 and self.rotary.cos.shape[-1] == head_dim
             )
         return self._fusable
@@ -143,11 +180,11 @@ class LlamaForCausalLM(nn.Module):
         key = (
             self.rotary.cos,
             self.rotary.sin,
-            *(layer.self_attn.kv_cache for layer in self.layers),
+            *(attn.kv_cache for attn in self.attentions),
         )
         old = getattr(self, "_params_key", ())
         if len(old) != len(key) or any(a is not b for a, b in zip(old, key, strict=True)):
-            self._params = [self.c_params(layer) for layer in self.layers]
+            self._params = [self.c_params(layer) for layer in self.local_layers]
             self._params_key = key
         return self._params
 
@@ -184,16 +221,16 @@ class LlamaForCausalLM(nn.Module):
 
     def fused_decode(self, x, positions, meta: AttentionMetadata) -> torch.Tensor:
         k = kernels.get()
-        attn = self.layers[0].self_attn
+        attn = self.attentions[0]
         per_row = 2 * self.hf["hidden_size"] + 2 * (attn.q_size + attn.kv_size)
-        per_row += 3 * self.layers[0].mlp.intermediate
+        per_row += 3 * self.local_layers[0].mlp.intermediate
         scratch = getattr(self, "_scratch", None)
         if scratch is None or scratch.numel() < per_row * x.shape[0]:
             scratch = self._scratch = torch.empty(per_row * max(SMALL_M, x.shape[0]))
         x = x.contiguous()
         for params in self.layer_params():
             k.llama_decode_layer(params, x, positions, meta.slot_mapping, meta.decode, scratch)
-        return self.norm(x)
+        return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
@@ -206,14 +243,24 @@ class LlamaForCausalLM(nn.Module):
                 return name.replace(part, fused), shard
         return name, None
 
+    def elsewhere(self, target: str) -> bool:
+        """Whether a parameter lives on another pipeline stage (so it is not loaded here)."""
+        return on_other_stage(target, self.stage, self.parallel.pp_size)
+
     def load_weight(self, params: dict[str, nn.Parameter], name: str, tensor: torch.Tensor):
         if name == "lm_head.weight" and self.tie_word_embeddings:
             return
         target, shard = self.parameter_for(name)
         if target not in params:
+            if self.elsewhere(target):
+                return
             raise KeyError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
-        param = params[target]
+        param, tp = params[target], self.parallel.tp
         if shard is None:
+            if target.endswith(ROW_PARALLEL):
+                tensor = tp.shard(tensor, 1)
+            elif target.endswith(ROW_PARALLEL_BIAS):
+                tensor = tp.row_bias(tensor)
             param.data.copy_(tensor)
             return
         heads, kv_heads, head_dim = attention_shape(self.hf)
@@ -221,7 +268,8 @@ class LlamaForCausalLM(nn.Module):
             sizes = [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
         else:
             sizes = [self.hf["intermediate_size"]] * 2
-        load_packed(param, tensor, shard, sizes)
+        # column-parallel: this rank's heads of q, k or v; its columns of gate or up
+        load_packed(param, tp.shard(tensor, 0), shard, [size // tp.size for size in sizes])
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
