@@ -11,8 +11,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import pickle
+import queue
 import signal
 import time
+import types
 
 import pytest
 import torch
@@ -84,28 +87,31 @@ def test_micro_batches_split_by_sequence_with_even_tokens():
         assert all(groups) and [x for g in groups for x in g] == even[:3]
 
 
+class LoopbackGroup:
+    """A control group whose broadcasts go through a queue: root's in, worker's out."""
+
+    def __init__(self):
+        self.queue: queue.Queue = queue.Queue()
+
+    def broadcast(self, tensors, options_or_root):
+        if isinstance(tensors, list):  # the root's form: [tensor], BroadcastOptions
+            self.queue.put(tensors[0].clone())
+        else:  # a worker's form: tensor, root
+            tensors.copy_(self.queue.get(timeout=10))
+        return types.SimpleNamespace(wait=lambda: None)
+
+
 def test_step_plans_of_any_size_reach_the_workers():
     """One fixed-size broadcast per step; a plan larger than it takes a second one."""
-    from concurrent.futures import ThreadPoolExecutor
-    from datetime import timedelta
-
-    import torch.distributed as dist
-
     from bitserve.llm.parallel import CONTROL_BYTES, Parallel
 
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-
-    def rank(r: int) -> Parallel:
-        group = dist.ProcessGroupGloo(store, r, 2, timedelta(seconds=10))
-        return Parallel(control=group, timeout=timedelta(seconds=10))
-
+    channel = Parallel(control=LoopbackGroup())
     plans = [None, [1, 2, 3], list(range(3 * CONTROL_BYTES)), {"x": "y" * (CONTROL_BYTES - 9)}]
-    with ThreadPoolExecutor(2) as pool:
-        root, worker = pool.map(rank, [0, 1])
-        received = pool.submit(lambda: [worker.receive_object() for _ in plans])
-        for plan in plans:
-            root.broadcast_object(plan)
-        assert received.result(timeout=30) == plans
+    for plan in plans:
+        channel.broadcast_object(plan)
+        fits = len(pickle.dumps(plan, protocol=pickle.HIGHEST_PROTOCOL)) <= CONTROL_BYTES - 8
+        assert channel.control.queue.qsize() == (1 if fits else 2)
+        assert channel.receive_object() == plan
 
 
 @pytest.mark.parametrize(
