@@ -20,10 +20,10 @@ import types
 import pytest
 import torch
 
-from bitserve.llm import LLM, SamplingParams
+from bitserve.llm import LLM, SamplingParams, model_runner
 from bitserve.llm.config import EngineConfig
 from bitserve.llm.engine import LLMEngine
-from bitserve.llm.model_runner import split_micro_batches
+from bitserve.llm.model_runner import micro_batch_count, split_micro_batches
 from bitserve.llm.parallel import stage_layers
 from bitserve.llm.workers import WorkerDied
 from tests.llm.conftest import _engines
@@ -73,6 +73,21 @@ def test_stages_are_contiguous_and_balanced():
     assert [stage_layers(5, r, 2) for r in range(2)] == [range(0, 2), range(2, 5)]
     assert [len(stage_layers(32, r, 3)) for r in range(3)] == [10, 11, 11]
     assert [stage_layers(2, r, 2) for r in range(2)] == [range(0, 1), range(1, 2)]
+
+
+def test_only_compute_bound_steps_are_cut_into_micro_batches():
+    from bitserve.llm.model_runner import MICRO_BATCH_MIN_TOKENS as MIN
+
+    assert micro_batch_count(8, 2) == 1  # a decode step: one pass over the weights
+    assert micro_batch_count(2 * MIN - 1, 2) == 1
+    assert micro_batch_count(2 * MIN, 2) == 2
+    assert micro_batch_count(100 * MIN, 4) == 4
+
+
+@pytest.fixture
+def every_step_micro_batched(monkeypatch):
+    """Cut even the tiny test models' steps (rank 0 plans, the workers follow)."""
+    monkeypatch.setattr(model_runner, "MICRO_BATCH_MIN_TOKENS", 1)
 
 
 def test_micro_batches_split_by_sequence_with_even_tokens():
@@ -161,14 +176,18 @@ def test_tensor_parallel_2_matches_one_process(model_dirs, parallel_engine, name
 
 
 @pytest.mark.parametrize("name", MODELS)
-def test_pipeline_parallel_2_matches_one_process(model_dirs, parallel_engine, name):
+def test_pipeline_parallel_2_matches_one_process(
+    model_dirs, parallel_engine, every_step_micro_batched, name
+):
     engine = parallel_engine(model_dirs[name], pipeline_parallel_size=2, **ENGINE)
     assert len(engine.runner.attentions) == 1  # stage 0 holds layer 0 and its KV only
     outputs = run_paths(engine)  # the expert counts: both stages' layers, summed on rank 0
     assert (outputs, engine.metrics().tokens_per_expert) == single_process(model_dirs, name, True)
 
 
-def test_pipeline_sends_prompt_logprobs_back_to_rank0(llama_dir, parallel_engine):
+def test_pipeline_sends_prompt_logprobs_back_to_rank0(
+    llama_dir, parallel_engine, every_step_micro_batched
+):
     params = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=2, logprobs=2)
     prompts = MIXED[1:4]
 
@@ -190,7 +209,9 @@ def test_pipeline_sends_prompt_logprobs_back_to_rank0(llama_dir, parallel_engine
 
 
 @pytest.mark.parametrize("name", ["llama", pytest.param("mixtral", marks=pytest.mark.slow)])
-def test_tensor_2_by_pipeline_2_matches_one_process(model_dirs, parallel_engine, name):
+def test_tensor_2_by_pipeline_2_matches_one_process(
+    model_dirs, parallel_engine, every_step_micro_batched, name
+):
     engine = parallel_engine(
         model_dirs[name], tensor_parallel_size=2, pipeline_parallel_size=2, **ENGINE
     )
