@@ -72,7 +72,7 @@ class EngineConfig:
     model: str | Path | None = None
     dtype: str = "float32"
     block_size: int = 16
-    kv_cache_memory: int | None = None  # bytes; None: a share of available memory
+    kv_cache_memory: int | None = None  # bytes (per rank); None: a share of available memory
     num_kv_blocks: int | None = None  # overrides kv_cache_memory (tests, benchmarks)
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
@@ -124,6 +124,8 @@ class EngineConfig:
         self.check_parallel()
         if self.kv_cache_memory is None and self.num_kv_blocks is None:
             self.kv_cache_memory = default_kv_cache_memory(self.device)
+            if self.on_cpu:  # the ranks share this host's memory (a GPU each has its own)
+                self.kv_cache_memory //= self.world_size
 
     def check_parallel(self) -> None:
         check_parallel(self.hf_config, self.tensor_parallel_size, self.pipeline_parallel_size)

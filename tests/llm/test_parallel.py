@@ -150,6 +150,12 @@ def test_a_split_the_model_cannot_take_is_refused_by_name(llama_dir, kwargs, mes
         LLM(llama_dir, num_kv_blocks=4, **kwargs)
 
 
+def test_the_default_kv_memory_is_shared_by_the_ranks_of_a_host(llama_dir):
+    one = EngineConfig(llama_dir, device="cpu").kv_cache_memory
+    four = EngineConfig(llama_dir, device="cpu", tensor_parallel_size=2, pipeline_parallel_size=2)
+    assert four.kv_cache_memory == pytest.approx(one / 4, rel=0.2)  # free memory moves
+
+
 def test_a_quantized_checkpoint_is_not_split():
     hf = {"num_attention_heads": 4, "quantization_config": {"method": "int8"}}
     with pytest.raises(ValueError, match="quantized checkpoint"):
