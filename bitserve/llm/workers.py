@@ -228,17 +228,19 @@ class Workers:
         self.launcher = RayWorkers(config) if ray else LocalWorkers(config)
         timeout = timedelta(seconds=config.startup_timeout_s)
         self.store = dist.TCPStore(
-            "0.0.0.0", 0, is_master=True, wait_for_workers=False, timeout=timeout
+            self.launcher.host, 0, is_master=True, wait_for_workers=False, timeout=timeout
         )
         self.stopped: str | None = None
-        self._finalizer = weakref.finalize(self, self.launcher.stop, 0.0)  # dropped: kill
+        # stops the workers at once, only once: on failure, or when the engine is dropped
+        self._kill = weakref.finalize(self, self.launcher.stop, 0.0)
         if not config.on_cpu:  # NCCL works on the current device
             torch.cuda.set_device(config.torch_device)
         try:
             self.launcher.start(self.store.port, torch.get_num_threads())
             self.wait_started()
             self.parallel: Parallel = init_parallel(config, 0, self.store)
-        except WorkerDied:
+        except WorkerDied:  # a placement that never came, a worker that died starting
+            self._kill()
             raise
         except BaseException as error:
             self.fail(error)
@@ -274,8 +276,7 @@ class Workers:
         world = f"tensor_parallel_size={self.config.tensor_parallel_size}, "
         world += f"pipeline_parallel_size={self.config.pipeline_parallel_size}"
         self.stopped = f"LLM engine workers ({world}) failed: " + "; ".join(lines)
-        self._finalizer.detach()
-        self.launcher.stop(grace=0)  # the group is broken: the others are of no use
+        self._kill()  # the group is broken: the other workers are of no use
         raise WorkerDied(self.stopped) from error
 
     def worker_error(self, rank: int) -> str:
@@ -298,5 +299,5 @@ class Workers:
             self.stopped = "the engine was shut down"
             with contextlib.suppress(Exception):  # a worker already gone: stop() ends the rest
                 self.parallel.broadcast_object(None)
-        if self._finalizer.detach() is not None:  # not stopped yet
+        if self._kill.detach() is not None:  # not stopped yet: let them leave
             self.launcher.stop()
