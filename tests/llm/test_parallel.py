@@ -3,7 +3,9 @@ engine, greedy tokens identical to one process, loud failures instead of hangs.
 
 Each parity test builds one parallel engine (a spawned worker group costs ~3 s) and
 runs several scheduling paths through it: a mixed batch with 32-token chunks and a
-pool small enough to preempt, then shared prefixes one after another.
+pool small enough to preempt, then shared prefixes one after another. Then: workers
+as Ray actors in a placement group, the server's async engine and a model's
+config.toml over workers, and workers killed or stopped mid-flight.
 """
 
 from __future__ import annotations
