@@ -130,7 +130,8 @@ class AsyncLLMEngine:
         self._stopped = True
         self._work.set()
         self._thread.join(timeout=10)
-        self.engine.shutdown()
+        # a step still running waits on the workers: kill them rather than talk over it
+        self.engine.shutdown(wait=not self._thread.is_alive())
 
 
 def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:

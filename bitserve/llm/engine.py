@@ -148,10 +148,15 @@ class LLMEngine:
             self.workers.fail(error)
         return self.update(batch, output)
 
-    def shutdown(self) -> None:
-        """Stop the worker processes of tensor/pipeline parallelism (nothing without)."""
-        if self.workers is not None:
+    def shutdown(self, wait: bool = True) -> None:
+        """Stop the worker processes of tensor/pipeline parallelism (nothing without).
+        `wait=False`: kill them at once (a step is stuck on them in another thread)."""
+        if self.workers is None:
+            return
+        if wait:
             self.workers.shutdown()
+        else:
+            self.workers.kill()
 
     def update(self, batch: SchedulerOutput, output: ModelOutput) -> list[RequestOutput]:
         for seq, num_new in batch.scheduled:

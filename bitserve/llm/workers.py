@@ -293,6 +293,11 @@ class Workers:
                 )
         return ""
 
+    def kill(self) -> None:
+        """Stop every worker now, without a word to them."""
+        self.stopped = self.stopped or "the engine was shut down"
+        self._kill()
+
     def shutdown(self) -> None:
         """Tell every worker to leave its loop, then wait for it (kill after a timeout)."""
         if self.stopped is None:

@@ -367,6 +367,28 @@ async def test_the_async_engine_streams_over_workers_and_fails_loudly(llama_dir)
     assert not worker.is_alive()
 
 
+@pytest.mark.slow  # the engine thread's join waits its 10 s first
+@pytest.mark.timeout(120)
+async def test_shutdown_with_a_step_stuck_on_a_hung_worker_kills_the_workers(llama_dir):
+    from bitserve.llm.async_engine import AsyncLLMEngine, EngineDead
+
+    engine = AsyncLLMEngine(
+        llama_dir, tensor_parallel_size=2, num_kv_blocks=64, distributed_timeout_s=60
+    )
+    worker = engine.engine.workers.launcher.procs[1]
+    os.kill(worker.pid, signal.SIGSTOP)
+    params = SamplingParams(temperature=0, max_tokens=4)
+    stuck = asyncio.ensure_future(collect_all(engine.generate(MIXED[0], params)))
+    await asyncio.sleep(1)
+    started = time.monotonic()
+    await asyncio.to_thread(engine.shutdown)
+    assert time.monotonic() - started < 20  # not the 60 s collective timeout
+    worker.join(timeout=10)
+    assert not worker.is_alive()
+    with pytest.raises(EngineDead):
+        await asyncio.wait_for(stuck, timeout=10)
+
+
 @pytest.mark.timeout(120)
 async def test_config_toml_parameters_split_a_served_model(llama_dir):
     """`tensor_parallel_size` in a model's config.toml reaches the engine; a lost
