@@ -348,6 +348,26 @@ void bs_llama_decode_layer(const LayerParams *p, float *x, long M, const long *p
     bs_linear_small(act, I, M, I, p->wdown, H, NULL, h);
     for (long i = 0; i < M * H; i++) x[i] = x[i] + h[i];
 }
+
+/* Prefill's elementwise steps in one pass each (torch makes 3-4 passes and temporaries):
+   out[m] = silu(gate[m]) * up[m] for gu [M, 2I] (gate | up), and RoPE in place on the
+   H heads of D at the start of each of T rows of x (row stride ld). */
+void bs_silu_mul(const float *gu, long M, long I, float *out) {
+    for (long m = 0; m < M; m++) {
+        const float *g = gu + m * 2 * I, *u = g + I;
+        float *o = out + m * I;
+#pragma omp simd
+        for (long i = 0; i < I; i++) o[i] = (g[i] / (1.f + expf(-g[i]))) * u[i];
+    }
+}
+
+void bs_rope_rows(float *x, long T, long ld, long H, long D, const long *positions,
+                  const float *cos, const float *sin) {
+    for (long t = 0; t < T; t++) {
+        const float *c = cos + positions[t] * D, *s = sin + positions[t] * D;
+        for (long h = 0; h < H; h++) rope(x + t * ld + h * D, c, s, D);
+    }
+}
 """
 
 COMPILE_FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp-simd", "-fPIC"]
@@ -430,6 +450,26 @@ class Kernels:
         self._layer = lib.bs_llama_decode_layer
         self._layer.argtypes = [ctypes.POINTER(LayerParams), p, i, p, p, p, p, i, p, p]
         self._layer.restype = None
+        self._silu_mul = lib.bs_silu_mul
+        self._silu_mul.argtypes = [p, i, i, p]
+        self._silu_mul.restype = None
+        self._rope = lib.bs_rope_rows
+        self._rope.argtypes = [p, i, i, i, i, p, p, p]
+        self._rope.restype = None
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """gate_up [M, 2I] contiguous fp32 (gate | up) -> silu(gate) * up, [M, I]."""
+        m, two_i = gate_up.shape
+        out = torch.empty(m, two_i // 2, dtype=torch.float32)
+        self._silu_mul(gate_up.data_ptr(), m, two_i // 2, out.data_ptr())
+        return out
+
+    def rope(self, x: torch.Tensor, positions: torch.Tensor, cos, sin) -> None:
+        """In place on x [T, H, D] fp32 (heads contiguous in a row, any row stride);
+        positions int64 [T] contiguous; cos, sin [max_len, D] contiguous fp32."""
+        t, h, d = x.shape
+        args = (x.data_ptr(), t, x.stride(0), h, d, positions.data_ptr())
+        self._rope(*args, cos.data_ptr(), sin.data_ptr())
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
         """x [M, K] fp32 with unit inner stride; weight [N, K] contiguous fp32."""

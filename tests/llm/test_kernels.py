@@ -35,6 +35,31 @@ def test_linear_matches_torch(rows, k, bias):
 
 
 @needs_kernels
+def test_silu_mul_and_rope_match_torch():
+    """Prefill's elementwise kernels against the torch arithmetic they replace."""
+    from bitserve.llm.models.layers import RotaryEmbedding
+
+    g = torch.Generator().manual_seed(2)
+    gate_up = torch.randn(7, 2 * 40, generator=g) * 4
+    gate, up = gate_up.split(40, dim=-1)
+    want = F.silu(gate) * up
+    torch.testing.assert_close(kernels.get().silu_mul(gate_up), want, rtol=1e-5, atol=1e-6)
+    rotary = RotaryEmbedding({"rope_theta": 10000.0}, head_dim=16, max_len=64)
+    qkv = torch.randn(5, (4 + 2 + 2) * 16, generator=g)
+    positions = torch.tensor([0, 3, 9, 31, 63])
+    q, k, _ = qkv.split([64, 32, 32], dim=-1)
+    q, k = q.view(5, 4, 16), k.view(5, 2, 16)
+    cos, sin = rotary.cos[positions].unsqueeze(1), rotary.sin[positions].unsqueeze(1)
+    want_q = q * cos + torch.cat((-q[..., 8:], q[..., :8]), dim=-1) * sin
+    want_k = k * cos + torch.cat((-k[..., 8:], k[..., :8]), dim=-1) * sin
+    with torch.no_grad():  # the C path, in place on the qkv views
+        got_q, got_k = rotary(positions, q, k)
+    assert got_q.data_ptr() == qkv.data_ptr()
+    torch.testing.assert_close(got_q, want_q, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got_k, want_k, rtol=1e-5, atol=1e-6)
+
+
+@needs_kernels
 def test_linear_in_row_blocks_matches_torch():
     """Many rows of a wide input: the kernel works in L2-sized row blocks (128 rows of
     1024 here) with a partial block and leftover rows at the end."""

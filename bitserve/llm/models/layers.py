@@ -124,10 +124,27 @@ class RotaryEmbedding(nn.Module):
         self.cos, self.sin = emb.cos().to(device), emb.sin().to(device)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """q: [T, Hq, D], k: [T, Hkv, D] -> rotated, in their dtype."""
+        """q: [T, Hq, D], k: [T, Hkv, D] -> rotated, in their dtype. On the CPU in fp32
+        the C kernel rotates them in place (they are fresh views of the qkv output)."""
+        if self.c_rope(q, k) and (kern := kernels.get()) is not None:
+            positions = positions.contiguous()
+            kern.rope(q, positions, self.cos, self.sin)
+            kern.rope(k, positions, self.cos, self.sin)
+            return q, k
         cos = self.cos[positions].unsqueeze(1).to(q.dtype)
         sin = self.sin[positions].unsqueeze(1).to(q.dtype)
         return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
+    def c_rope(self, q: torch.Tensor, k: torch.Tensor) -> bool:
+        return (
+            q.dtype is torch.float32
+            and k.dtype is torch.float32
+            and q.is_cpu
+            and not torch.is_grad_enabled()
+            and self.cos.shape[-1] == q.shape[-1]  # full-width rotary
+            and all(t.stride(-1) == 1 and t.stride(-2) == t.shape[-1] for t in (q, k))
+        )
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

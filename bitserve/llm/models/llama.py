@@ -49,6 +49,13 @@ ROW_PARALLEL = ("o_proj.weight", "down_proj.weight")  # split along the input di
 ROW_PARALLEL_BIAS = ("o_proj.bias",)  # kept on TP rank 0 only
 
 
+def c_elementwise(x: torch.Tensor) -> bool:
+    """Whether the C elementwise kernels can take x (fp32, CPU, contiguous, no grad)."""
+    return (
+        x.dtype is torch.float32 and x.is_cpu and x.is_contiguous() and not torch.is_grad_enabled()
+    )
+
+
 class MLP(nn.Module):
     """SwiGLU; under TP `gate_up_proj` is column- and `down_proj` row-parallel."""
 
@@ -60,7 +67,10 @@ class MLP(nn.Module):
         self.down_proj = Linear(self.intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if c_elementwise(gate_up) and (k := kernels.get()) is not None:
+            return self.tp.all_reduce(self.down_proj(k.silu_mul(gate_up)))  # one pass
+        gate, up = gate_up.split(self.intermediate, dim=-1)
         return self.tp.all_reduce(self.down_proj(F.silu(gate) * up))
 
 
