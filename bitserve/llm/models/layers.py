@@ -135,7 +135,6 @@ class RotaryEmbedding(nn.Module):
         sin = self.sin[positions].unsqueeze(1).to(q.dtype)
         return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
 
-
     def c_rope(self, q: torch.Tensor, k: torch.Tensor) -> bool:
         return (
             q.dtype is torch.float32
