@@ -93,11 +93,42 @@ class InstanceGroup(_Strict):
     # torch / onnxruntime intra-op threads per instance; 0 leaves the library default.
     threads: Annotated[int, Field(ge=0)] = 0
     # "thread": the model runs on a thread of the server (no copies). "process": in a
-    # child process, so a crash or a kill takes down only that instance.
-    isolation: Literal["thread", "process"] = "thread"
+    # child process, so a crash or a kill takes down only that instance. "ray": each
+    # instance is a data-parallel replica in a Ray actor, anywhere on the cluster that
+    # `bitserve serve --ray ADDRESS` joins (bitserve/repository/replica.py).
+    isolation: Literal["thread", "process", "ray"] = "thread"
     # A batch running longer than this marks the instance wedged: liveness fails and
     # the instance is restarted. 0 disables the check.
     execution_timeout_ms: Annotated[float, Field(ge=0)] = 60_000
+    # Ray resources of each replica (isolation = "ray" only), as in Ray's
+    # `ray_actor_options`. num_gpus defaults to 1 when kind = "gpu".
+    num_cpus: Annotated[float, Field(ge=0)] | None = None
+    num_gpus: Annotated[float, Field(ge=0)] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _kind_is_a_device(cls, raw: Any) -> Any:
+        if isinstance(raw, dict) and raw.get("kind") == "ray":
+            raise ValueError(
+                'kind is the device (cpu, gpu, auto); for Ray replicas set isolation = "ray"'
+            )
+        return raw
+
+    @model_validator(mode="after")
+    def _check(self) -> InstanceGroup:
+        ray_only = [k for k in ("num_cpus", "num_gpus") if getattr(self, k) is not None]
+        if ray_only and self.isolation != "ray":
+            raise ValueError(
+                f'{" and ".join(ray_only)}: Ray resources, only with isolation = "ray"'
+            )
+        if self.kind == "cpu" and self.num_gpus:
+            raise ValueError('kind = "cpu" with num_gpus > 0: choose one')
+        return self
+
+    def ray_resources(self) -> dict[str, float]:
+        """Each replica's Ray resources: 1 CPU unless given, a GPU when kind = "gpu"."""
+        gpus = self.num_gpus if self.num_gpus is not None else (1.0 if self.kind == "gpu" else 0.0)
+        return {"num_cpus": 1.0 if self.num_cpus is None else self.num_cpus, "num_gpus": gpus}
 
 
 class VersionPolicy(_Strict):
@@ -137,6 +168,71 @@ class Warmup(_Strict):
     inputs: dict[str, WarmupInput]
 
 
+class RollbackRule(_Strict):
+    """The automatic rollback: the canary's weight drops to 0 when its error rate or its
+    p99 latency is significantly worse than stable's. Checked every `check_every` canary
+    requests once both versions have `min_requests`; each check spends part of `alpha`
+    (alpha * 6 / (pi^2 k^2) at the k-th), so repeated looks keep the false rollback rate
+    at most `alpha`."""
+
+    enabled: bool = True
+    alpha: Annotated[float, Field(gt=0, lt=0.5)] = 0.01
+    min_requests: Annotated[int, Field(ge=20)] = 200
+    check_every: Annotated[int, Field(ge=1)] = 50
+
+
+class Traffic(_Strict):
+    """A model's rollout: which version answers (`stable`, and `canary` for
+    `canary_weight` percent of requests) and which one sees a copy (`shadow`, for
+    `shadow_percent` of stable's requests; its answers are compared and discarded)."""
+
+    stable: Annotated[int, Field(ge=1)]
+    canary: Annotated[int, Field(ge=1)] | None = None
+    canary_weight: Annotated[float, Field(ge=0, le=100)] = 0.0
+    shadow: Annotated[int, Field(ge=1)] | None = None
+    shadow_percent: Annotated[float, Field(ge=0, le=100)] = 100.0
+    # Mirrors waiting for the shadow; a full queue drops the mirror (counted).
+    shadow_queue_size: Annotated[int, Field(ge=1)] = 64
+    shadow_concurrency: Annotated[int, Field(ge=1)] = 2
+    # Per version, the latest `window` requests feed the statistics.
+    window: Annotated[int, Field(ge=100)] = 10_000
+    # How to compare an output; by default BYTES is text, integers are labels and
+    # floats are numeric (add "classification" for scores to compare by top-1).
+    compare: dict[str, Literal["numeric", "classification", "text"]] = {}
+    # The verdict: significance, power, and the smallest change worth detecting.
+    alpha: Annotated[float, Field(gt=0, lt=0.5)] = 0.05
+    power: Annotated[float, Field(gt=0.5, lt=1)] = 0.8
+    latency_effect: Annotated[float, Field(gt=0)] = 0.10  # relative, of stable's mean
+    error_effect: Annotated[float, Field(gt=0, lt=1)] = 0.01  # absolute error-rate rise
+    min_cosine: Annotated[float, Field(ge=-1, le=1)] = 0.99  # shadow: mean cosine bar
+    min_agreement: Annotated[float, Field(ge=0, le=1)] = 0.99  # shadow: top-1/exact bar
+    rollback: RollbackRule = RollbackRule()
+
+    @model_validator(mode="after")
+    def _check(self) -> Traffic:
+        if self.canary is not None and self.canary == self.stable:
+            raise ValueError(f"traffic.canary {self.canary} is the stable version")
+        if self.shadow is not None and self.shadow in (self.stable, self.canary):
+            raise ValueError(f"traffic.shadow {self.shadow} already answers requests")
+        if self.canary is None and self.canary_weight:
+            raise ValueError("traffic.canary_weight needs traffic.canary")
+        return self
+
+    def versions(self) -> dict[str, int]:
+        named = {"stable": self.stable, "canary": self.canary, "shadow": self.shadow}
+        return {k: v for k, v in named.items() if v is not None}
+
+    def unserved(self, served: list[int]) -> str | None:
+        """Why this policy names a version the version_policy does not serve (or None)."""
+        for field, number in self.versions().items():
+            if number not in served:
+                return (
+                    f"field 'traffic.{field}': version {number} is not served; version_policy "
+                    f"serves {sorted(served)} (set version_policy.all = true or specific)"
+                )
+        return None
+
+
 class ModelConfig(_Strict):
     name: str
     backend: Literal["python", "torch", "onnx", "hf", "llm"]
@@ -149,6 +245,8 @@ class ModelConfig(_Strict):
     model_warmup: list[Warmup] = []
     # Backend-specific settings (e.g. hf: path, task, pooling).
     parameters: dict[str, Any] = {}
+    # Canary and shadow rollout (bitserve/rollout); None: the highest version answers.
+    traffic: Traffic | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -174,6 +272,11 @@ class ModelConfig(_Strict):
 
     @model_validator(mode="after")
     def _check(self) -> ModelConfig:
+        if self.backend == "llm" and self.instance_group.isolation == "ray":
+            raise ValueError(
+                'isolation = "ray" replicates batched models; an llm model places its '
+                'workers on Ray with parameters.distributed_executor = "ray"'
+            )
         if self.backend == "llm" and (self.max_batch_size or self.dynamic_batching):
             raise ValueError(
                 "an llm model batches in its engine: drop max_batch_size and dynamic_batching"
@@ -201,6 +304,14 @@ class ModelConfig(_Strict):
             unknown = set(w.inputs) - {t.name for t in self.input}
             if unknown:
                 raise ValueError(f"warmup {w.name!r}: unknown inputs {sorted(unknown)}")
+        return self
+
+    @model_validator(mode="after")
+    def _check_traffic(self) -> ModelConfig:
+        specific = self.version_policy.specific
+        problem = self.traffic and specific is not None and self.traffic.unserved(specific)
+        if problem:
+            raise ValueError(problem)
         return self
 
     def input_spec(self, name: str) -> TensorSpec | None:

@@ -95,6 +95,11 @@ class Repository:
             error = f"{model_dir}: no numeric version folder matches version_policy"
             log.error("refused model %s: %s", name, error)
             return config, [], error
+        problem = config.traffic and config.traffic.unserved(chosen)
+        if problem:
+            error = f"{model_dir / 'config.toml'}: {problem}"
+            log.error("refused model %s: %s", name, error)
+            return config, [], error
         return config, chosen, None
 
     def _new_version(self, config: ModelConfig, version: int) -> ModelVersion:
@@ -243,7 +248,7 @@ class Repository:
             ):
                 return self._why_unavailable(entry)
             for v in entry.versions.values():
-                if v.unhealthy:
+                if v.unhealthy and not v.ready:  # Ray replicas: degraded, still serving
                     return f"model '{entry.name}' version {v.version} is restarting an instance"
         return None
 

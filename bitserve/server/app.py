@@ -33,7 +33,10 @@ from bitserve.batching.batcher import QueueFull, QueueTimeout
 from bitserve.batching.batcher import Request as BatchRequest
 from bitserve.metrics import Metrics
 from bitserve.repository.repository import ModelNotFound, ModelUnavailable, Repository
-from bitserve.repository.version import ExecutionError, ModelVersion
+from bitserve.repository.version import ExecutionError, ModelVersion, ReplicaLost
+from bitserve.rollout.policy import VERSION_HEADER
+from bitserve.rollout.state import Rollouts
+from bitserve.rollout.state import Route as RolloutRoute
 from bitserve.server import admin, generate, health, openai
 from bitserve.server.http import error, json_response, until_disconnect
 from bitserve.server.v2 import HEADER_LENGTH, InvalidRequest, encode_response, parse_infer
@@ -76,6 +79,7 @@ class Server:
         self.repository = repository
         self.options = options
         self.metrics = metrics
+        self.rollout = Rollouts(repository, metrics)  # canary and shadow traffic
         self.draining = False
         self.inflight = 0
         self._idle = asyncio.Event()
@@ -158,19 +162,37 @@ class Server:
             await self.repository.ensure_loaded(request.path_params["model"])
             # Choose the version only now: from here to its queue nothing awaits, so a
             # version swapped out meanwhile cannot be drained between the two.
-            return await self._infer(request, self._lookup(request), body)
+            version, route = self.route(request)
+            return await self._infer(request, version, body, route)
         finally:
             self.inflight -= 1
             if not self.inflight:
                 self._idle.set()
 
-    async def _infer(self, request: Request, version: ModelVersion, body: bytes) -> Response:
+    def route(self, request: Request) -> tuple[ModelVersion, RolloutRoute | None]:
+        """The version that answers: a pinned one (path or header) as asked, else the
+        model's traffic policy's choice, else the highest ready version."""
+        model = request.path_params["model"]
+        pinned = request.path_params.get("version") or request.headers.get(VERSION_HEADER)
+        route = self.rollout.route(model) if pinned is None else None
+        if route is not None:
+            return route.version, route
+        return self.repository.get(model, pinned), None
+
+    async def _infer(
+        self,
+        request: Request,
+        version: ModelVersion,
+        body: bytes,
+        route: RolloutRoute | None = None,
+    ) -> Response:
         labels = (version.config.name, str(version.version))
         inflight = version.m["inflight"]
         inflight.inc()
         started = time.perf_counter()
         job: BatchRequest | None = None
         status = 500
+        parsed = outputs = None
         try:
             header_length = request.headers.get(HEADER_LENGTH)
             if header_length is not None and not header_length.isdigit():
@@ -196,6 +218,8 @@ class Server:
             version.m["duration"].observe(seconds)
             if self.options.access_log is not None:
                 _access_log(self.options.access_log, labels, status, seconds, job)
+            if route is not None:
+                route.finish(status, seconds, parsed, outputs)
         version.m["success"].inc()
         if json_length is None:
             return Response(payload, media_type="application/json")
@@ -204,6 +228,17 @@ class Server:
             media_type="application/octet-stream",
             headers={"Inference-Header-Content-Length": str(json_length)},
         )
+
+    async def rollout_report(self, request: Request) -> Response:
+        """The canary and shadow verdict (`bitserve rollout report`)."""
+        entry = self.repository.entry(request.path_params["model"])
+        rollout = self.rollout.get(entry) if entry.config is not None else None
+        if rollout is None:
+            raise ModelNotFound(f"model '{entry.name}' has no traffic policy")
+        from bitserve.rollout import verdict
+
+        # bootstraps and scipy's import take tens of ms: off the loop, on a copy
+        return json_response(await asyncio.to_thread(verdict.report, rollout.snapshot()))
 
     async def _run(
         self, http: Request, version: ModelVersion, parsed: Any
@@ -322,6 +357,7 @@ STATUS = {
     ModelNotFound: 404,
     ModelUnavailable: 503,
     Draining: 503,
+    ReplicaLost: 503,
     BodyTooLarge: 413,
     QueueFull: 429,
     Overloaded: 429,
@@ -335,6 +371,7 @@ REASONS = {
     QueueTimeout: "timeout",
     ClientGone: "cancelled",
     ExecutionError: "backend",
+    ReplicaLost: "backend",
     InvalidRequest: "invalid",
     BodyTooLarge: "invalid",
     ModelUnavailable: "unavailable",
@@ -361,7 +398,7 @@ def errors(handler: Any) -> Any:
             status = status_of(exc)
             if status == 500 and not isinstance(exc, ExecutionError):
                 log.exception("internal error on %s", request.url.path, exc_info=exc)
-            limited = isinstance(exc, QueueFull | Overloaded)
+            limited = isinstance(exc, QueueFull | Overloaded | ReplicaLost)
             headers = {"Retry-After": str(exc.retry_after)} if limited else None
             return error(status, str(exc) or type(exc).__name__, headers)
 
@@ -444,6 +481,7 @@ def create_app(
         *management.routes(errors),
         Route("/v2", server.server_metadata),
         Route("/v2/models/stats", errors(server.model_stats)),
+        Route(m + "/rollout", errors(server.rollout_report)),
     ]
     for prefix in (m, mv):
         routes += [
@@ -463,6 +501,7 @@ def create_app(
         yield
         for task in tasks:
             task.cancel()
+        server.rollout.close()
         await repository.unload_all()
 
     return App(server, Router(routes=routes, lifespan=lifespan, default=_not_found))

@@ -81,10 +81,9 @@ def routes(server: Server, errors: Any) -> list[Route]:
         except orjson.JSONDecodeError as e:
             raise InvalidRequest(f"malformed JSON: {e}") from None
         await server.repository.ensure_loaded(request.path_params["model"])
-        # looked up after the last await: see Server.infer
-        version = server.repository.get(
-            request.path_params["model"], request.path_params.get("version")
-        )
+        # looked up after the last await: see Server.infer; a traffic policy's canary
+        # split applies (bitserve/rollout), its statistics count v2 infer only
+        version, _ = server.route(request)
         if version.llm is None:
             raise InvalidRequest(f"model '{version.config.name}' does not generate text")
         if not isinstance(doc, dict) or not isinstance(doc.get("text_input"), str):

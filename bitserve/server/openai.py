@@ -200,7 +200,10 @@ class OpenAI:
         if self.server.draining:
             raise APIError(503, "server is draining", "service_unavailable")
         try:
-            return self.server.repository.get(name)
+            # a traffic policy's canary split applies here too (bitserve/rollout); the
+            # verdict's statistics count v2 infer requests only
+            route = self.server.rollout.route(name)
+            return route.version if route is not None else self.server.repository.get(name)
         except ModelNotFound:
             raise APIError(
                 404,
