@@ -63,8 +63,6 @@ def test_a_server_that_closes_after_each_answer_costs_no_request():
     import threading
 
     answered = 0
-    ready = threading.Event()
-    loop = asyncio.new_event_loop()
 
     async def handle(reader, writer):
         nonlocal answered
@@ -75,20 +73,16 @@ def test_a_server_that_closes_after_each_answer_costs_no_request():
         await asyncio.sleep(0.02)  # keep-alive, then close: the client may reuse it first
         writer.close()
 
-    async def serve():
-        server = await asyncio.start_server(handle, "127.0.0.1", 0)
-        holder.append(server.sockets[0].getsockname()[1])
-        ready.set()
-        async with server:
-            await server.serve_forever()
-
-    holder: list[int] = []
-    thread = threading.Thread(target=loop.run_until_complete, args=(serve(),), daemon=True)
+    loop = asyncio.new_event_loop()
+    server = loop.run_until_complete(asyncio.start_server(handle, "127.0.0.1", 0))
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
-    ready.wait(5)
-    url = f"http://127.0.0.1:{holder[0]}"
-    requests = [Request(build_request(url.removeprefix("http://"), "/x", b"{}"))]
-    done = run(url, requests, Load(concurrency=4, num_requests=40))
-    assert [r.error for r in done.results if not r.ok] == []
-    assert len(done.results) == 40 and answered == 40
-    loop.call_soon_threadsafe(loop.stop)
+    try:
+        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        requests = [Request(build_request(url.removeprefix("http://"), "/x", b"{}"))]
+        done = run(url, requests, Load(concurrency=4, num_requests=40))
+        assert [r.error for r in done.results if not r.ok] == []
+        assert len(done.results) == 40 and answered == 40
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5)
