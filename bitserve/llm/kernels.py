@@ -314,6 +314,25 @@ static void rope(float *v, const float *c, const float *s, long D) {
     }
 }
 
+/* RoPE on the q and k heads of M decode rows of qkv [M, (Hq + 2 Hkv) D], then each row's
+   k and v into its slot of the head-major pools (shared with the quantized layer). */
+static void rope_and_store(float *qkv, long M, long Hq, long Hkv, long D, const long *positions,
+                           const float *cos, const float *sin, const long *slots, float *kpool,
+                           float *vpool, long nblk, long bs) {
+    long QKV = (Hq + 2 * Hkv) * D;
+    for (long m = 0; m < M; m++) {
+        float *row = qkv + m * QKV;
+        const float *c = cos + positions[m] * D, *s = sin + positions[m] * D;
+        for (long hd = 0; hd < Hq + Hkv; hd++) rope(row + hd * D, c, s, D);
+        long blk = slots[m] / bs, off = slots[m] % bs;
+        for (long g = 0; g < Hkv; g++) {
+            long dst = ((g * nblk + blk) * bs + off) * D;
+            memcpy(kpool + dst, row + (Hq + g) * D, sizeof(float) * D);
+            memcpy(vpool + dst, row + (Hq + Hkv + g) * D, sizeof(float) * D);
+        }
+    }
+}
+
 void bs_llama_decode_layer(const LayerParams *p, float *x, long M, const long *positions,
                            const long *slots, const int *rows, const int *tables,
                            long max_blocks, const int *lens, float *scratch) {
@@ -323,17 +342,8 @@ void bs_llama_decode_layer(const LayerParams *p, float *x, long M, const long *p
           *act = gu + M * 2 * I;
     rmsnorm(x, p->ln1, h, M, H, p->eps);
     bs_linear_small(h, H, M, H, p->wqkv, QKV, p->bqkv, qkv);
-    for (long m = 0; m < M; m++) {
-        float *row = qkv + m * QKV;
-        const float *c = p->cos + positions[m] * D, *s = p->sin + positions[m] * D;
-        for (long hd = 0; hd < Hq + Hkv; hd++) rope(row + hd * D, c, s, D);
-        long blk = slots[m] / p->bs, off = slots[m] % p->bs;
-        for (long g = 0; g < Hkv; g++) {
-            long dst = ((g * p->nblk + blk) * p->bs + off) * D;
-            memcpy(p->kpool + dst, row + (Hq + g) * D, sizeof(float) * D);
-            memcpy(p->vpool + dst, row + (Hq + Hkv + g) * D, sizeof(float) * D);
-        }
-    }
+    rope_and_store(qkv, M, Hq, Hkv, D, positions, p->cos, p->sin, slots, p->kpool, p->vpool,
+                   p->nblk, p->bs);
     paged_decode(qkv, QKV, att, Hq * D, rows, M, Hq, Hkv, D, p->kpool, p->vpool, p->nblk,
                  p->bs, tables, max_blocks, lens, p->scale);
     bs_linear_small(att, Hq * D, M, Hq * D, p->wo, H, p->bo, h);

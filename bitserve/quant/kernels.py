@@ -394,17 +394,8 @@ void bs_q_llama_decode_layer(const QLayerParams *p, float *x, long M, const long
           *act = gu + M * 2 * I;
     rmsnorm(x, p->ln1, h, M, H, p->eps);
     bs_qgemv(&p->qkv, h, H, M, qkv);
-    for (long m = 0; m < M; m++) {
-        float *row = qkv + m * QKV;
-        const float *c = p->cos + positions[m] * D, *s = p->sin + positions[m] * D;
-        for (long hd = 0; hd < Hq + Hkv; hd++) rope(row + hd * D, c, s, D);
-        long blk = slots[m] / p->bs, off = slots[m] % p->bs;
-        for (long g = 0; g < Hkv; g++) {
-            long dst = ((g * p->nblk + blk) * p->bs + off) * D;
-            memcpy(p->kpool + dst, row + (Hq + g) * D, sizeof(float) * D);
-            memcpy(p->vpool + dst, row + (Hq + Hkv + g) * D, sizeof(float) * D);
-        }
-    }
+    rope_and_store(qkv, M, Hq, Hkv, D, positions, p->cos, p->sin, slots, p->kpool, p->vpool,
+                   p->nblk, p->bs);
     paged_decode(qkv, QKV, att, Hq * D, rows, M, Hq, Hkv, D, p->kpool, p->vpool, p->nblk,
                  p->bs, tables, max_blocks, lens, p->scale);
     bs_qgemv(&p->o, att, Hq * D, M, h);
