@@ -28,6 +28,7 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -525,19 +526,44 @@ class Kernels:
         positions, slots: int64 [M]; decode: the step's `DecodeBatch`; scratch: fp32 with
         at least M * (2H + 2 Hq D + 2 Hkv D + 3 I) elements.
         """
-        tables = decode.block_tables
-        self._layer(
-            ctypes.byref(params),
-            x.data_ptr(),
-            x.shape[0],
-            positions.data_ptr(),
-            slots.data_ptr(),
-            decode.rows.data_ptr(),
-            tables.data_ptr(),
-            tables.shape[1],
-            decode.context_lens.data_ptr(),
-            scratch.data_ptr(),
-        )
+        call_decode_layer(self._layer, params, x, positions, slots, decode, scratch)
+
+
+def ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def layer_shape(layer: Any) -> dict[str, Any]:
+    """The sizes a C decoder layer reads from its params (fp32 and quantized alike)."""
+    attn, k_pool = layer.self_attn, layer.self_attn.kv_cache[0]
+    return dict(
+        H=layer.input_layernorm.weight.shape[0],
+        Hq=attn.num_heads,
+        Hkv=attn.num_kv_heads,
+        D=attn.head_dim,
+        I=layer.mlp.intermediate,
+        nblk=k_pool.shape[1],
+        bs=k_pool.shape[2],
+        eps=layer.input_layernorm.eps,
+        scale=attn.scale,
+    )
+
+
+def call_decode_layer(fn, params, x, positions, slots, decode, scratch) -> None:
+    """Call a C decoder layer (this file's or the quantized one) with a step's tensors."""
+    tables = decode.block_tables
+    fn(
+        ctypes.byref(params),
+        x.data_ptr(),
+        x.shape[0],
+        positions.data_ptr(),
+        slots.data_ptr(),
+        decode.rows.data_ptr(),
+        tables.data_ptr(),
+        tables.shape[1],
+        decode.context_lens.data_ptr(),
+        scratch.data_ptr(),
+    )
 
 
 HUGE_PAGE = 2 << 20

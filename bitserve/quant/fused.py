@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from bitserve.llm import kernels as llm_kernels
 from bitserve.llm.attention import AttentionMetadata
 from bitserve.quant import kernels as qkernels
 from bitserve.quant.linear import SMALL_M, Int4Linear, Int8Linear, QuantLinear
@@ -113,15 +114,7 @@ class FusedDecode:
             vpool=v_pool.data_ptr(),
             cos=rotary.cos.data_ptr(),
             sin=rotary.sin.data_ptr(),
-            H=self.input_layernorm.weight.shape[0],
-            Hq=attn.num_heads,
-            Hkv=attn.num_kv_heads,
-            D=attn.head_dim,
-            I=mlp.intermediate,
-            nblk=k_pool.shape[1],
-            bs=k_pool.shape[2],
-            eps=self.input_layernorm.eps,
-            scale=attn.scale,
+            **llm_kernels.layer_shape(self),
         )
         self._c_params = (key, params)
         return params

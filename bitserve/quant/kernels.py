@@ -443,17 +443,13 @@ def source() -> str:
     return llm_kernels.SOURCE + Q_SOURCE
 
 
-def ptr(t: torch.Tensor | None) -> int | None:
-    return None if t is None else t.data_ptr()
-
-
 def qweight(layer, bias: bool = True) -> QWeight:
     """The C view of an Int8Linear or Int4Linear (pointers into its buffers, which must
     stay alive as long as the view)."""
     from bitserve.quant.linear import Int4Linear
 
     w = QWeight(N=layer.out_features, K=layer.in_features, q=layer.qweight.data_ptr())
-    w.bias = ptr(layer.bias) if bias else None
+    w.bias = llm_kernels.ptr(layer.bias) if bias else None
     if isinstance(layer, Int4Linear):
         w.kind, w.s4, w.z4 = 2, layer.scales.data_ptr(), layer.zeros.data_ptr()
         w.Kp, w.group = layer.padded_in, layer.group_size
@@ -482,19 +478,7 @@ class QuantKernels:
         return y
 
     def decode_layer(self, params: QLayerParams, x, positions, slots, decode, scratch) -> None:
-        tables = decode.block_tables
-        self._layer(
-            ctypes.byref(params),
-            x.data_ptr(),
-            x.shape[0],
-            positions.data_ptr(),
-            slots.data_ptr(),
-            decode.rows.data_ptr(),
-            tables.data_ptr(),
-            tables.shape[1],
-            decode.context_lens.data_ptr(),
-            scratch.data_ptr(),
-        )
+        llm_kernels.call_decode_layer(self._layer, params, x, positions, slots, decode, scratch)
 
 
 def get() -> QuantKernels | None:

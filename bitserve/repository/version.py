@@ -62,8 +62,6 @@ class ModelVersion:
         self.replicated = config.instance_group.isolation == "ray"
         self.retried = 0  # requests put back in the queue: their replica died first
         self.load_seconds = 0.0  # wall time of load(), warm-up included
-        self.weights_seconds = 0.0  # of which loading (summed over instances)
-        self.warmup_seconds = 0.0  # of which warm-up (summed over instances)
         self.spans: list[tuple[coldstart.Span, coldstart.Span]] = []  # (load, warmup) each
         self._idle = asyncio.Event()
         self._idle.set()
@@ -134,8 +132,6 @@ class ModelVersion:
             LoopClock(loop),
         )
         self.load_seconds = time.perf_counter() - started
-        self.warmup_seconds = sum(i.warmup_seconds for i in self.instances)
-        self.weights_seconds = sum(i.load_only_seconds for i in self.instances)
         self.spans = [
             coldstart.spans(i.ready_at, i.load_only_seconds, i.warmup_seconds)
             for i in self.instances
@@ -157,9 +153,8 @@ class ModelVersion:
             raise LoadError(self.error) from e
         self.llm = service
         self.load_seconds = time.perf_counter() - started
-        self.warmup_seconds = service.warmup_seconds
-        self.weights_seconds = self.load_seconds - service.warmup_seconds
-        self.spans = [coldstart.spans(time.time(), self.weights_seconds, self.warmup_seconds)]
+        warmup = service.warmup_seconds
+        self.spans = [coldstart.spans(time.time(), self.load_seconds - warmup, warmup)]
         self.m["load"].set(self.load_seconds)
         self.m["warmup"].set(service.warmup_seconds)
         self.state = "ready"

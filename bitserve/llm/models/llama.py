@@ -199,12 +199,8 @@ class LlamaForCausalLM(nn.Module):
         return self._params
 
     def c_params(self, layer: DecoderLayer) -> kernels.LayerParams:
-        attn, mlp = layer.self_attn, layer.mlp
+        attn, mlp, ptr = layer.self_attn, layer.mlp, kernels.ptr
         k_pool, v_pool = attn.kv_cache
-
-        def ptr(t: torch.Tensor | None) -> int | None:
-            return None if t is None else t.data_ptr()
-
         return kernels.LayerParams(
             ln1=ptr(layer.input_layernorm.weight),
             wqkv=ptr(attn.qkv_proj.weight),
@@ -218,15 +214,7 @@ class LlamaForCausalLM(nn.Module):
             vpool=ptr(v_pool),
             cos=ptr(self.rotary.cos),
             sin=ptr(self.rotary.sin),
-            H=self.hf["hidden_size"],
-            Hq=attn.num_heads,
-            Hkv=attn.num_kv_heads,
-            D=attn.head_dim,
-            I=mlp.intermediate,
-            nblk=k_pool.shape[1],
-            bs=k_pool.shape[2],
-            eps=layer.input_layernorm.eps,
-            scale=attn.scale,
+            **kernels.layer_shape(layer),
         )
 
     def fused_decode(self, x, positions, meta: AttentionMetadata) -> torch.Tensor:
