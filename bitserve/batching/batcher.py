@@ -126,13 +126,20 @@ class DynamicBatcher:
             self.stats.rejected_full += 1
             raise QueueFull(self.name, self.retry_after())
         was_empty = self.queued == 0
+        self._enqueue(request)
+        self._schedule(eager=was_empty and self.policy.dispatch_when_idle)
+
+    def _enqueue(self, request: Request, front: bool = False) -> None:
         request.state = "queued"
-        self.levels[request.priority - 1].append(request)
+        level = self.levels[request.priority - 1]
+        if front:
+            level.appendleft(request)
+        else:
+            level.append(request)
         self.queued += 1
         self.queued_rows += request.rows
         if request.timeout_at is not None:
             heapq.heappush(self._timeouts, (request.timeout_at, request.seq, request))
-        self._schedule(eager=was_empty and self.policy.dispatch_when_idle)
 
     def cancel(self, request: Request) -> bool:
         """Remove a request that has not started; True if it was still queued."""
@@ -149,14 +156,8 @@ class DynamicBatcher:
         """Put a dispatched batch that never started back at the head of the queue (its
         Ray replica died first); it keeps its arrival time, so it leaves first again."""
         for request in reversed(batch):
-            if request.state != "running":
-                continue
-            request.state = "queued"
-            self.levels[request.priority - 1].appendleft(request)
-            self.queued += 1
-            self.queued_rows += request.rows
-            if request.timeout_at is not None:
-                heapq.heappush(self._timeouts, (request.timeout_at, request.seq, request))
+            if request.state == "running":
+                self._enqueue(request, front=True)
         self._schedule(eager=False)
 
     def release(self, slot: int) -> None:
