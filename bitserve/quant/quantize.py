@@ -111,14 +111,7 @@ def quantize_model(
     config["tied_lm_head"] = tied and method == "int8" and embedding is not None
     if tied:
         model.tie_word_embeddings = False  # tie_weights() must not put a float weight back
-    disable_fused_decode(model)
     return config
-
-
-def disable_fused_decode(model: nn.Module) -> None:
-    """The fused C decode layer reads fp32 weight pointers: quantized layers have none."""
-    if hasattr(model, "fusable"):
-        model._fusable = False
 
 
 # -- save ------------------------------------------------------------------------------------
@@ -187,7 +180,6 @@ def prepare_modules(model: nn.Module, folder: Path, qconfig: dict[str, Any]) -> 
         model.lm_head = nn.Identity()  # shares the int8 embedding once it is loaded
     if getattr(model, "tie_word_embeddings", False):
         model.tie_word_embeddings = False
-    disable_fused_decode(model)
 
 
 def load_weights(model: nn.Module, folder: Path, qconfig: dict[str, Any]) -> None:

@@ -173,13 +173,22 @@ class LlamaForCausalLM(nn.Module):
         )
 
     def fusable(self) -> bool:
-        if not hasattr(self, "_fusable"):
-            _, _, head_dim = attention_shape(self.hf)
-            self._fusable = (
-                all(type(layer.mlp) is MLP for layer in self.local_layers)
-                and self.rotary.cos.shape[-1] == head_dim
+        """The C layer reads fp32 `Linear` weights: a plain MLP, full-width RoPE, and no
+        layer swapped for another kind (quantized layers are, after the model is built)."""
+        _, _, head_dim = attention_shape(self.hf)
+        return self.rotary.cos.shape[-1] == head_dim and all(
+            type(layer.mlp) is MLP
+            and all(
+                type(linear) is Linear
+                for linear in (
+                    layer.self_attn.qkv_proj,
+                    layer.self_attn.o_proj,
+                    layer.mlp.gate_up_proj,
+                    layer.mlp.down_proj,
+                )
             )
-        return self._fusable
+            for layer in self.local_layers
+        )
 
     def layer_params(self) -> list[kernels.LayerParams]:
         """The C view of every layer (raw pointers), rebuilt when a pool or table changes.
