@@ -170,10 +170,15 @@ class Server:
                 self._idle.set()
 
     def route(self, request: Request) -> tuple[ModelVersion, RolloutRoute | None]:
-        """The version that answers: a pinned one (path or header) as asked, else the
-        model's traffic policy's choice, else the highest ready version."""
-        model = request.path_params["model"]
+        """`route_model` for a v2 request: pinned by its path or header."""
         pinned = request.path_params.get("version") or request.headers.get(VERSION_HEADER)
+        return self.route_model(request.path_params["model"], pinned)
+
+    def route_model(
+        self, model: str, pinned: str | None = None
+    ) -> tuple[ModelVersion, RolloutRoute | None]:
+        """The version that answers: a pinned one as asked, else the model's traffic
+        policy's choice, else the highest ready version."""
         route = self.rollout.route(model) if pinned is None else None
         if route is not None:
             return route.version, route

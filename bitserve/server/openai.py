@@ -202,8 +202,7 @@ class OpenAI:
         try:
             # a traffic policy's canary split applies here too (bitserve/rollout); the
             # verdict's statistics count v2 infer requests only
-            route = self.server.rollout.route(name)
-            return route.version if route is not None else self.server.repository.get(name)
+            return self.server.route_model(name)[0]
         except ModelNotFound:
             raise APIError(
                 404,
