@@ -120,11 +120,10 @@ def llama64_dir(tmp_path_factory):
     return build_model(tmp_path_factory.mktemp("llama64"), config)
 
 
-@needs_kernels
-@pytest.mark.parametrize("model", ["llama64", "llama", "qwen2"])
-def test_fused_decode_is_token_exact(model, llama64_dir, model_dirs, monkeypatch):
-    folder = llama64_dir if model == "llama64" else model_dirs[model]
-    calls = []
+@pytest.fixture
+def fused_calls(monkeypatch) -> list[int]:
+    """The row count of every fused decoder-layer call made during the test."""
+    calls: list[int] = []
     real = kernels.Kernels.llama_decode_layer
 
     def counting(self, *args):
@@ -132,26 +131,27 @@ def test_fused_decode_is_token_exact(model, llama64_dir, model_dirs, monkeypatch
         return real(self, *args)
 
     monkeypatch.setattr(kernels.Kernels, "llama_decode_layer", counting)
+    return calls
+
+
+@needs_kernels
+@pytest.mark.parametrize("model", ["llama64", "llama", "qwen2"])
+def test_fused_decode_is_token_exact(model, llama64_dir, model_dirs, fused_calls):
+    calls = fused_calls
+    folder = llama64_dir if model == "llama64" else model_dirs[model]
     engine = make_engine(folder, num_kv_blocks=64, max_num_seqs=4)
     assert_parity(folder, MIXED, generate(engine, MIXED))
     assert calls and max(calls) <= 4  # decode steps went through the fused layer
 
 
 @needs_kernels
-def test_fused_decode_of_a_big_batch_matches_torch(model_dirs, monkeypatch, restore_kernels):
+def test_fused_decode_of_a_big_batch_matches_torch(model_dirs, fused_calls, restore_kernels):
     """A small model's decode batch beyond SMALL_M rows also runs fused (its weights are
     small enough for the tiled kernel); tokens equal the torch path's."""
     from tests.llm.test_engine import random_prompts
 
     folder, prompts = model_dirs["llama"], random_prompts([5 + i % 7 for i in range(72)], seed=3)
-    calls = []
-    real = kernels.Kernels.llama_decode_layer
-
-    def counting(self, *args):
-        calls.append(args[1].shape[0])
-        return real(self, *args)
-
-    monkeypatch.setattr(kernels.Kernels, "llama_decode_layer", counting)
+    calls = fused_calls
     fused = generate(make_engine(folder, num_kv_blocks=128, max_num_seqs=72), prompts)
     assert max(calls) == 72  # every sequence decoding in one fused step
     kernels.reset(enabled=False)
