@@ -8,7 +8,6 @@ every request to version 2.
 
 from __future__ import annotations
 
-import importlib.util
 import shutil
 import subprocess
 import sys
@@ -18,11 +17,6 @@ import httpx
 import pytest
 
 from tests.conftest import ROOT, Server
-
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("bitserve.quant.command") is None,
-    reason="bitserve quantize (bitserve/quant/command.py) is not in this tree",
-)
 
 QUANTIZE = [sys.executable, "-m", "bitserve.cli", "quantize", "--threads", "1"]
 TRAFFIC = """
