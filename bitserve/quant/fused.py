@@ -19,8 +19,9 @@ from bitserve.llm.attention import AttentionMetadata
 from bitserve.quant import kernels as qkernels
 from bitserve.quant.linear import SMALL_M, Int4Linear, Int8Linear, QuantLinear
 
-# Batched int4 decode (up to 16 streams) stays in C: its GEMV keeps up with int4pack there
-INT4_FUSE_ROWS = 16
+# int4 decode stays in C at any batch the scheduler makes: its int8-activation kernel
+# beats bf16 matmul to 256 rows, and fused layers measured 1.06-1.15x unfused at 32-64
+INT4_FUSE_ROWS = 256
 
 _classes: dict[type, type] = {}
 

@@ -9,8 +9,9 @@ picks its kernels in `prepare()`, once its buffers sit on their device. On this 
   `torch._int_mm` with int8 activations, vector-wise (per row) scales. Weight-only int8
   (`int8_activations=False`) uses int8pack up to PACK_MAX_M rows and a bf16
   dequantize + matmul above (measured faster there than int8pack) instead of _int_mm.
-- int4: the C GEMV (bf16 dot products) up to INT4_C_MAX_M rows and a bf16 dequantize +
-  matmul above; without the C kernels (or on a GPU), `_weight_int4pack_mm_for_cpu` /
+- int4: the C kernel at every row count (int8 activations in blocks of 32, as llama.cpp's
+  q4_0 x q8_0; 3-4x the bf16 kernel at 1 row, ahead of bf16 matmul up to 256 rows);
+  without the C kernels (or on a GPU), `_weight_int4pack_mm_for_cpu` /
   `_weight_int4pack_mm` (bf16 activations).
 
 Small all-decode batches of plain int8 or int4 Llama layers go one C call per decoder
@@ -36,7 +37,6 @@ aten = torch.ops.aten
 
 SMALL_M = 4  # up to here the packed weight-only kernels win; above, _int_mm (W8A8) wins
 PACK_MAX_M = 32  # weight-only int8: above, bf16 dequantize + matmul beats int8pack
-INT4_C_MAX_M = 64  # int4 with the C kernels: C up to here, bf16 dequantize + matmul above
 C_A8_MAX_M = 8  # int8 activations: the C kernel's VNNI path up to here, _int_mm above
 _fallbacks_logged: set[str] = set()
 
@@ -239,15 +239,15 @@ class Int4Linear(QuantLinear):
     For each output row and each group of `group_size` input columns:
     W ~= (q - 8) * scale + zero, q in [0, 15]; `zero` is the value at the group's
     midpoint, so min and max of the group map to q = 0 and q = 15. Scales and zeros are
-    bf16 [out, in / group_size], which is what the kernels take. `qweight` holds two q
-    per byte, [out, padded in / 2]: in every 64 columns, column j sits in the low nibble
-    of byte j and column 32 + j in its high nibble, the layout the C kernel widens with
-    one load (bitserve/quant/kernels.py). The width is padded with zero columns to a
-    multiple of 64 and of the group.
+    bf16 [out, in / group_size], which is what the kernels take. `qweight` (what is
+    saved) holds two q per byte, [out, padded in / 2]: in every 64 columns, column j sits
+    in the low nibble of byte j and column 32 + j in its high nibble. The width is padded
+    with zero columns to a multiple of 64 and of the group.
 
-    Kernels: the C GEMV up to INT4_C_MAX_M rows, a bf16 dequantize + matmul above (the
-    C path keeps no second copy of the weights); without the C kernels, torch's int4pack
-    (which keeps its own packed copy and lets `qweight` go).
+    Kernels: the C kernel at every row count (`tiled()` repacks the codes for it, and
+    int8 activations meet them in VNNI dot products; bitserve/quant/kernels.py); without
+    it, torch's int4pack (bf16 activations). Either keeps its own copy of the codes and
+    lets `qweight` go once the model is loaded (`free_unpacked`).
     """
 
     method = "int4"
@@ -287,6 +287,21 @@ class Int4Linear(QuantLinear):
         q = torch.cat([b & 15, b >> 4], dim=2)
         return q.view(self.out_features, self.padded_in).to(torch.int32)
 
+    def tiled(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The C kernel's layout (bitserve/quant/kernels.py, q4t), built once: codes
+        [out / 16, padded in / 8, 16, 4] uint8 (a tile of 16 output rows; per 8 columns, 4
+        bytes a row, column j low and j + 4 high) and bf16 [out / 16, groups, 2, 16] scales
+        and zeros; `out` padded to a multiple of 16 with zero rows."""
+        if getattr(self, "tiled_codes", None) is None:
+            pad = -self.out_features % 16
+            q = F.pad(self.unpacked(), (0, 0, 0, pad)).to(torch.uint8)
+            q = q.view(-1, 16, self.padded_in // 8, 2, 4)  # tile, row, 8 columns, half, j
+            codes = (q[:, :, :, 0] | (q[:, :, :, 1] << 4)).permute(0, 2, 1, 3).contiguous()
+            sz = F.pad(torch.stack([self.scales, self.zeros], -1), (0, 0, 0, 0, 0, pad))
+            sz = sz.to(torch.bfloat16).view(-1, 16, sz.shape[1], 2).permute(0, 2, 3, 1)
+            self.tiled_codes, self.tiled_scales = codes, sz.contiguous()
+        return self.tiled_codes, self.tiled_scales
+
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """[out, padded in]: the padding columns multiply zeros."""
         q = self.unpacked().view(self.out_features, -1, self.group_size).to(dtype) - 8
@@ -297,6 +312,8 @@ class Int4Linear(QuantLinear):
         # a model-wide .to(float32) (the hf backend does one) must not change the kernels'
         # bf16 scales and zeros
         self.scales, self.zeros = self.scales.to(torch.bfloat16), self.zeros.to(torch.bfloat16)
+        if self.qweight.numel():  # not yet freed: (re)build the C layout from it
+            self.tiled_codes = None
         self.prepare_c()
         self.packed, self.use_pack = None, False
         if self.c_weight is not None:
@@ -335,13 +352,14 @@ class Int4Linear(QuantLinear):
         return F.linear(self.pad(x.to(torch.bfloat16)), self.dequantize(torch.bfloat16))
 
     def free_unpacked(self) -> None:
-        """Drop `qweight` once int4pack holds its own packed copy (half the memory)."""
-        if self.use_pack:
+        """Drop `qweight` once the C kernel or int4pack holds its own copy of the codes."""
+        if self.use_pack or self.c_weight is not None:
             self.qweight = torch.empty(0, dtype=torch.uint8, device=self.device)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] <= INT4_C_MAX_M and (y := self.c_matmul(x)) is not None:
-            return y
+        if self.c_weight is not None:  # any row count: it beats bf16 matmul at 1-256 rows
+            x = x.float() if x.stride(1) == 1 else x.float().contiguous()
+            return self.c_kernels.linear(self.c_weight, x)
         return self.pack_matmul(x) if self.use_pack else self.dequant_matmul(x)
 
 

@@ -231,6 +231,8 @@ def kernel_summary(layer: QuantLinear) -> str:
     from bitserve.quant.linear import SMALL_M
 
     if isinstance(layer, Int4Linear):
+        if layer.c_weight is not None:
+            return "int4: C kernel, int8 activations (bitserve/quant/kernels.py)"
         return "int4: int4pack" if layer.use_pack else "int4: dequantize + matmul"
     small = "int8pack" if layer.use_pack else "dequantize + matmul"
     if layer.c_weight is not None:

@@ -27,23 +27,31 @@ def test_int8_gemv_is_the_dequantized_matmul_in_fp32(k, n, rows) -> None:
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize(("k", "n"), [(512, 384), (688, 64), (80, 100)])
-@pytest.mark.parametrize("rows", [1, 3, 4, 7])
+def blockwise_int8(x: torch.Tensor, block: int = 32) -> torch.Tensor:
+    """x as the int4 kernel sees it: int8 in blocks of 32 columns, absmax / 127 each."""
+    pad = -x.shape[1] % block
+    xb = F.pad(x, (0, pad)).view(x.shape[0], -1, block)
+    scale = xb.abs().amax(-1, keepdim=True) / 127
+    q = torch.round(xb / scale.where(scale > 0, 1.0)).clamp(-127, 127)
+    return (q * scale).view(x.shape[0], -1)[:, : x.shape[1]]
+
+
+@pytest.mark.parametrize(("k", "n"), [(512, 384), (688, 64), (80, 100), (100, 7)])
+@pytest.mark.parametrize("rows", [1, 3, 4, 7, 9, 70])
 @pytest.mark.parametrize("group", [32, 64, 128])
-def test_int4_gemv_is_the_dequantized_matmul_to_bf16_precision(k, n, rows, group) -> None:
+def test_int4_gemv_is_the_dequantized_matmul_on_blockwise_int8_x(k, n, rows, group) -> None:
     torch.manual_seed(k + rows)
     linear = nn.Linear(k, n, bias=True).requires_grad_(False)
     layer = Int4Linear.from_float(linear, group)
     x = torch.randn(rows, 2 * k)[:, :k]
     weight = layer.dequantize()[:, :k]
-    want = F.linear(x, weight, linear.bias)
     got = kernels.get().linear(kernels.qweight(layer), x)
-    # x meets the 4-bit codes in bf16 (as in torch's int4pack); with more than one row
-    # the dequantized weights are rounded to bf16 as well
-    bf16 = F.linear(x.bfloat16().float(), weight, linear.bias)
-    factor = 1.2 if rows == 1 else 2.0
-    assert (got - want).norm() <= factor * (bf16 - want).norm() + 1e-6
-    assert (got - want).norm() / want.norm() < 3e-3
+    # exactly the dequantized weights times x quantized as llama.cpp's q8_0 does ...
+    want = F.linear(blockwise_int8(x), weight, linear.bias)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    # ... which is within int8 rounding of the fp32 product
+    exact = F.linear(x, weight, linear.bias)
+    assert (got - exact).norm() / exact.norm() < 1e-2
 
 
 @pytest.mark.parametrize("rows", [5, 8, 13])
@@ -89,14 +97,15 @@ def test_fused_decode_layers_match_the_torch_path(quantized_tinylm, monkeypatch,
     assert fast.token_ids == slow.token_ids
     for a, b in zip(fast.logprobs, slow.logprobs, strict=True):
         assert a.keys() == b.keys()
-        # int4 rounds activations to bf16, which turns fp32 op-order noise into ~1e-3
+        # int4 quantizes activations to int8 (per 32 columns), which turns fp32
+        # op-order noise into ~1e-3
         assert max(abs(a[t] - b[t]) for t in a) < (1e-3 if method == "int8" else 1e-2)
 
 
 @pytest.mark.parametrize("method", ["int8", "int4"])
 def test_batched_decode_is_fused_and_matches(quantized_tinylm, monkeypatch, method) -> None:
     prompts = ["And God said,", "The LORD is my shepherd;", "In the beginning", "Woe unto"]
-    prompts *= 1 if method == "int8" else 3  # int8 fuses 4 rows, int4 16
+    prompts *= 1 if method == "int8" else 3  # int8 fuses 4 rows, int4 up to 256
     greedy = SamplingParams(temperature=0, max_tokens=8)
     llm = LLM(quantized_tinylm[method] / "1", num_kv_blocks=128)
     rows = []
