@@ -16,13 +16,12 @@ import time
 import numpy as np
 import orjson
 
-from bitserve.offline.executor import Executor
 from bitserve.offline.job import (
     JobOptions,
     Summary,
     fingerprint,
-    load_repository,
     make_bar,
+    open_executor,
     survey,
 )
 from bitserve.offline.journal import Journal
@@ -39,8 +38,8 @@ class Worker:
 
         self.loop = asyncio.new_event_loop()
         threading.Thread(target=self.loop.run_forever, daemon=True).start()
-        loaded = self._call(load_repository(Path(repository), models))
-        self.executor = Executor(loaded, RowMapping(**rows) if rows else None)
+        mapping = RowMapping(**rows) if rows else None
+        self.executor = self._call(open_executor(Path(repository), models, mapping))
         self.in_flight = in_flight
 
     def _call(self, coroutine):
@@ -100,7 +99,7 @@ def run_ray(opts: JobOptions, address: str, workers: int, batch_size: int = 256)
             )
             for batch in dataset.iter_batches(batch_size=None):
                 for answer in batch["answer"]:
-                    sink.add(orjson.loads(answer))
+                    sink.add_line(bytes(answer))
                 sink.flush()
         sink.flush()
         complete = True

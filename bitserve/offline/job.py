@@ -78,6 +78,12 @@ async def load_repository(path: Path, models: list[str]) -> Repository:
     return repository
 
 
+async def open_executor(path: Path, models: list[str], rows: RowMapping | None) -> Executor:
+    """The named models loaded (`executor.repository`), ready to run records: what a
+    one-process run, each `--workers` process and each Ray actor start with."""
+    return Executor(await load_repository(path, models), rows)
+
+
 def make_bar(opts: JobOptions, total: int, skipped: int) -> tqdm | None:
     if not opts.progress:
         return None
@@ -87,13 +93,12 @@ def make_bar(opts: JobOptions, total: int, skipped: int) -> tqdm | None:
 async def run_job(opts: JobOptions) -> Summary:
     journal = Journal.open(opts.output, fingerprint(opts))
     total, models = survey(opts)
-    repository = await load_repository(opts.repository, models)
+    executor = await open_executor(opts.repository, models, opts.rows)
     started = time.perf_counter()  # throughput counts the records, not the model load
     sink = Sink(journal, make_bar(opts, total, len(journal.done_keys)))
     id_column = opts.rows.id_column if opts.rows else None
     complete = False
     try:
-        executor = Executor(repository, opts.rows)
         records = read_records(opts.input)
         pending = Pending(journal.done_keys, id_column)
         await run_file(
@@ -104,6 +109,6 @@ async def run_job(opts: JobOptions) -> Summary:
         journal.close(complete)
         if sink.bar is not None:
             sink.bar.close()
-        await repository.unload_all()
+        await executor.repository.unload_all()
     seconds = time.perf_counter() - started
     return Summary(sink.done, sink.errors, sink.skipped, sink.total_tokens, seconds)

@@ -16,6 +16,8 @@ import time
 from collections import deque
 from collections.abc import Iterable, Iterator
 
+import orjson
+
 from bitserve.offline.executor import Executor
 from bitserve.offline.journal import Journal
 from bitserve.offline.records import Record, done_key, dumps, error_line, record_key
@@ -32,7 +34,12 @@ class Sink:
         self.started = time.perf_counter()
 
     def add(self, doc: dict) -> None:
-        self.lines.append(dumps(doc))
+        self.add_line(dumps(doc), doc)
+
+    def add_line(self, line: bytes, doc: dict | None = None) -> None:
+        """An answer already serialized (by a worker process or a Ray actor)."""
+        doc = orjson.loads(line) if doc is None else doc
+        self.lines.append(line)
         body = (doc.get("response") or {}).get("body") or {}
         tokens = (body.get("usage") or {}).get("total_tokens", 0) if isinstance(body, dict) else 0
         failed = doc.get("error") is not None
