@@ -1,7 +1,9 @@
-"""`bitserve batch`: offline inference over a file, in-process or over a Ray cluster.
+"""`bitserve batch`: offline inference over a file, in-process, over local worker
+processes (one engine per core) or over a Ray cluster.
 
 bitserve batch --input requests.jsonl --output answers.jsonl            # OpenAI Batch format
 bitserve batch --input rows.csv --output out.jsonl --model minilm --map text=sentence
+bitserve batch --input requests.jsonl --output answers.jsonl --workers 2   # 2 processes
 bitserve batch --input requests.jsonl --output answers.jsonl --ray local --ray-workers 4
 
 Run it again with the same arguments after a crash: it resumes where it stopped.
@@ -35,8 +37,19 @@ import click
 @click.option("--model", default=None, help="Plain rows (JSONL/CSV/Parquet) for this v2 model.")
 @click.option("--map", "mapping", multiple=True, help="input=column (plain rows).")
 @click.option("--id-column", default=None, help="Column that names each row (plain rows).")
-@click.option("--max-in-flight", default=512, show_default=True, type=int)
-@click.option("--threads", default=0, type=int, help="torch intra-op threads (0: default).")
+@click.option(
+    "--max-in-flight", default=512, show_default=True, type=int, help="Records at once, per worker."
+)
+@click.option(
+    "--threads", default=0, type=int, help="torch intra-op threads (0: default; 1 per worker)."
+)
+@click.option(
+    "--workers",
+    default=1,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="Local worker processes, each with its own copy of the models (1: this process).",
+)
 @click.option("--ray", "ray_address", default=None, help="Ray cluster ADDRESS, or 'local'.")
 @click.option("--ray-workers", default=2, show_default=True, type=int)
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
@@ -50,6 +63,7 @@ def batch(
     id_column: str | None,
     max_in_flight: int,
     threads: int,
+    workers: int,
     ray_address: str | None,
     ray_workers: int,
     no_progress: bool,
@@ -58,6 +72,7 @@ def batch(
     """Run every record of INPUT through the repository's models into OUTPUT (JSONL)."""
     from bitserve.offline.job import JobOptions, run_job
     from bitserve.offline.journal import JournalError
+    from bitserve.offline.parallel import WorkerError
     from bitserve.offline.rows import RowMapping, parse_mapping
 
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
@@ -65,6 +80,8 @@ def batch(
         import torch
 
         torch.set_num_threads(threads)
+    if workers > 1 and ray_address:
+        raise click.BadParameter("use --workers or --ray, not both", param_hint="--workers")
     if not input_path.is_file():
         raise click.BadParameter(f"{input_path} does not exist", param_hint="--input")
     try:
@@ -79,9 +96,13 @@ def batch(
             from bitserve.offline.distributed import run_ray
 
             summary = run_ray(opts, ray_address, ray_workers)
+        elif workers > 1:
+            from bitserve.offline.parallel import run_parallel
+
+            summary = run_parallel(opts, workers, threads or 1)
         else:
             summary = asyncio.run(run_job(opts))
-    except JournalError as e:
+    except (JournalError, WorkerError) as e:
         raise click.ClickException(str(e)) from None
     click.echo(summary.line(), err=True)
     sys.stdout.flush()
