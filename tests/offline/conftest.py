@@ -83,3 +83,36 @@ def key(doc: dict) -> str:
 
 def openai_line(custom_id: str, url: str, body: dict) -> str:
     return json.dumps({"custom_id": custom_id, "method": "POST", "url": url, "body": body})
+
+
+def answers(path: Path) -> dict:
+    """Each record's response body less its ids and timestamp, and its error."""
+    out = {}
+    for doc in read_output(path):
+        body = (doc["response"] or {}).get("body") or {}
+        out[key(doc)] = (
+            {k: v for k, v in body.items() if k not in ("id", "created")},
+            doc["error"],
+        )
+    return out
+
+
+def children(pid: int) -> list[int]:
+    """The live (not zombie) processes whose parent is `pid`."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid and fields[0] != "Z":
+            found.append(int(stat.parent.name))
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"

@@ -4,20 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from tests.offline.conftest import key, openai_line, read_output, run_batch
+from tests.offline.conftest import answers, openai_line, run_batch
 
 ray = pytest.importorskip("ray")
-
-
-def answers(path) -> dict:
-    out = {}
-    for doc in read_output(path):
-        body = (doc["response"] or {}).get("body") or {}
-        out[key(doc)] = (
-            {k: v for k, v in body.items() if k not in ("id", "created")},
-            doc["error"],
-        )
-    return out
 
 
 def test_ray_cluster_output_equals_single_process(batch_repo, tmp_path):

@@ -8,8 +8,18 @@ import signal
 import subprocess
 import time
 
+import pytest
+
 from bitserve.offline.journal import Journal, progress_path
-from tests.offline.conftest import batch_command, key, openai_line, read_output, run_batch
+from tests.offline.conftest import (
+    alive,
+    batch_command,
+    children,
+    key,
+    openai_line,
+    read_output,
+    run_batch,
+)
 
 
 def test_journal_drops_an_uncommitted_tail(tmp_path):
@@ -25,9 +35,20 @@ def test_journal_drops_an_uncommitted_tail(tmp_path):
 
 
 def test_kill_nine_then_resume_gives_every_record_once(batch_repo, tmp_path):
+    kill_nine_then_resume(batch_repo, tmp_path)
+
+
+@pytest.mark.slow  # ~20 s: five starts of a parent and two workers
+def test_kill_nine_with_two_workers_then_resume(batch_repo, tmp_path):
+    kill_nine_then_resume(batch_repo, tmp_path, "--workers", "2", records=4000)
+
+
+def kill_nine_then_resume(batch_repo, tmp_path, *args: str, records: int = 2000) -> None:
+    """kill -9 the command four times at random points of its output (its worker
+    processes must die with it), then run it to the end: every record exactly once."""
     rng = random.Random(7)
     inp = tmp_path / "in.jsonl"
-    ids = [f"r{i}" for i in range(2000)]  # enough work to still be running at each kill
+    ids = [f"r{i}" for i in range(records)]  # enough work to still be running at each kill
     body = {"model": "chat", "max_tokens": 64, "temperature": 0, "ignore_eos": True}
     lines = [openai_line(i, "/v1/completions", {**body, "prompt": f"p {i}"}) for i in ids]
     inp.write_text("\n".join([*lines, "{broken"]) + "\n")
@@ -35,7 +56,7 @@ def test_kill_nine_then_resume_gives_every_record_once(batch_repo, tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     kills = 0
     for _ in range(4):
-        command = batch_command(batch_repo, inp, out, "--max-in-flight", "64")
+        command = batch_command(batch_repo, inp, out, "--max-in-flight", "64", *args)
         process = subprocess.Popen(command, env=env)
         before = out.stat().st_size if out.exists() else 0
         target = before + rng.randint(1, 20_000)  # somewhere in the next stretch of output
@@ -46,11 +67,16 @@ def test_kill_nine_then_resume_gives_every_record_once(batch_repo, tmp_path):
                 break
             time.sleep(0.01)
         if process.poll() is None:
+            orphans = children(process.pid)
             os.kill(process.pid, signal.SIGKILL)
             kills += 1
+            deadline = time.monotonic() + 10
+            while any(map(alive, orphans)) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert not any(map(alive, orphans)), "a worker outlived its parent"
         process.wait()
     assert kills >= 3, f"the job outran the kills ({kills}): give it more work"
-    summary = run_batch(batch_repo, inp, out, "--max-in-flight", "64")
+    summary = run_batch(batch_repo, inp, out, "--max-in-flight", "64", *args)
     assert "skipped" in summary
     docs = read_output(out)
     keys = [key(d) for d in docs]
