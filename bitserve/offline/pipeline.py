@@ -98,11 +98,17 @@ async def run_records(
         else:
             works.append(work)
     works.sort(key=lambda w: w.length)
+
+    async def answer(work) -> None:
+        try:  # in the task, not a done callback: an error here must fail the run
+            on_answer(await executor.run(work))
+        finally:
+            limit.release()
+
     tasks: set[asyncio.Task] = set()
     for work in works:
         await limit.acquire()
-        task = asyncio.create_task(executor.run(work))
-        task.add_done_callback(lambda t: (limit.release(), on_answer(t.result())))
+        task = asyncio.create_task(answer(work))
         tasks.add(task)
         task.add_done_callback(tasks.discard)
     await asyncio.gather(*list(tasks))

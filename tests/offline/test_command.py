@@ -110,3 +110,31 @@ def test_plain_rows_csv_and_parquet(batch_repo, tmp_path):
             assert body["outputs"][0]["data"] == [2 * v for v in r["vec"]]
         if path.suffix == ".csv":
             assert "does not match" in docs["bad"]["error"]["message"]
+
+
+async def test_an_answer_that_cannot_be_kept_fails_the_run() -> None:
+    """If taking an answer raises (e.g. it cannot be serialised), run_records raises
+    instead of dropping that record while the run goes on to be marked complete."""
+    import asyncio
+
+    from bitserve.offline.executor import Work
+    from bitserve.offline.pipeline import run_records
+    from bitserve.offline.records import Record
+
+    class Echo:
+        def prepare(self, record):
+            async def run():
+                return {"custom_id": record.raw}
+
+            return Work(record.raw, record.line, 1, run)
+
+        async def run(self, work):
+            return await work.run()
+
+    def on_answer(doc):
+        if doc["custom_id"] == "b":
+            raise TypeError("not serialisable")
+
+    records = [Record(i, raw) for i, raw in enumerate("abc")]
+    with pytest.raises(TypeError, match="not serialisable"):
+        await run_records(Echo(), records, on_answer, asyncio.Semaphore(2))
