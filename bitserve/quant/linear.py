@@ -352,9 +352,12 @@ class Int4Linear(QuantLinear):
         return F.linear(self.pad(x.to(torch.bfloat16)), self.dequantize(torch.bfloat16))
 
     def free_unpacked(self) -> None:
-        """Drop `qweight` once the C kernel or int4pack holds its own copy of the codes."""
+        """Drop `qweight` once the C kernel or int4pack holds its own copy of the codes
+        (and the scales and zeros too once the C kernel's tiles hold them)."""
         if self.use_pack or self.c_weight is not None:
             self.qweight = torch.empty(0, dtype=torch.uint8, device=self.device)
+        if self.c_weight is not None:
+            self.scales = self.zeros = torch.empty(0, dtype=torch.bfloat16, device=self.device)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.c_weight is not None:  # any row count: it beats bf16 matmul at 1-256 rows
