@@ -47,7 +47,7 @@ class Summary:
         return (
             f"done {self.done}, failed {self.failed}, skipped {self.skipped} (already in the "
             f"output); {rate:.1f} records/s, {self.tokens / max(self.seconds, 1e-9):.0f} tok/s "
-            f"in {self.seconds:.1f} s"
+            f"in {self.seconds:.2f} s"
         )
 
 
