@@ -124,8 +124,9 @@ class FusedDecode:
         attn = self.self_attn
         per_row = 2 * x.shape[1] + 2 * (attn.q_size + attn.kv_size) + 3 * self.mlp.intermediate
         scratch = getattr(self, "_scratch", None)
-        if scratch is None or scratch.numel() < per_row * x.shape[0]:
-            scratch = self._scratch = torch.empty(per_row * self.fuse_rows)
+        if scratch is None or scratch.numel() < per_row * x.shape[0]:  # grown as batches grow
+            rows = min(self.fuse_rows, 1 << (x.shape[0] - 1).bit_length())
+            scratch = self._scratch = torch.empty(per_row * rows)
         x = x.contiguous().clone()  # updated in place by the kernel
         qkernels.get().decode_layer(
             self.c_params(rotary), x, positions, meta.slot_mapping, meta.decode, scratch
