@@ -3,7 +3,7 @@
 `prepare` parses and validates a record at once (so a bad one becomes an error line
 without touching a model, and its length is known for bucketing); `run` executes it.
 OpenAI lines are parsed with the server's own request schemas and answered with its
-own response builders (`bitserve.server.openai`), so a batch output body equals what
+own response builders (`bitserve.server.openai_protocol`), so a batch output body equals what
 `serve` returns. LLM jobs go straight to the engine, skipping the server's admission
 gate: offline there is no caller to answer 429, only an engine to keep full.
 """
@@ -24,7 +24,7 @@ from bitserve.offline.records import Record, error_line, ok_line, record_key
 from bitserve.offline.rows import RowMapping, row_inputs, v2_body
 from bitserve.repository.repository import Repository
 from bitserve.repository.version import ModelVersion
-from bitserve.server import openai as api
+from bitserve.server import openai_protocol as api
 
 ENDPOINTS = {"/v1/completions", "/v1/chat/completions", "/v1/embeddings"}
 

@@ -1,9 +1,8 @@
-"""The OpenAI API over bitserve's LLM engine (and `/v1/embeddings` over hf embedders).
+"""The OpenAI API's routes over bitserve's LLM engine (and `/v1/embeddings` over hf
+embedders); the protocol itself (schemas, errors, bodies) is in openai_protocol.py.
 
 `GET /v1/models`, `POST /v1/completions`, `/v1/chat/completions`, `/v1/embeddings`,
-`/tokenize`, `/detokenize`. Parameters beyond OpenAI's (`top_k`, `min_p`,
-`repetition_penalty`, `ignore_eos`, `min_tokens`, `stop_token_ids`, `priority`) are
-accepted as extra fields, as vLLM does. Streaming is server-sent events ending with
+`/tokenize`, `/detokenize`. Streaming is server-sent events ending with
 `data: [DONE]`; a client that disconnects aborts its requests, whose KV blocks return
 at once. Errors use OpenAI's shape: `{"error": {"message", "type", "param", "code"}}`.
 """
@@ -11,159 +10,44 @@ at once. Errors use OpenAI's shape: `{"error": {"message", "type", "param", "cod
 from __future__ import annotations
 
 import asyncio
-import re
 import time
-import uuid
-from collections.abc import AsyncIterator, Iterator
-from typing import TYPE_CHECKING, Annotated, Any, Literal
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
-from bitserve.backends.llm import LLMService, NoChatTemplate, Overloaded, PromptTooLong
-from bitserve.batching.batcher import QueueFull
-from bitserve.batching.batcher import Request as BatchRequest
-from bitserve.batching.collate import shape_key
+from bitserve.backends.llm import LLMService
 from bitserve.llm.outputs import RequestOutput
-from bitserve.llm.sampling_params import SamplingParams
-from bitserve.repository.repository import ModelNotFound, ModelUnavailable
+from bitserve.repository.repository import ModelNotFound
 from bitserve.repository.version import ModelVersion
 from bitserve.server.http import until_disconnect
+from bitserve.server.openai_protocol import (
+    APIError,
+    ChatRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    EmbeddingRequest,
+    Responses,
+    TokenizeRequest,
+    chat_jobs,
+    completion_jobs,
+    embedding_body,
+    embedding_requests,
+    embedding_texts,
+    parse,
+    translate,
+)
 
 if TYPE_CHECKING:
     from bitserve.server.app import Server
 
 
-class APIError(Exception):
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        kind: str,
-        param: str | None = None,
-        code: str | None = None,
-        headers: dict | None = None,
-    ):
-        super().__init__(message)
-        self.status, self.kind, self.param, self.code, self.headers = (
-            status,
-            kind,
-            param,
-            code,
-            headers,
-        )
-
-
 def api_error(exc: APIError) -> Response:
     body = {"error": {"message": str(exc), "type": exc.kind, "param": exc.param, "code": exc.code}}
     return Response(orjson.dumps(body), exc.status, exc.headers, "application/json")
-
-
-# ------------------------------------------------------------------- schemas
-
-
-class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-    model: str
-    n: Annotated[int, Field(ge=1, le=16)] = 1
-    stream: bool = False
-    stream_options: dict[str, bool] | None = None
-    temperature: Annotated[float, Field(ge=0, le=2)] = 1.0
-    top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    presence_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
-    frequency_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
-    user: str | None = None
-    # vLLM's extra sampling parameters
-    top_k: int = -1
-    min_p: Annotated[float, Field(ge=0, le=1)] = 0.0
-    repetition_penalty: Annotated[float, Field(gt=0)] = 1.0
-    ignore_eos: bool = False
-    min_tokens: Annotated[int, Field(ge=0)] = 0
-    stop_token_ids: list[int] = []
-    priority: int = 0
-    skip_special_tokens: bool = True
-    include_stop_str_in_output: bool = False
-
-
-class CompletionRequest(_Request):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: Annotated[int, Field(ge=1)] = 16
-    logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
-    echo: bool = False
-    best_of: int | None = None
-
-
-class TextPart(BaseModel):
-    type: Literal["text"]
-    text: str
-
-
-class Message(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    role: Literal["system", "user", "assistant"]
-    content: str | list[TextPart]
-
-    def text(self) -> str:
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(part.text for part in self.content)
-
-
-class ChatRequest(_Request):
-    messages: Annotated[list[Message], Field(min_length=1)]
-    max_tokens: Annotated[int, Field(ge=1)] | None = None
-    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
-    logprobs: bool = False
-    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
-    few_shot: bool = True  # bitserve: prepend the model's system prompt and examples
-
-
-class EmbeddingRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    model: str
-    input: str | Annotated[list[str], Field(min_length=1)]
-    encoding_format: Literal["float", "base64"] = "float"
-    user: str | None = None
-
-
-class TokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    model: str
-    prompt: str | None = None
-    messages: list[Message] | None = None
-    add_special_tokens: bool = True
-
-
-class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    model: str
-    tokens: list[int]
-
-
-# pydantic names the union member in an error's location ("prompt.str"): not a field
-_TYPE_TAG = re.compile(r"^(str|int|float|bool|list|dict|none|literal\[.*|function-.*|.*\[.*\])$")
-
-
-def parse(schema: type[BaseModel], body: bytes) -> Any:
-    try:
-        doc = orjson.loads(body)
-    except orjson.JSONDecodeError as e:
-        raise APIError(400, f"malformed JSON: {e}", "invalid_request_error") from None
-    if not isinstance(doc, dict):
-        raise APIError(400, "the request body must be a JSON object", "invalid_request_error")
-    try:
-        return schema.model_validate(doc)
-    except ValidationError as e:
-        err = e.errors()[0]
-        param = ".".join(str(p) for p in err["loc"] if not _TYPE_TAG.match(str(p))) or None
-        raise APIError(400, f"{param}: {err['msg']}", "invalid_request_error", param) from None
 
 
 # ---------------------------------------------------------------------- app
@@ -326,119 +210,6 @@ class OpenAI:
 # --------------------------------------------------------------- streaming
 
 
-class Responses:
-    """Builds OpenAI response bodies from finished engine outputs, apart from any HTTP,
-    so that `bitserve batch` writes exactly what the server answers."""
-
-    def __init__(self, llm: LLMService, req: Any, jobs: list, chat: bool):
-        self.llm, self.req, self.jobs, self.chat = llm, req, jobs, chat
-        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        self.created = int(time.time())
-
-    def body(self, finals: dict[int, RequestOutput]) -> dict:
-        """The non-streaming body, given the final output of every job."""
-        choices = [self._choice(i, finals[i]) for i in range(len(self.jobs))]
-        return self._envelope(choices, usage=self._usage(finals))
-
-    def _choice(self, index: int, out: RequestOutput) -> dict:
-        completion = out.outputs[0]
-        text = completion.text
-        logprobs = None
-        if self.chat:
-            if completion.logprobs is not None:
-                logprobs = {
-                    "content": self._chat_logprobs(completion.token_ids, completion.logprobs)
-                }
-            return {
-                "index": index,
-                "message": {"role": "assistant", "content": text},
-                "logprobs": logprobs,
-                "finish_reason": completion.finish_reason,
-            }
-        if self.req.echo:
-            prompt = self.jobs[index][0]
-            text = (prompt if isinstance(prompt, str) else self.llm.tokenizer.decode(prompt)) + text
-        if completion.logprobs is not None:
-            logprobs = self._completion_logprobs(completion.token_ids, completion.logprobs, 0)
-        return {
-            "index": index,
-            "text": text,
-            "logprobs": logprobs,
-            "finish_reason": completion.finish_reason,
-        }
-
-    def _usage(self, outputs: dict[int, RequestOutput]) -> dict:
-        prompts = {}
-        for i, out in outputs.items():
-            prompts[self.jobs[i][0] if isinstance(self.jobs[i][0], str) else i // self.req.n] = len(
-                out.prompt_token_ids
-            )
-        prompt_tokens = sum(prompts.values())
-        completion = sum(len(o.outputs[0].token_ids) for o in outputs.values())
-        return {
-            "prompt_tokens": prompt_tokens,
-            "completion_tokens": completion,
-            "total_tokens": prompt_tokens + completion,
-        }
-
-    def _envelope(self, choices: list, usage: dict | None) -> dict:
-        doc = {
-            "id": self.id,
-            "object": "chat.completion" if self.chat else "text_completion",
-            "created": self.created,
-            "model": self.req.model,
-            "choices": choices,
-        }
-        if usage is not None:
-            doc["usage"] = usage
-        return doc
-
-    def _token(self, token_id: int) -> str:
-        return self.llm.decode_token(token_id)
-
-    def _chat_logprobs(self, ids: list[int], logprobs: list[dict[int, float]]) -> list[dict]:
-        content = []
-        for token_id, entry in zip(ids, logprobs, strict=False):
-            text = self._token(token_id)
-            top = sorted(entry.items(), key=lambda kv: -kv[1])[: self.req.top_logprobs or 0]
-            content.append(
-                {
-                    "token": text,
-                    "logprob": entry[token_id],
-                    "bytes": list(text.encode()),
-                    "top_logprobs": [
-                        {
-                            "token": self._token(t),
-                            "logprob": lp,
-                            "bytes": list(self._token(t).encode()),
-                        }
-                        for t, lp in top
-                    ],
-                }
-            )
-        return content
-
-    def _completion_logprobs(
-        self, ids: list[int], logprobs: list[dict[int, float]], offset: int
-    ) -> dict:
-        tokens = [self._token(t) for t in ids]
-        offsets, position = [], offset
-        for text in tokens:
-            offsets.append(position)
-            position += len(text)
-        # distinct ids can decode to one text ("\ufffd" for partial bytes): keep the best
-        top = [
-            {self._token(t): lp for t, lp in sorted(entry.items(), key=lambda kv: kv[1])}
-            for entry in logprobs
-        ]
-        return {
-            "tokens": tokens,
-            "token_logprobs": [e[t] for t, e in zip(ids, logprobs, strict=False)],
-            "top_logprobs": top,
-            "text_offset": offsets,
-        }
-
-
 class _Streams(Responses):
     """Every (prompt, choice) of one API request as engine requests, merged in order of
     arrival; closing it early (a disconnect) aborts all of them."""
@@ -597,123 +368,6 @@ class _Recorder:
 
 
 # ----------------------------------------------------------------- helpers
-
-
-def completion_jobs(req: CompletionRequest) -> list[tuple[Any, int, SamplingParams]]:
-    """(prompt, choice index, sampling params) for every prompt times every choice."""
-    if req.best_of not in (None, req.n):
-        raise APIError(
-            400, "best_of different from n is not supported", "invalid_request_error", "best_of"
-        )
-    prompts = _prompts(req.prompt)
-    params = [_sampling(req, req.max_tokens, req.logprobs, i) for i in range(req.n)]
-    return [(p, i, sp) for p in prompts for i, sp in enumerate(params)]
-
-
-def chat_jobs(req: ChatRequest, llm: LLMService) -> list[tuple[Any, int, SamplingParams]]:
-    """The rendered chat prompt (template, system prompt, few-shot turns) per choice."""
-    messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-    prompt = llm.chat_prompt(messages, few_shot=req.few_shot)
-    max_tokens = req.max_completion_tokens or req.max_tokens
-    if max_tokens is None:
-        max_tokens = max(1, llm.max_model_len - len(prompt))
-    top = (req.top_logprobs or 0) if req.logprobs else None
-    params = [_sampling(req, max_tokens, top, i) for i in range(req.n)]
-    return [(prompt, i, sp) for i, sp in enumerate(params)]
-
-
-def embedding_texts(req: EmbeddingRequest) -> list[str]:
-    return [req.input] if isinstance(req.input, str) else req.input
-
-
-def embedding_body(
-    req: EmbeddingRequest, texts: list[str], vectors: list, version: ModelVersion
-) -> dict:
-    """The /v1/embeddings body: vectors as float32 lists or base64, token usage."""
-    tokenizer = getattr(version.instances[0].model, "tokenizer", None)
-    tokens = sum(len(tokenizer(t)["input_ids"]) for t in texts) if tokenizer else 0
-    data = []
-    for i, vector in enumerate(vectors):
-        value: Any = vector.astype(np.float32)
-        if req.encoding_format == "base64":
-            import base64
-
-            value = base64.b64encode(value.tobytes()).decode()
-        data.append({"object": "embedding", "index": i, "embedding": value})
-    return {
-        "object": "list",
-        "data": data,
-        "model": req.model,
-        "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
-    }
-
-
-def _prompts(prompt: Any) -> list[str | list[int]]:
-    if isinstance(prompt, str):
-        return [prompt]
-    if not prompt:
-        raise APIError(400, "prompt must not be empty", "invalid_request_error", "prompt")
-    if isinstance(prompt[0], int):
-        return [list(prompt)]
-    return list(prompt)
-
-
-def _sampling(req: Any, max_tokens: int, logprobs: int | None, choice: int) -> SamplingParams:
-    try:
-        return SamplingParams(
-            max_tokens=max_tokens,
-            min_tokens=min(req.min_tokens, max_tokens),
-            temperature=req.temperature,
-            top_p=req.top_p,
-            top_k=req.top_k,
-            min_p=req.min_p,
-            repetition_penalty=req.repetition_penalty,
-            presence_penalty=req.presence_penalty,
-            frequency_penalty=req.frequency_penalty,
-            seed=None if req.seed is None else req.seed + choice,
-            stop=req.stop,
-            stop_token_ids=list(req.stop_token_ids),
-            ignore_eos=req.ignore_eos,
-            include_stop_str_in_output=req.include_stop_str_in_output,
-            logprobs=logprobs,
-            skip_special_tokens=req.skip_special_tokens,
-        )
-    except ValueError as e:
-        raise APIError(400, str(e), "invalid_request_error") from None
-
-
-def translate(e: BaseException) -> APIError:
-    if isinstance(e, Overloaded | QueueFull):
-        return APIError(
-            429,
-            str(e),
-            "rate_limit_error",
-            code="queue_full",
-            headers={"Retry-After": str(e.retry_after)},
-        )
-    if isinstance(e, PromptTooLong):
-        return APIError(400, str(e), "invalid_request_error", "messages", "context_length_exceeded")
-    if isinstance(e, NoChatTemplate | ValueError):
-        return APIError(400, str(e), "invalid_request_error")
-    if isinstance(e, ModelUnavailable):
-        return APIError(503, str(e), "service_unavailable")
-    if isinstance(e, ModelNotFound):
-        return APIError(404, str(e), "invalid_request_error", "model", "model_not_found")
-    return APIError(500, f"{type(e).__name__}: {e}", "internal_error")
-
-
-def embedding_requests(version: ModelVersion, texts: list[str]) -> Iterator[BatchRequest]:
-    """Texts as batcher requests of at most max_batch_size rows (online and offline)."""
-    config = version.config
-    name = config.input[0].name
-    limit = max(config.max_batch_size, 1)
-    for start in range(0, len(texts), limit):
-        chunk = texts[start : start + limit]
-        array = np.empty((len(chunk), 1), dtype=object)
-        array[:, 0] = [t.encode() for t in chunk]
-        inputs = {name: array}
-        now = asyncio.get_running_loop().time()
-        yield BatchRequest(inputs, len(chunk), now, shape_key=shape_key(config, inputs))
 
 
 def _json(doc: dict) -> Response:
