@@ -384,8 +384,6 @@ void bs_rope_rows(float *x, long T, long ld, long H, long D, const long *positio
 COMPILE_FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp-simd", "-fPIC"]
 FAST_MATH = ["-ffast-math"]  # compile step only: vectorised expf and reductions
 
-_kernels: Kernels | bool | None = False  # False: not tried yet
-
 
 def cpu_signature() -> str:
     """The CPU model and flags: a cached -march=native build must not move between CPUs."""
@@ -448,25 +446,23 @@ class LayerParams(ctypes.Structure):
     ]
 
 
+def bind(lib: ctypes.CDLL, name: str, *argtypes: Any) -> Any:
+    """A C function of `lib` that returns nothing, with its argument types set."""
+    fn = getattr(lib, name)
+    fn.argtypes, fn.restype = list(argtypes), None
+    return fn
+
+
 class Kernels:
     def __init__(self, path: Path):
         lib = ctypes.CDLL(str(path))
         p, i, f = ctypes.c_void_p, ctypes.c_long, ctypes.c_float
-        self._linear = lib.bs_linear_small
-        self._linear.argtypes = [p, i, i, i, p, i, p, p]
-        self._linear.restype = None
-        self._decode = lib.bs_paged_decode
-        self._decode.argtypes = [p, p, p, i, i, i, i, p, p, i, i, p, i, p, f]
-        self._decode.restype = None
-        self._layer = lib.bs_llama_decode_layer
-        self._layer.argtypes = [ctypes.POINTER(LayerParams), p, i, p, p, p, p, i, p, p]
-        self._layer.restype = None
-        self._silu_mul = lib.bs_silu_mul
-        self._silu_mul.argtypes = [p, i, i, p]
-        self._silu_mul.restype = None
-        self._rope = lib.bs_rope_rows
-        self._rope.argtypes = [p, i, i, i, i, p, p, p]
-        self._rope.restype = None
+        self._linear = bind(lib, "bs_linear_small", p, i, i, i, p, i, p, p)
+        self._decode = bind(lib, "bs_paged_decode", p, p, p, i, i, i, i, p, p, i, i, p, i, p, f)
+        layer = ctypes.POINTER(LayerParams)
+        self._layer = bind(lib, "bs_llama_decode_layer", layer, p, i, p, p, p, p, i, p, p)
+        self._silu_mul = bind(lib, "bs_silu_mul", p, i, i, p)
+        self._rope = bind(lib, "bs_rope_rows", p, i, i, i, i, p, p, p)
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """gate_up [M, 2I] contiguous fp32 (gate | up) -> silu(gate) * up, [M, I]."""
@@ -595,20 +591,37 @@ def zeros_huge_pages(shape: tuple[int, ...], dtype: torch.dtype = torch.float32)
     return buf[offset : offset + numel].view(shape).zero_()
 
 
+class Library:
+    """A C library built on first use and kept for the process; None where it cannot be
+    (no compiler, a failed build, or BITSERVE_NO_KERNELS=1)."""
+
+    def __init__(self, wrapper: Any, source: Any, name: str):
+        self.wrapper, self.source, self.name = wrapper, source, name  # source: () -> str
+        self.loaded: Any = False  # False: not tried yet
+
+    def get(self) -> Any:
+        if self.loaded is False:
+            self.loaded = None
+            if cc := compiler():
+                try:
+                    self.loaded = self.wrapper(build(cc, self.source(), self.name))
+                except (OSError, subprocess.SubprocessError):
+                    self.loaded = None
+        return self.loaded
+
+    def reset(self, enabled: bool | None = None) -> None:
+        """Forget the loaded library (tests): `enabled=False` forces the torch fallback."""
+        self.loaded = None if enabled is False else False
+
+
+_library = Library(Kernels, lambda: SOURCE, "llm")
+
+
 def get() -> Kernels | None:
     """The compiled kernels, or None (no compiler, build failed, or disabled)."""
-    global _kernels
-    if _kernels is False:
-        _kernels = None
-        if cc := compiler():
-            try:
-                _kernels = Kernels(build(cc))
-            except (OSError, subprocess.SubprocessError):
-                _kernels = None
-    return _kernels
+    return _library.get()
 
 
 def reset(enabled: bool | None = None) -> None:
     """Forget the loaded kernels (tests): `enabled=False` forces the torch fallback."""
-    global _kernels
-    _kernels = None if enabled is False else False
+    _library.reset(enabled)

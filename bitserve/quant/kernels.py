@@ -33,7 +33,6 @@ quantized layers use torch's kernels.
 from __future__ import annotations
 
 import ctypes
-import subprocess
 from pathlib import Path
 
 import torch
@@ -390,8 +389,6 @@ void bs_q_llama_decode_layer(const QLayerParams *p, float *x, long M, const long
 }
 """
 
-_kernels: QuantKernels | bool | None = False  # False: not tried yet
-
 
 class QWeight(ctypes.Structure):
     """Mirror of the C `QWeight`: one int8 layer's pointers and sizes."""
@@ -442,13 +439,10 @@ def qweight(layer, bias: bool = True) -> QWeight:
 class QuantKernels:
     def __init__(self, path: Path):
         lib = ctypes.CDLL(str(path))
-        p, i = ctypes.c_void_p, ctypes.c_long
-        self._gemv = lib.bs_qgemv
-        self._gemv.argtypes = [ctypes.POINTER(QWeight), p, i, i, p]
-        self._gemv.restype = None
-        self._layer = lib.bs_q_llama_decode_layer
-        self._layer.argtypes = [ctypes.POINTER(QLayerParams), p, i, p, p, p, p, i, p, p]
-        self._layer.restype = None
+        p, i, bind = ctypes.c_void_p, ctypes.c_long, llm_kernels.bind
+        self._gemv = bind(lib, "bs_qgemv", ctypes.POINTER(QWeight), p, i, i, p)
+        layer = ctypes.POINTER(QLayerParams)
+        self._layer = bind(lib, "bs_q_llama_decode_layer", layer, p, i, p, p, p, p, i, p, p)
 
     def linear(self, w: QWeight, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] fp32 with unit inner stride -> [M, N] fp32."""
@@ -460,19 +454,13 @@ class QuantKernels:
         llm_kernels.call_decode_layer(self._layer, params, x, positions, slots, decode, scratch)
 
 
+_library = llm_kernels.Library(QuantKernels, source, "quant")  # engine kernels + these
+
+
 def get() -> QuantKernels | None:
-    global _kernels
-    if _kernels is False:
-        _kernels = None
-        if cc := llm_kernels.compiler():
-            try:  # the engine's kernels and these, in one library
-                _kernels = QuantKernels(llm_kernels.build(cc, source(), "quant"))
-            except (OSError, subprocess.SubprocessError):
-                _kernels = None
-    return _kernels
+    return _library.get()
 
 
 def reset(enabled: bool | None = None) -> None:
     """Forget the loaded kernels (tests): `enabled=False` forces the torch paths."""
-    global _kernels
-    _kernels = None if enabled is False else False
+    _library.reset(enabled)
