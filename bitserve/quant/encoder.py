@@ -13,11 +13,17 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from safetensors import safe_open
 from torch import nn
 
-from bitserve.quant.linear import Int4Linear, Int8Embedding, Int8Linear, QuantLinear
-from bitserve.quant.quantize import header_shapes, set_module
+from bitserve.quant.linear import Int8Embedding
+from bitserve.quant.quantize import (
+    empty_linear,
+    header_shapes,
+    method_config,
+    quantized_linear,
+    read_weights,
+    set_module,
+)
 
 ENCODER_METHODS = ("int8", "int4")
 
@@ -59,18 +65,11 @@ def quantize_encoder(folder: Path, method: str, group_size: int = 32, activation
     model = auto.from_pretrained(folder, local_files_only=True, use_safetensors=True)
     model = model.eval().float()
     for name, linear in encoder_linears(model).items():
-        if method == "int8":
-            layer: QuantLinear = Int8Linear.from_float(linear, activations == "int8")
-        else:
-            layer = Int4Linear.from_float(linear, group_size)
-        set_module(model, name, layer)
+        set_module(model, name, quantized_linear(linear, method, group_size, activations))
     for name, embedding in word_embeddings(model).items():
         set_module(model, name, Int8Embedding.from_float(embedding))
-    qconfig: dict[str, Any] = {"quant_method": "bitserve", "method": method, "embedding": "int8"}
-    if method == "int8":
-        qconfig["activations"] = activations
-    if method == "int4":
-        qconfig["group_size"] = group_size
+    qconfig = method_config(method, group_size, activations)
+    qconfig["embedding"] = "int8"
     return model, qconfig
 
 
@@ -81,30 +80,12 @@ def load_encoder(folder: Path, auto, qconfig: dict[str, Any]) -> nn.Module:
     model = auto.from_config(AutoConfig.from_pretrained(folder, local_files_only=True))
     shapes = header_shapes(folder)
     for name, linear in encoder_linears(model).items():
-        if f"{name}.qweight" not in shapes:
-            continue
-        bias = linear.bias is not None
-        if qconfig["method"] == "int4":
-            layer: QuantLinear = Int4Linear(
-                linear.in_features, linear.out_features, bias, qconfig["group_size"]
-            )
-        else:
-            int8_activations = qconfig.get("activations", "int8") == "int8"
-            layer = Int8Linear(linear.in_features, linear.out_features, bias, int8_activations)
-        set_module(model, name, layer)
+        if f"{name}.qweight" in shapes:
+            set_module(model, name, empty_linear(linear, name, qconfig, shapes))
     for name, embedding in word_embeddings(model).items():
         if f"{name}.qweight" in shapes:
             set_module(model, name, Int8Embedding(*embedding.weight.shape))
-    state = model.state_dict(keep_vars=True)
-    missing = set(state)
-    for file in sorted(folder.glob("*.safetensors")):
-        with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                if name in state:
-                    state[name].data.copy_(f.get_tensor(name))
-                    missing.discard(name)
-    if missing:
-        raise KeyError(f"{folder}: tensors missing from the checkpoint: {sorted(missing)[:5]}")
+    read_weights(model, folder, strict=False)
     return model.eval().requires_grad_(False)
 
 

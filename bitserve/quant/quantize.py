@@ -87,21 +87,10 @@ def quantize_model(
         raise ValueError(f"group size must be one of {GROUP_SIZES}, got {group_size}")
     tied = bool(getattr(model, "tie_word_embeddings", False))
     for name, linear in quantizable(model).items():
-        if method == "int8":
-            layer = Int8Linear.from_float(linear, activations == "int8")
-        elif method == "int4":
-            layer = Int4Linear.from_float(linear, group_size)
-        else:
-            idx = (outliers or {}).get(name, torch.zeros(0, dtype=torch.int64))
-            layer = Int8OutlierLinear.from_float_with_outliers(linear, idx)
-        set_module(model, name, layer)
-    config: dict[str, Any] = {"quant_method": "bitserve", "method": method, "embedding": None}
-    if method == "int8":
-        config["activations"] = activations
-    if method == "int4":
-        config["group_size"] = group_size
-    if method == "int8-outlier":
-        config["threshold"] = threshold
+        idx = (outliers or {}).get(name)
+        set_module(model, name, quantized_linear(linear, method, group_size, activations, idx))
+    config = method_config(method, group_size, activations, threshold)
+    config["embedding"] = None
     embedding = embedding_of(model)
     if embedding is not None:
         model.embed_tokens = Int8Embedding.from_float(embedding)
@@ -111,6 +100,35 @@ def quantize_model(
     config["tied_lm_head"] = tied and method == "int8" and embedding is not None
     if tied:
         model.tie_word_embeddings = False  # tie_weights() must not put a float weight back
+    return config
+
+
+def quantized_linear(
+    linear: nn.Linear,
+    method: str,
+    group_size: int = 32,
+    activations: str = "int8",
+    outliers: torch.Tensor | None = None,
+) -> QuantLinear:
+    """`linear` quantized by `method` (`outliers`: int8-outlier's fp32 input channels)."""
+    if method == "int8":
+        return Int8Linear.from_float(linear, activations == "int8")
+    if method == "int4":
+        return Int4Linear.from_float(linear, group_size)
+    if outliers is None:
+        outliers = torch.zeros(0, dtype=torch.int64)
+    return Int8OutlierLinear.from_float_with_outliers(linear, outliers)
+
+
+def method_config(method: str, group_size: int, activations: str, threshold: float = 6.0) -> dict:
+    """The `quantization_config` entries a method has (LLMs and encoders alike)."""
+    config: dict[str, Any] = {"quant_method": "bitserve", "method": method}
+    if method == "int8":
+        config["activations"] = activations
+    if method == "int4":
+        config["group_size"] = group_size
+    if method == "int8-outlier":
+        config["threshold"] = threshold
     return config
 
 
@@ -157,22 +175,9 @@ def prepare_modules(model: nn.Module, folder: Path, qconfig: dict[str, Any]) -> 
             "that `bitserve quantize` writes)"
         )
     shapes = header_shapes(folder)
-    method = qconfig["method"]
     for name, linear in quantizable(model).items():
-        if f"{name}.qweight" not in shapes:
-            continue  # kept in full precision (or a head tied to the embedding, below)
-        bias = linear.bias is not None
-        if method == "int4":
-            layer: QuantLinear = Int4Linear(
-                linear.in_features, linear.out_features, bias, qconfig["group_size"]
-            )
-        elif method == "int8-outlier":
-            n_out = shapes[f"{name}.outlier_idx"][0]
-            layer = Int8OutlierLinear(linear.in_features, linear.out_features, bias, n_out)
-        else:
-            int8_activations = qconfig.get("activations", "int8") == "int8"
-            layer = Int8Linear(linear.in_features, linear.out_features, bias, int8_activations)
-        set_module(model, name, layer)
+        if f"{name}.qweight" in shapes:  # else full precision (or a head tied, below)
+            set_module(model, name, empty_linear(linear, name, qconfig, shapes))
     embedding = embedding_of(model)
     if embedding is not None and "embed_tokens.qweight" in shapes:
         model.embed_tokens = Int8Embedding(*embedding.weight.shape, dtype=torch.get_default_dtype())
@@ -182,19 +187,39 @@ def prepare_modules(model: nn.Module, folder: Path, qconfig: dict[str, Any]) -> 
         model.tie_word_embeddings = False
 
 
-def load_weights(model: nn.Module, folder: Path, qconfig: dict[str, Any]) -> None:
-    """Fill the prepared model from safetensors, tie the head, pick the kernels."""
+def empty_linear(
+    linear: nn.Linear, name: str, qconfig: dict[str, Any], shapes: dict[str, list[int]]
+) -> QuantLinear:
+    """An unfilled quantized layer in place of `linear`, shaped as the checkpoint says."""
+    sizes = (linear.in_features, linear.out_features, linear.bias is not None)
+    if qconfig["method"] == "int4":
+        return Int4Linear(*sizes, qconfig["group_size"])
+    if qconfig["method"] == "int8-outlier":
+        return Int8OutlierLinear(*sizes, shapes[f"{name}.outlier_idx"][0])
+    return Int8Linear(*sizes, qconfig.get("activations", "int8") == "int8")
+
+
+def read_weights(model: nn.Module, folder: Path, strict: bool = True) -> None:
+    """Copy every safetensors tensor of `folder` into `model`; each of the model's
+    tensors must be there. `strict`: a checkpoint tensor with no place is an error."""
     state = model.state_dict(keep_vars=True)
     missing = set(state)
     for file in sorted(folder.glob("*.safetensors")):
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
                 if name not in state:
-                    raise KeyError(f"checkpoint tensor {name!r} has no place in the model")
+                    if strict:
+                        raise KeyError(f"checkpoint tensor {name!r} has no place in the model")
+                    continue
                 state[name].data.copy_(f.get_tensor(name))
                 missing.discard(name)
     if missing:
         raise KeyError(f"{folder}: tensors missing from the checkpoint: {sorted(missing)[:5]}")
+
+
+def load_weights(model: nn.Module, folder: Path, qconfig: dict[str, Any]) -> None:
+    """Fill the prepared model from safetensors, tie the head, pick the kernels."""
+    read_weights(model, folder)
     if qconfig.get("tied_lm_head"):
         model.lm_head = tied_head(model.embed_tokens, qconfig.get("activations") != "bf16")
     prepare_kernels(model)
