@@ -231,9 +231,8 @@ class ModelVersion:
         for request in batch:
             request.queue_seconds = now - request.arrival
             request.batch_rows = rows
-        self.m["batch"].observe(rows)
-        for request in batch:
             self.m["queue"].observe(request.queue_seconds)
+        self.m["batch"].observe(rows)
         self.instances[slot].run(
             batch, lambda result, error: self._finish(slot, generation, result, error)
         )
