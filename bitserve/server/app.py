@@ -403,8 +403,9 @@ def errors(handler: Any) -> Any:
             status = status_of(exc)
             if status == 500 and not isinstance(exc, ExecutionError):
                 log.exception("internal error on %s", request.url.path, exc_info=exc)
-            limited = isinstance(exc, QueueFull | Overloaded | ReplicaLost)
-            headers = {"Retry-After": str(exc.retry_after)} if limited else None
+            # an error that says when to come back (queue full, overloaded, replica lost)
+            retry_after = getattr(exc, "retry_after", None)
+            headers = {"Retry-After": str(retry_after)} if retry_after is not None else None
             return error(status, str(exc) or type(exc).__name__, headers)
 
     return wrapped
