@@ -63,19 +63,16 @@ class ModelRollout:
     def __init__(
         self,
         name: str,
-        config: ModelConfig,
         traffic: Traffic,
         metrics: Metrics,
         rng: random.Random | None = None,
     ):
         self.name = name
-        self.config = config
         self.metrics = metrics
         self.rng = rng or random.Random()
         self.windows: dict[int, Window] = {}
         self.comparisons = Comparisons()
         self.events: deque[dict] = deque(maxlen=50)
-        self.kinds = dict(traffic.compare)
         self.policy = traffic
         self.mirror: shadow.Mirror | None = None
         self._canary_label: str | None = None
@@ -86,7 +83,6 @@ class ModelRollout:
     def set_policy(self, traffic: Traffic, action: str, reason: str) -> None:
         old = self.policy
         self.policy = traffic
-        self.kinds = dict(traffic.compare)
         self.canary_requests = 0  # since the policy was set: drives the rollback checks
         self.looks = 0
         for window in self.windows.values():
@@ -210,6 +206,7 @@ class ModelRollout:
         seconds = time.perf_counter() - started
         self.window(job.shadow.version).add(seconds, error is None)
         both = error is None and job.primary_ok and job.primary_outputs is not None
+        figures = compare_outputs(job.primary_outputs, outputs, self.policy.compare) if both else {}
         self.comparisons.add(
             Record(
                 primary=job.primary,
@@ -219,7 +216,7 @@ class ModelRollout:
                 primary_ok=job.primary_ok,
                 shadow_ok=error is None,
                 shadow_error=error,
-                outputs=compare_outputs(job.primary_outputs, outputs, self.kinds) if both else {},
+                outputs=figures,
             )
         )
 
@@ -249,7 +246,7 @@ class Rollouts:
         if known is not None and known[1] is not None:
             known[1].close()  # reloaded: start again from the new config.toml
         traffic = entry.config.traffic
-        rollout = ModelRollout(entry.name, entry.config, traffic, self.metrics) if traffic else None
+        rollout = ModelRollout(entry.name, traffic, self.metrics) if traffic else None
         self.models[entry.name] = (entry.config, rollout)
         return rollout
 
@@ -257,7 +254,7 @@ class Rollouts:
         rollout = self.get(entry)
         if rollout is None:
             assert entry.config is not None
-            rollout = ModelRollout(entry.name, entry.config, traffic, self.metrics)
+            rollout = ModelRollout(entry.name, traffic, self.metrics)
             rollout.events[-1].update(action=action, reason=reason)
             self.models[entry.name] = (entry.config, rollout)
         else:

@@ -23,7 +23,7 @@ def _entry(*numbers: int, down: tuple[int, ...] = ()) -> SimpleNamespace:
 
 
 def _rollout(traffic: Traffic, seed: int = 1) -> ModelRollout:
-    return ModelRollout("m", None, traffic, Metrics(), random.Random(seed))  # type: ignore[arg-type]
+    return ModelRollout("m", traffic, Metrics(), random.Random(seed))
 
 
 def test_canary_share_over_2000_requests_is_within_the_binomial_99_interval():

@@ -15,7 +15,7 @@ from bitserve.rollout.state import ModelRollout
 
 
 def _rollout(traffic: Traffic) -> ModelRollout:
-    return ModelRollout("m", None, traffic, Metrics(), random.Random(0))  # type: ignore[arg-type]
+    return ModelRollout("m", traffic, Metrics(), random.Random(0))
 
 
 def _feed(rollout: ModelRollout, version: int, n: int, rng, scale=1.0, error_rate=0.0) -> None:
