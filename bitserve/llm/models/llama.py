@@ -138,8 +138,9 @@ class LlamaForCausalLM(nn.Module):
 
     @property
     def local_layers(self) -> list[DecoderLayer]:
-        """The layers of this pipeline stage (all of them without pipeline parallelism)."""
-        return [self.layers[i] for i in self.stage]
+        """The layers of this pipeline stage (all of them without pipeline parallelism).
+        Read on every decode step: one slice, not an index per layer (~1 us, not ~9)."""
+        return list(self.layers)[self.stage.start : self.stage.stop]
 
     @property
     def attentions(self) -> list[Attention]:
@@ -176,19 +177,16 @@ class LlamaForCausalLM(nn.Module):
         """The C layer reads fp32 `Linear` weights: a plain MLP, full-width RoPE, and no
         layer swapped for another kind (quantized layers are, after the model is built)."""
         _, _, head_dim = attention_shape(self.hf)
-        return self.rotary.cos.shape[-1] == head_dim and all(
-            type(layer.mlp) is MLP
-            and all(
-                type(linear) is Linear
-                for linear in (
-                    layer.self_attn.qkv_proj,
-                    layer.self_attn.o_proj,
-                    layer.mlp.gate_up_proj,
-                    layer.mlp.down_proj,
-                )
-            )
-            for layer in self.local_layers
-        )
+        if self.rotary.cos.shape[-1] != head_dim:
+            return False
+        for layer in self.local_layers:  # every decode step: each submodule looked up once
+            attn, mlp = layer.self_attn, layer.mlp
+            if type(mlp) is not MLP:
+                return False
+            linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            if not all(type(linear) is Linear for linear in linears):
+                return False
+        return True
 
     def layer_params(self) -> list[kernels.LayerParams]:
         """The C view of every layer (raw pointers), rebuilt when a pool or table changes.
@@ -228,9 +226,10 @@ class LlamaForCausalLM(nn.Module):
 
     def fused_decode(self, x, positions, meta: AttentionMetadata) -> torch.Tensor:
         k = kernels.get()
-        attn = self.attentions[0]
+        layer = self.layers[self.stage.start]
+        attn = layer.self_attn
         per_row = 2 * self.hf["hidden_size"] + 2 * (attn.q_size + attn.kv_size)
-        per_row += 3 * self.local_layers[0].mlp.intermediate
+        per_row += 3 * layer.mlp.intermediate
         scratch = getattr(self, "_scratch", None)
         if scratch is None or scratch.numel() < per_row * x.shape[0]:
             scratch = self._scratch = torch.empty(per_row * max(SMALL_M, x.shape[0]))
