@@ -315,8 +315,6 @@ class ModelRunner:
         """Pipeline parallelism: the last stage sends each micro-batch's logits (sample
         rows, then prompt rows) to rank 0, which samples."""
         par = self.parallel
-        if par.sampler_rank == 0:  # one stage (TP only): rank 0 computed them
-            return results
         if par.samples:
             works = []
             for tag, (logits, prompt) in enumerate(results):
