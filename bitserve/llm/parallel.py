@@ -57,8 +57,7 @@ def divide(n: int, size: int, field_name: str) -> int:
 
 def check_parallel(hf: dict[str, Any], tp: int, pp: int) -> None:
     """Refuse a split the model cannot take, naming the config.json field."""
-    for name in ("tensor_parallel_size", "pipeline_parallel_size"):
-        value = tp if name.startswith("tensor") else pp
+    for name, value in (("tensor_parallel_size", tp), ("pipeline_parallel_size", pp)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
     if not hf:
@@ -164,11 +163,10 @@ class Parallel:
 
     # -- activations between stages (same TP rank, next stage) ---------------------------
     def send_next(self, x: torch.Tensor, tag: int):
-        return self.world.send([x.contiguous()], self.rank + self.tp.size, tag)
+        return self.send(x, self.rank + self.tp.size, tag)
 
     def recv_prev(self, x: torch.Tensor, tag: int) -> torch.Tensor:
-        self.world.recv([x], self.rank - self.tp.size, tag).wait()
-        return x
+        return self.recv(x, self.rank - self.tp.size, tag)
 
     def send(self, x: torch.Tensor, dst: int, tag: int):
         return self.world.send([x.contiguous()], dst, tag)
