@@ -233,16 +233,18 @@ class Rollouts:
     def route(self, name: str) -> Route | None:
         """Where an unpinned request for `name` goes; None when no policy applies."""
         entry = self.repository.models.get(name)
-        if entry is None or entry.config is None:
+        if entry is None:
             return None
         rollout = self.get(entry)
         return rollout.route(entry) if rollout is not None else None
 
     def get(self, entry: ModelEntry) -> ModelRollout | None:
+        """The model's rollout; None without a policy or without a valid config."""
+        if entry.config is None:
+            return None
         known = self.models.get(entry.name)
         if known is not None and known[0] is entry.config:
             return known[1]
-        assert entry.config is not None
         if known is not None and known[1] is not None:
             known[1].close()  # reloaded: start again from the new config.toml
         traffic = entry.config.traffic

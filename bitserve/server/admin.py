@@ -100,7 +100,7 @@ class Admin:
         return json_response(traffic.model_dump(mode="json"))
 
     def _rollout(self, entry: Any, required: bool) -> Any:
-        rollout = self.server.rollout.get(entry) if entry.config is not None else None
+        rollout = self.server.rollout.get(entry)
         if rollout is None and required:
             raise InvalidRequest(f"model '{entry.name}' has no traffic policy")
         return rollout

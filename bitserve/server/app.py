@@ -237,7 +237,7 @@ class Server:
     async def rollout_report(self, request: Request) -> Response:
         """The canary and shadow verdict (`bitserve rollout report`)."""
         entry = self.repository.entry(request.path_params["model"])
-        rollout = self.rollout.get(entry) if entry.config is not None else None
+        rollout = self.rollout.get(entry)
         if rollout is None:
             raise ModelNotFound(f"model '{entry.name}' has no traffic policy")
         from bitserve.rollout import verdict
