@@ -66,6 +66,8 @@ class ModelRollout:
         traffic: Traffic,
         metrics: Metrics,
         rng: random.Random | None = None,
+        action: str = "configured",
+        reason: str = "config.toml",
     ):
         self.name = name
         self.metrics = metrics
@@ -76,7 +78,7 @@ class ModelRollout:
         self.policy = traffic
         self.mirror: shadow.Mirror | None = None
         self._canary_label: str | None = None
-        self.set_policy(traffic, "configured", "config.toml")
+        self.set_policy(traffic, action, reason)
 
     # ------------------------------------------------------------- policy
 
@@ -256,8 +258,7 @@ class Rollouts:
         rollout = self.get(entry)
         if rollout is None:
             assert entry.config is not None
-            rollout = ModelRollout(entry.name, traffic, self.metrics)
-            rollout.events[-1].update(action=action, reason=reason)
+            rollout = ModelRollout(entry.name, traffic, self.metrics, action=action, reason=reason)
             self.models[entry.name] = (entry.config, rollout)
         else:
             rollout.set_policy(traffic, action, reason)
