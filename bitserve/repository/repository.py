@@ -45,6 +45,10 @@ class ModelEntry:
     error: str | None = None  # a config error, or the first failed version's error
     wanted: bool = True  # False after an explicit unload
 
+    def lazy(self) -> list[ModelVersion]:
+        """Versions that load on the model's first request (--lazy-load)."""
+        return [v for v in self.versions.values() if v.state == "lazy"]
+
 
 def version_numbers(model_dir: Path) -> list[int]:
     return sorted(
@@ -111,6 +115,14 @@ class Repository:
         """Load every chosen version; failures are logged and recorded, never raised."""
         pending = [(e, v) for e in self.models.values() for v in e.versions.values()]
         await asyncio.gather(*(self._load(entry, version) for entry, version in pending))
+        self.loaded = True
+
+    def defer_all(self) -> None:
+        """--lazy-load: every chosen version loads on its model's first request
+        (`ensure_loaded`) instead of now; the repository counts as loaded."""
+        for entry in self.models.values():
+            for version in entry.versions.values():
+                version.state = "lazy"
         self.loaded = True
 
     async def _load(self, entry: ModelEntry, version: ModelVersion, record: bool = True) -> bool:
@@ -254,21 +266,16 @@ class Repository:
 
     def lazy_models(self) -> list[str]:
         """Models that will load on their first request (--lazy-load)."""
-        return sorted(
-            name
-            for name, entry in self.models.items()
-            if any(v.state == "lazy" for v in entry.versions.values())
-        )
+        return sorted(name for name, entry in self.models.items() if entry.lazy())
 
     async def ensure_loaded(self, name: str) -> None:
         """Load a lazy model's versions before its first request is looked up; requests
         that arrive meanwhile wait for the same load (scale-to-zero cold start)."""
         entry = self.models.get(name)
-        if entry is None or not any(v.state == "lazy" for v in entry.versions.values()):
+        if entry is None or not entry.lazy():
             return
         async with self._lock(name):  # the others wait here, then find nothing lazy
-            lazy = [v for v in entry.versions.values() if v.state == "lazy"]
-            await asyncio.gather(*(self._load(entry, v) for v in lazy))
+            await asyncio.gather(*(self._load(entry, v) for v in entry.lazy()))
 
     def all_ready(self) -> bool:
         """Every model the repository asks for is loaded and warmed (strict readiness)."""

@@ -530,10 +530,7 @@ async def _load(repository: Repository, options: ServerOptions) -> None:
     await asyncio.to_thread(preimport, backends)
     import_seconds = time.perf_counter() - importing
     if options.lazy_load:
-        for entry in repository.models.values():
-            for version in entry.versions.values():
-                version.state = "lazy"
-        repository.loaded = True
+        repository.defer_all()
         log.info("lazy load: %s load on their first request", ", ".join(repository.lazy_models()))
         return
     await repository.load_all()
