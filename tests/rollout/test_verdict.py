@@ -26,6 +26,12 @@ def _feed(rollout: ModelRollout, version: int, n: int, rng, scale=1.0, error_rat
         window.add(float(seconds), not fails)
 
 
+def _compared(rollout: ModelRollout, n: int, cosine: float) -> None:
+    """n mirrored requests that both versions answered, with this output cosine."""
+    for _ in range(n):
+        rollout.comparisons.add(Record(1, 2, 10, 10, True, True, outputs={"y": {"cosine": cosine}}))
+
+
 def _candidate(rollout: ModelRollout, role: str = "canary") -> dict:
     report = verdict.report(rollout.snapshot())
     return next(c for c in report["candidates"] if c["role"] == role)
@@ -72,8 +78,7 @@ def test_a_shadow_whose_outputs_disagree_is_rolled_back():
     rollout, rng = _rollout(Traffic(stable=1, shadow=2)), np.random.default_rng(3)
     _feed(rollout, 1, 3000, rng)
     _feed(rollout, 2, 3000, rng)
-    for _ in range(50):
-        rollout.comparisons.add(Record(1, 2, 10, 10, True, True, outputs={"y": {"cosine": 0.9}}))
+    _compared(rollout, 50, cosine=0.9)
     c = _candidate(rollout, "shadow")
     assert c["recommendation"] == "roll back"
     assert "mean cosine 0.9000 is below 0.99" in c["reasons"][0]
@@ -95,12 +100,10 @@ def test_a_shadow_with_too_few_compared_answers_is_kept_watching():
     rollout, rng = _rollout(Traffic(stable=1, shadow=2)), np.random.default_rng(5)
     _feed(rollout, 1, 6000, rng)
     _feed(rollout, 2, 6000, rng)
-    for _ in range(10):
-        rollout.comparisons.add(Record(1, 2, 10, 10, True, True, outputs={"y": {"cosine": 1.0}}))
+    _compared(rollout, 10, cosine=1.0)
     c = _candidate(rollout, "shadow")
     assert c["recommendation"] == "keep watching" and "only 10 mirrored" in c["reasons"][0]
-    for _ in range(30):
-        rollout.comparisons.add(Record(1, 2, 10, 10, True, True, outputs={"y": {"cosine": 1.0}}))
+    _compared(rollout, 30, cosine=1.0)
     assert _candidate(rollout, "shadow")["recommendation"] == "promote"
 
 
