@@ -141,11 +141,8 @@ class LLMEngine:
             return []
         if self.workers is None:
             return self.update(batch, self.runner.execute(batch))
-        self.workers.check()
-        try:
+        with self.workers.collective():
             output = self.runner.execute(batch)
-        except Exception as error:  # a worker died or hung: say which, stop the rest
-            self.workers.fail(error)
         return self.update(batch, output)
 
     def shutdown(self, wait: bool = True) -> None:
@@ -259,15 +256,10 @@ class LLMEngine:
         """The MoE load metric; with workers, asked of them (a failed worker: empty)."""
         if self.workers is None:
             return self.runner.tokens_per_expert()
-        try:
-            self.workers.check()
+        # the next step reports a failure (and a failed collective stops the workers)
+        with contextlib.suppress(WorkerDied), self.workers.collective():
             return self.runner.tokens_per_expert()
-        except WorkerDied:  # the next step reports the failure; a metric does not
-            return []
-        except Exception as error:  # a collective failed: the group is not to be trusted
-            with contextlib.suppress(WorkerDied):
-                self.workers.fail(error)
-            return []
+        return []
 
 
 class LLM:

@@ -32,6 +32,7 @@ import sys
 import time
 import traceback
 import weakref
+from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -263,6 +264,17 @@ class Workers:
         dead = self.launcher.dead()
         if dead:
             self.fail(None, dead)
+
+    @contextlib.contextmanager
+    def collective(self) -> Iterator[None]:
+        """Around rank 0's work with the workers: refused if a worker has exited; an
+        error inside (a worker died or hung mid-collective) stops every worker and comes
+        out as WorkerDied, naming the rank."""
+        self.check()
+        try:
+            yield
+        except Exception as error:
+            self.fail(error)
 
     def fail(self, error: BaseException | None, dead: dict[int, str] | None = None):
         """Stop every worker and raise WorkerDied naming the ranks that died and why."""
