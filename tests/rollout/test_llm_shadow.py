@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import json
 import shutil
-import time
 
 import httpx
 import pytest
 
 from tests.conftest import ROOT, Server
+from tests.rollout.conftest import mirrored_report
 
 TOKEN = "llm-rollout"
 TRAFFIC = """
@@ -50,12 +50,7 @@ def test_llm_shadow_compares_text_by_exact_match_and_tokens(llm_server):
             answer = client.post("/v2/models/tinylm/infer", json=body)
             assert answer.status_code == 200, answer.text
             assert answer.json()["model_version"] == "1"
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            report = client.get("/v2/models/tinylm/rollout").json()
-            if report["shadow_comparison"]["mirrored"] >= 5:
-                break
-            time.sleep(0.2)
+        report = mirrored_report(client, "tinylm", 5, timeout=30, every=0.2)
     figures = report["shadow_comparison"]["outputs"]["text_output"]
     assert figures["exact_match"]["mean"] == 1.0
     assert figures["token_agreement"]["mean"] == 1.0

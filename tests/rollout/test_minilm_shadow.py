@@ -11,12 +11,12 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
 
 from tests.conftest import ROOT, Server
+from tests.rollout.conftest import mirrored_report
 
 QUANTIZE = [sys.executable, "-m", "bitserve.cli", "quantize", "--threads", "1"]
 TRAFFIC = """
@@ -70,12 +70,7 @@ def test_report_shows_cosine_agreement_and_latency_for_both(minilm_server):
             }
             answer = client.post("/v2/models/minilm/infer", json=body)
             assert answer.status_code == 200 and answer.json()["model_version"] == "1"
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            report = client.get("/v2/models/minilm/rollout").json()
-            if report["shadow_comparison"]["mirrored"] >= n:
-                break
-            time.sleep(0.5)
+        report = mirrored_report(client, "minilm", n, timeout=60, every=0.5)
     comparison = report["shadow_comparison"]
     assert comparison["mirrored"] == n and comparison["shadow_errors"] == 0
     cosine = comparison["outputs"]["embedding"]["cosine"]
