@@ -75,11 +75,9 @@ def breakdown(
     total = max(ready - started, 0.0)
     imports = min(max(imported - started, 0.0) + preimport, total)
     window = (started + imports, started + total)
-    load_union = _union(_clip(loads, window))
+    load_union, warmup_union = _union(_clip(loads, window)), _union(_clip(warmups, window))
     load = _length(load_union)
-    warmup = _length(_union(_clip(warmups, window))) - _overlap(
-        _union(_clip(warmups, window)), load_union
-    )
+    warmup = _length(warmup_union) - _overlap(warmup_union, load_union)
     return Startup(total, imports, load, warmup, max(total - imports - load - warmup, 0.0))
 
 
