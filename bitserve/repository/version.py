@@ -315,11 +315,8 @@ class ModelVersion:
         if slot in self.batcher.free:
             self.batcher.free.remove(slot)
         if not self.replicated:
-            held = self.running.pop(slot, None)
-            if held is not None:
-                error = ExecutionError(f"model '{self.config.name}': instance {reason}; restarted")
-                for request in held[1]:
-                    request.finish(None, error)
+            error = ExecutionError(f"model '{self.config.name}': instance {reason}; restarted")
+            self._fail_held(slot, error)
         # A replica's batch is settled by its own call, which the kill ends: retried if
         # it had not started there, else failed with 503.
         while self.state in ("ready", "draining"):
@@ -334,19 +331,19 @@ class ModelVersion:
                 await fresh.stop()
                 return
             self.instances[slot] = fresh
-            self._fail_held(slot, reason)
+            lost = ReplicaLost(f"model '{self.config.name}': replica {reason}; retry the request")
+            self._fail_held(slot, lost)
             self.unhealthy.discard(slot)
             self.batcher.release(slot)
             log.info("model %s v%d instance %d restarted", self.config.name, self.version, slot)
             return
 
-    def _fail_held(self, slot: int, reason: str) -> None:
-        """A batch still held by the replaced replica (its call never returned): fail it."""
+    def _fail_held(self, slot: int, error: BaseException) -> None:
+        """The batch `slot` still holds, if any (its call never returned), fails with `error`."""
         held = self.running.pop(slot, None)
         if held is not None:
-            lost = ReplicaLost(f"model '{self.config.name}': replica {reason}; retry the request")
             for request in held[1]:
-                request.finish(None, lost)
+                request.finish(None, error)
 
 
 class Lease:
