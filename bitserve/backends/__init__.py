@@ -16,6 +16,7 @@ _MODULES = {
     "torch": "bitserve.backends.torch",
     "onnx": "bitserve.backends.onnx",
     "hf": "bitserve.backends.hf",
+    "diffusion": "bitserve.backends.diffusion",
 }
 
 

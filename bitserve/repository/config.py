@@ -235,7 +235,7 @@ class Traffic(_Strict):
 
 class ModelConfig(_Strict):
     name: str
-    backend: Literal["python", "torch", "onnx", "hf", "llm"]
+    backend: Literal["python", "torch", "onnx", "hf", "llm", "diffusion"]
     max_batch_size: Annotated[int, Field(ge=0)] = 0
     input: list[TensorSpec] = []
     output: list[TensorSpec] = []

@@ -37,7 +37,7 @@ from bitserve.repository.version import ExecutionError, ModelVersion, ReplicaLos
 from bitserve.rollout.policy import VERSION_HEADER
 from bitserve.rollout.state import Rollouts
 from bitserve.rollout.state import Route as RolloutRoute
-from bitserve.server import admin, generate, health, openai
+from bitserve.server import admin, generate, health, images, openai
 from bitserve.server.http import error, json_response, until_disconnect
 from bitserve.server.v2 import HEADER_LENGTH, InvalidRequest, encode_response, parse_infer
 
@@ -483,6 +483,7 @@ def create_app(
         Route(mv + "/infer", errors(server.infer), methods=["POST"]),
         *openai.OpenAI(server).routes(),
         *generate.routes(server, errors),
+        *images.routes(server),  # /v1/images/generations over diffusion models
         *probes.routes(),
         *management.routes(errors),
         Route("/v2", server.server_metadata),

@@ -1,0 +1,167 @@
+"""The denoiser: a compact class-conditional conv UNet that predicts the noise `eps`.
+
+    eps = Denoiser(x_t [B, 1, H, W], t [B] (int timesteps), label [B] (0..9, or
+          `null_label` for "no class"))
+
+Each row carries its own timestep and label, so one forward serves rows of different
+requests at different steps: the batch dimension is the only thing rows share. Every
+layer is per-row (GroupNorm, not BatchNorm), which is what makes a row's output the same
+whatever it is batched with. The unconditional model is the same network given the
+null label (trained with label dropout), so classifier-free guidance needs no second
+model.
+
+The label enters only the middle block and the up path; the down path sees x_t and t
+alone. So a guided row's conditional and unconditional halves share one encoding:
+`guided` runs the encoder once over the rows and the decoder over both halves as one
+batch, which is what makes a CFG step cost well under two plain steps.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from bitserve.diffusion.schedule import Schedule
+
+
+@dataclass(frozen=True)
+class UNetConfig:
+    size: int = 16  # images are size x size, one channel
+    channels: tuple[int, ...] = (32, 64)  # per resolution, halving each level
+    classes: int = 10  # labels 0..classes-1; `classes` itself is the null label
+    embed: int = 64  # width of the time + label embedding
+    groups: int = 8  # GroupNorm groups
+    depth: int = 2  # ResBlocks per level on the (label-free) down path
+
+    @property
+    def null_label(self) -> int:
+        return self.classes
+
+    def to_dict(self) -> dict:
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
+
+    @classmethod
+    def from_dict(cls, doc: dict) -> UNetConfig:
+        doc = dict(doc)
+        doc["channels"] = tuple(doc["channels"])
+        return cls(**doc)
+
+
+def timestep_embedding(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """Sinusoidal features of integer timesteps, [B] -> [B, dim]."""
+    half = dim // 2
+    freqs = torch.exp(-math.log(10_000.0) * torch.arange(half, dtype=torch.float32) / half)
+    angles = t.float()[:, None] * freqs[None, :]
+    return torch.cat([angles.sin(), angles.cos()], dim=1)
+
+
+class ResBlock(nn.Module):
+    def __init__(self, cin: int, cout: int, embed: int, groups: int):
+        super().__init__()
+        self.norm1 = nn.GroupNorm(groups, cin)
+        self.conv1 = nn.Conv2d(cin, cout, 3, padding=1)
+        self.film = nn.Linear(embed, cout)
+        self.norm2 = nn.GroupNorm(groups, cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, padding=1)
+        self.skip = nn.Conv2d(cin, cout, 1) if cin != cout else nn.Identity()
+
+    def forward(self, x: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
+        h = self.conv1(F.silu(self.norm1(x)))
+        h = h + self.film(emb)[:, :, None, None]
+        h = self.conv2(F.silu(self.norm2(h)))
+        return h + self.skip(x)
+
+
+class Denoiser(nn.Module):
+    """Down path (a ResBlock per level, strided conv between), a middle block, and an up
+    path that concatenates each level's skip."""
+
+    def __init__(self, config: UNetConfig):
+        super().__init__()
+        self.config = c = config
+        e, g = c.embed, c.groups
+        self.time = nn.Sequential(nn.Linear(e, e), nn.SiLU(), nn.Linear(e, e))
+        self.label = nn.Embedding(c.classes + 1, e)
+        self.stem = nn.Conv2d(1, c.channels[0], 3, padding=1)
+        self.down = nn.ModuleList()
+        self.pool = nn.ModuleList()
+        for i, ch in enumerate(c.channels):
+            cin = c.channels[max(i - 1, 0)]
+            blocks = [ResBlock(cin if j == 0 else ch, ch, e, g) for j in range(c.depth)]
+            self.down.append(nn.ModuleList(blocks))
+            if i + 1 < len(c.channels):
+                self.pool.append(nn.Conv2d(ch, ch, 3, stride=2, padding=1))
+        self.mid = ResBlock(c.channels[-1], c.channels[-1], e, g)
+        self.up = nn.ModuleList()
+        for i in reversed(range(len(c.channels))):
+            below = c.channels[i + 1] if i + 1 < len(c.channels) else c.channels[-1]
+            self.up.append(ResBlock(below + c.channels[i], c.channels[i], e, g))
+        self.out_norm = nn.GroupNorm(g, c.channels[0])
+        self.out = nn.Conv2d(c.channels[0], 1, 3, padding=1)
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
+        time = self.time(timestep_embedding(t, self.config.embed))
+        return self.decode(*self.encode(x, time), time, label)
+
+    def guided(
+        self, x: torch.Tensor, t: torch.Tensor, label: torch.Tensor, uncond: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """eps for every row with its label, and eps with the null label for the rows
+        where `uncond` (bool [B]) is set: one encoder pass, one decoder batch of
+        B + uncond.sum() rows. Returns (eps_cond [B], eps_uncond [uncond.sum()])."""
+        time = self.time(timestep_embedding(t, self.config.embed))
+        h, skips = self.encode(x, time)
+        idx = uncond.nonzero().flatten()
+        if len(idx):
+            h = torch.cat([h, h[idx]])
+            skips = [torch.cat([s, s[idx]]) for s in skips]
+            time = torch.cat([time, time[idx]])
+            label = torch.cat([label, torch.full_like(idx, self.config.null_label)])
+        eps = self.decode(h, skips, time, label)
+        return eps[: len(x)], eps[len(x) :]
+
+    def encode(self, x: torch.Tensor, time: torch.Tensor) -> tuple[torch.Tensor, list]:
+        """The label-free down path: the bottleneck and each level's skip."""
+        emb = F.silu(time)
+        h = self.stem(x)
+        skips = []
+        for i, level in enumerate(self.down):
+            for block in level:
+                h = block(h, emb)
+            skips.append(h)
+            if i < len(self.pool):
+                h = self.pool[i](h)
+        return h, skips
+
+    def decode(
+        self, h: torch.Tensor, skips: list, time: torch.Tensor, label: torch.Tensor
+    ) -> torch.Tensor:
+        emb = F.silu(time + self.label(label))
+        h = self.mid(h, emb)
+        for block, skip in zip(self.up, reversed(skips), strict=True):
+            if h.shape[-1] != skip.shape[-1]:
+                h = F.interpolate(h, size=skip.shape[-2:], mode="nearest")
+            h = block(torch.cat([h, skip], dim=1), emb)
+        return self.out(F.silu(self.out_norm(h)))
+
+
+def load_denoiser(path: Path) -> tuple[Denoiser, Schedule]:
+    """A denoiser and its noise schedule from a safetensors file written by
+    tools/train_digits.py (the architecture and schedule are in its metadata)."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata() or {}
+    if "unet" not in meta:
+        raise ValueError(f"{path}: no 'unet' metadata; not a bitserve diffusion model")
+    model = Denoiser(UNetConfig.from_dict(json.loads(meta["unet"])))
+    model.load_state_dict(load_file(str(path)))
+    schedule = Schedule(**json.loads(meta.get("schedule", "{}")))
+    return model.eval(), schedule

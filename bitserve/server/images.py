@@ -1,0 +1,300 @@
+"""`POST /v1/images/generations`, OpenAI's image API over a `diffusion` model, and the
+diffusion engines' Prometheus metrics.
+
+    {"model": "digits", "prompt": "seven", "n": 4, "response_format": "b64_json",
+     "guidance_scale": 3.0, "steps": 30, "seed": 1, "eta": 0.0}
+    -> {"created": ..., "data": [{"b64_json": <PNG>, "revised_prompt": "7", "seed": 1}, ...]}
+
+`prompt` is a digit as a numeral or a word ("7", "seven"), or "none" for any digit;
+image i of a request with `seed` uses seed + i. The images go straight into the
+model's engine as rows (they join the step loop at its next step); a client that
+disconnects cancels its rows, which leave at the next step. Errors use OpenAI's shape
+and name the field: `{"error": {"message", "type", "param", "code"}}`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import functools
+import io
+import random
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import orjson
+import torch
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from bitserve.backends.diffusion import defaults, to_uint8
+from bitserve.diffusion.engine import Cancelled, DiffusionEngine, Overloaded
+from bitserve.diffusion.params import GenerationParams, InvalidParams, parse_label
+from bitserve.repository.repository import ModelNotFound, ModelUnavailable
+from bitserve.repository.version import ModelVersion
+from bitserve.server.http import until_disconnect
+
+if TYPE_CHECKING:
+    from bitserve.server.app import Server
+
+MAX_IMAGES = 16  # n per request
+
+
+class ImageError(Exception):
+    def __init__(self, status: int, message: str, kind: str, param: str | None = None):
+        super().__init__(message)
+        self.status, self.kind, self.param = status, kind, param
+
+    def response(self, headers: dict | None = None) -> Response:
+        body = {"error": {"message": str(self), "type": self.kind, "param": self.param}}
+        body["error"]["code"] = None
+        return Response(orjson.dumps(body), self.status, headers, "application/json")
+
+
+@dataclass
+class ImagesRequest:
+    model: str
+    prompt: str
+    label: int | None
+    n: int
+    options: dict[str, Any]  # guidance_scale, steps, seed, eta as given
+
+
+def parse_request(body: bytes) -> ImagesRequest:
+    try:
+        doc = orjson.loads(body)
+    except orjson.JSONDecodeError as e:
+        raise InvalidParams(f"malformed JSON in request body: {e}") from None
+    if not isinstance(doc, dict):
+        raise InvalidParams("request body must be a JSON object")
+    if not isinstance(doc.get("model"), str):
+        raise InvalidParams("field 'model' must be a string")
+    n = doc.get("n", 1)
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_IMAGES:
+        raise InvalidParams(f"field 'n': {n!r} is outside 1..{MAX_IMAGES}")
+    if doc.get("response_format", "b64_json") not in ("b64_json", None):
+        raise InvalidParams(
+            f"field 'response_format': {doc['response_format']!r}; only 'b64_json' (PNG) "
+            "is served (no image URLs)"
+        )
+    options = {}
+    for name, kind in (("guidance_scale", (int, float)), ("steps", int), ("seed", int)):
+        if doc.get(name) is not None:
+            options[name] = _typed(doc[name], name, kind)
+    if doc.get("eta") is not None:
+        options["eta"] = _typed(doc["eta"], "eta", (int, float))
+    label = parse_label(doc.get("prompt"))
+    return ImagesRequest(doc["model"], doc["prompt"], label, n, options)
+
+
+def _typed(value: Any, name: str, kind: Any) -> Any:
+    if isinstance(value, bool) or not isinstance(value, kind):
+        raise InvalidParams(f"field '{name}' must be a {'integer' if kind is int else 'number'}")
+    return value
+
+
+def image_params(req: ImagesRequest, defaults: dict, engine: DiffusionEngine) -> list:
+    """One GenerationParams per image, checked against the model (InvalidParams)."""
+    fields = {**defaults, **req.options}
+    seed = fields.pop("seed", None)
+    base = random.getrandbits(62) if seed is None else seed
+    config = engine.model.config
+    return [
+        GenerationParams(label=req.label, seed=base + i, **fields).check(
+            config.classes, engine.schedule.steps
+        )
+        for i in range(req.n)
+    ]
+
+
+def png(image: np.ndarray) -> bytes:
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.fromarray(image, mode="L").save(out, format="PNG")
+    return out.getvalue()
+
+
+def engine_of(version: ModelVersion) -> DiffusionEngine | None:
+    """The engine a diffusion version's instances share (None: not diffusion, or its
+    instances run in child processes)."""
+    if version.config.backend != "diffusion":
+        return None
+    for instance in version.instances:
+        engine = getattr(instance.model, "engine", None)
+        if engine is not None:
+            return engine
+    return None
+
+
+class Images:
+    def __init__(self, server: Server):
+        self.server = server
+
+    async def generations(self, request: Request) -> Response:
+        req = parse_request(await request.body())
+        version, engine = await self._engine(req.model)
+        params = image_params(req, defaults(version.config), engine)
+        lease = version.begin()  # no await since the lookup: a drain cannot miss it
+        rows = []
+        try:
+            rows = [engine.submit(p) for p in params]
+            images = await until_disconnect(
+                request,
+                asyncio.gather(*(asyncio.wrap_future(r.future) for r in rows)),
+                lambda: [engine.cancel(r) for r in rows],
+            )
+        finally:
+            for row in rows:  # an error or a disconnect: the rest leave at the next step
+                engine.cancel(row)
+            lease.release()
+        pixels = await asyncio.to_thread(lambda: [png(a) for a in to_uint8(torch.stack(images))])
+        data = [
+            {
+                "b64_json": base64.b64encode(p).decode(),
+                "revised_prompt": _revised(req),
+                "seed": q.seed,
+            }
+            for p, q in zip(pixels, params, strict=True)
+        ]
+        version.m["success"].inc()
+        return Response(
+            orjson.dumps({"created": int(time.time()), "data": data}),
+            media_type="application/json",
+        )
+
+    async def _engine(self, name: str) -> tuple[ModelVersion, DiffusionEngine]:
+        if self.server.draining:
+            raise ImageError(503, "server is draining", "service_unavailable")
+        try:
+            await self.server.repository.ensure_loaded(name)
+            version = self.server.route_model(name)[0]
+        except ModelNotFound:
+            raise ImageError(
+                404, f"the model '{name}' does not exist", "invalid_request_error", "model"
+            ) from None
+        engine = engine_of(version)
+        if engine is None:
+            raise ImageError(
+                400,
+                f"model '{name}' is not a diffusion model served in this process",
+                "invalid_request_error",
+                "model",
+            )
+        return version, engine
+
+
+def _revised(req: ImagesRequest) -> str:
+    return "any digit" if req.label is None else str(req.label)
+
+
+def errors(handler: Any) -> Any:
+    @functools.wraps(handler)
+    async def wrapped(request: Request) -> Response:
+        try:
+            return await handler(request)
+        except ImageError as e:
+            return e.response()
+        except InvalidParams as e:
+            return ImageError(400, str(e), "invalid_request_error", _field(str(e))).response()
+        except Overloaded as e:
+            return ImageError(429, str(e), "rate_limit_error").response(
+                {"Retry-After": str(e.retry_after)}
+            )
+        except Cancelled as e:
+            return ImageError(499, str(e), "cancelled").response()
+        except ModelUnavailable as e:
+            return ImageError(503, str(e), "service_unavailable").response()
+
+    return wrapped
+
+
+def _field(message: str) -> str | None:
+    """The field an InvalidParams message names ("field 'steps': ...")."""
+    if message.startswith("field '"):
+        return message.split("'")[1]
+    return None
+
+
+def routes(server: Server) -> list[Route]:
+    """The image route, and the engines' metrics on the server's registry."""
+    server.metrics.add_collector(functools.partial(collect, server))
+    images = Images(server)
+    return [Route("/v1/images/generations", errors(images.generations), methods=["POST"])]
+
+
+# ------------------------------------------------------------------------ metrics
+
+
+def engines(server: Server) -> Iterator[tuple[list[str], DiffusionEngine]]:
+    for name, entry in sorted(server.repository.models.items()):
+        for number, version in sorted(entry.versions.items()):
+            engine = engine_of(version)
+            if engine is not None:
+                yield [name, str(number)], engine
+
+
+def collect(server: Server) -> Iterator[Metric]:
+    """Scrape-time metrics read from the engines' counters: nothing on the step path."""
+    mv = ["model", "version"]
+    families = {
+        "steps": CounterMetricFamily(
+            "bitserve_diffusion_steps", "Denoising steps run (one batched forward each).", labels=mv
+        ),
+        "seconds": CounterMetricFamily(
+            "bitserve_diffusion_step_seconds",
+            "Time spent in denoising steps; steps / step_seconds = steps per second.",
+            labels=mv,
+        ),
+        "images": CounterMetricFamily("bitserve_diffusion_images", "Images finished.", labels=mv),
+        "cancelled": CounterMetricFamily(
+            "bitserve_diffusion_cancelled", "Images cancelled (client gone).", labels=mv
+        ),
+        "uncond": CounterMetricFamily(
+            "bitserve_diffusion_uncond_passes",
+            "Unconditional halves run for guided rows (batched with the conditional).",
+            labels=mv,
+        ),
+        "rate": GaugeMetricFamily(
+            "bitserve_diffusion_steps_per_second", "Steps per busy second.", labels=mv
+        ),
+        "running": GaugeMetricFamily(
+            "bitserve_diffusion_running_rows", "Images in the step loop.", labels=mv
+        ),
+        "waiting": GaugeMetricFamily(
+            "bitserve_diffusion_waiting_rows", "Images waiting to join a step.", labels=mv
+        ),
+        "rows": HistogramMetricFamily(
+            "bitserve_diffusion_rows_per_step", "Images in each denoising step.", labels=mv
+        ),
+        "queue": HistogramMetricFamily(
+            "bitserve_diffusion_queue_seconds",
+            "Time from submission to an image's first step.",
+            labels=mv,
+        ),
+    }
+    for labels, engine in engines(server):
+        s = engine.stats
+        families["steps"].add_metric(labels, s.steps)
+        families["seconds"].add_metric(labels, s.step_seconds)
+        families["images"].add_metric(labels, s.images)
+        families["cancelled"].add_metric(labels, s.cancelled)
+        families["uncond"].add_metric(labels, s.uncond_rows)
+        families["rate"].add_metric(labels, s.steps_per_second)
+        families["running"].add_metric(labels, len(engine.running))
+        families["waiting"].add_metric(labels, len(engine.waiting))
+        for key, hist in (("rows", s.rows), ("queue", s.queue)):
+            buckets = [(str(b), c) for b, c in zip(hist.bounds, hist.counts, strict=True)]
+            buckets.append(("+Inf", hist.count))
+            families[key].add_metric(labels, buckets, hist.total)
+    yield from families.values()
