@@ -5,6 +5,12 @@ dynamic batcher: a model version holds one `LLMService` instead of instances. Th
 service owns the engine, the chat template and few-shot turns, admission control (a
 bounded waiting queue, 429 past it), and a stall detector on the engine's step loop.
 
+It also supervises the engine: if the step loop dies, the model turns not ready at once
+(`restarting` says why; health reads it), the requests in flight and those arriving
+meanwhile fail with 503 and Retry-After, and the loop is started again over the same
+weights (a tensor-parallel engine is rebuilt whole) and warmed up before the model is
+ready again. `restarts` counts it for the metrics.
+
     backend = "llm"
     [parameters]
     max_model_len = 256            # and any other EngineConfig field
@@ -18,16 +24,20 @@ bounded waiting queue, 429 past it), and a stall detector on the engine's step l
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
+import importlib
+import itertools
 import logging
 import math
+import os
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 from bitserve.backends.base import LoadError
-from bitserve.llm.async_engine import AsyncLLMEngine
+from bitserve.llm.async_engine import AsyncLLMEngine, EngineDead
 from bitserve.llm.config import EngineConfig
 from bitserve.llm.outputs import RequestOutput
 from bitserve.llm.sampling_params import SamplingParams
@@ -43,6 +53,9 @@ SERVICE_KEYS = {
     "few_shot",
 }
 ENGINE_KEYS = {f.name for f in dataclasses.fields(EngineConfig)} - {"model", "hf_config"}
+# Tests inject faults inside steps with "module:function" (engine.FaultHook); unset in use.
+FAULT_HOOK_ENV = "BITSERVE_LLM_FAULT_HOOK"
+RESTART_BACKOFF_S = (0.0, 1.0, 2.0, 5.0, 10.0, 30.0)
 
 
 class Overloaded(Exception):
@@ -86,38 +99,99 @@ class LLMService:
         self.running = 0
         self.last_progress = time.monotonic()
         self.warmup_seconds = 0.0
+        self.restarting: str | None = None  # why the engine is being restarted
+        self.restarts = 0
+        self._died = asyncio.Event()
+        self._supervisor: asyncio.Task | None = None
 
     # ------------------------------------------------------------ lifecycle
 
     async def start(self) -> None:
         """Load the engine on a thread, then a real warm-up generation."""
-        try:
-            self.engine = await asyncio.to_thread(AsyncLLMEngine, self.folder, **self.engine_args)
-        except Exception as e:
-            raise LoadError(f"{self.folder}: cannot start the LLM engine: {e}") from e
+        await self._build()
         self.tokenizer = self.engine.engine.tokenizer
         if self.tokenizer is None:
             raise LoadError(f"{self.folder}: no tokenizer.json / tokenizer_config.json")
         self.max_model_len = int(self.engine.engine.config.max_model_len)
+        self.warmup_seconds = await self._warm_up()
+        self._supervisor = asyncio.create_task(self._supervise())
+
+    async def _build(self) -> None:
+        try:
+            self.engine = await asyncio.to_thread(AsyncLLMEngine, self.folder, **self.engine_args)
+        except Exception as e:
+            raise LoadError(f"{self.folder}: cannot start the LLM engine: {e}") from e
+        loop = asyncio.get_running_loop()
+        self.engine.on_death = lambda _: loop.call_soon_threadsafe(self._died.set)
+        self.engine.engine.fault_hook = _fault_hook()
+
+    async def _warm_up(self) -> float:
+        assert self.engine is not None
         started = time.perf_counter()
-        async for _ in self.generate("Hello", SamplingParams(max_tokens=4, temperature=0)):
+        async for _ in self.engine.generate("Hello", SamplingParams(max_tokens=4, temperature=0)):
             pass
-        self.warmup_seconds = time.perf_counter() - started
+        return time.perf_counter() - started
 
     async def stop(self) -> None:
+        if self._supervisor is not None:
+            self._supervisor.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._supervisor
         if self.engine is not None:
             await asyncio.to_thread(self.engine.shutdown)
+
+    # ------------------------------------------------------------ supervision
+
+    async def _supervise(self) -> None:
+        while True:
+            await self._died.wait()
+            self._died.clear()
+            await self._restart()
+
+    async def _restart(self) -> None:
+        """Not ready until the engine serves again; retried with a growing pause."""
+        assert self.engine is not None
+        self.restarting = f"engine loop died: {self.engine.dead!r}; restarting"
+        self.restarts += 1
+        log.error("model %s: %s (restart %d)", self.config.name, self.restarting, self.restarts)
+        for attempt in itertools.count():
+            await asyncio.sleep(RESTART_BACKOFF_S[min(attempt, len(RESTART_BACKOFF_S) - 1)])
+            try:
+                if self.engine.engine.workers is None:  # the weights are safe: keep them
+                    await asyncio.to_thread(self.engine.revive)
+                else:  # a worker may be gone: start them all again
+                    await asyncio.to_thread(self.engine.shutdown)
+                    await self._build()
+                await self._warm_up()
+            except Exception as e:
+                log.error("model %s: engine restart failed: %r", self.config.name, e)
+                if self.engine.dead is not None:  # died again: this attempt failed
+                    self._died.clear()
+                    continue
+            break
+        self.restarting = None
+        log.info("model %s: engine restarted, ready again", self.config.name)
 
     def healthy(self) -> str | None:
         """Why the engine loop is not healthy (None when it is)."""
         if self.engine is None:
             return None
-        if self.engine._error is not None or not self.engine._thread.is_alive():
-            return f"engine loop died: {self.engine._error!r}"
+        if self.restarting is not None:
+            return self.restarting
+        if self.engine.dead is not None:
+            return f"engine loop died: {self.engine.dead!r}"
         silent = time.monotonic() - self.last_progress
         if (self.running or self.waiting) and silent > self.stall_timeout:
             return f"engine loop stalled: no progress for {silent:.0f} s with work queued"
         return None
+
+    def check_serving(self) -> None:
+        """Raise EngineDead (503, retry) while the engine is down or restarting: checked
+        before a stream's headers go out, so a stream never starts on a dead engine."""
+        if self.restarting is not None:
+            raise EngineDead(f"model '{self.config.name}': {self.restarting}")
+        if self.engine is not None and self.engine.dead is not None:
+            raise EngineDead(f"model '{self.config.name}': engine loop died; restarting")
 
     # ------------------------------------------------------------ prompts
 
@@ -176,6 +250,7 @@ class LLMService:
     ) -> AsyncIterator[RequestOutput]:
         """Stream outputs; closing the iterator early aborts the request at once."""
         assert self.engine is not None
+        self.check_serving()
         prompt_ids = self.encode(prompt)
         self.check_length(prompt_ids, params.max_tokens)
         self.admit(len(prompt_ids))
@@ -203,6 +278,15 @@ class LLMService:
 
     def decode_token(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
+
+
+def _fault_hook() -> Any:
+    """The test hook named by BITSERVE_LLM_FAULT_HOOK ("module:function"), if any."""
+    target = os.environ.get(FAULT_HOOK_ENV)
+    if not target:
+        return None
+    module, name = target.split(":")
+    return getattr(importlib.import_module(module), name)
 
 
 def _folder(value: str | None, version_dir: Path) -> Path:

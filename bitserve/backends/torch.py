@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import io
 import json
+import threading
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -44,6 +45,9 @@ _BF16 = DATATYPES["BF16"]
 # Entries a plain `torch.export.save` archive holds (paths below the archive's root folder).
 _PT2_FIXED = {"archive_format", "archive_version", "byteorder"}
 _PT2_PREFIXES = ("models/", "extra/", ".data/", "data/sample_inputs/")
+# torch.export's deserializer is process-global (`_CURRENT_DESERIALIZER`): two versions
+# loading on two threads at once fail with "already set". Only torch's loads wait here.
+_TORCH_LOAD = threading.Lock()
 
 
 class TorchModel(Model):
@@ -62,10 +66,12 @@ class TorchModel(Model):
             if path.suffix == ".pt2":
                 self.platform = "torch_export"
                 _check_pt2(path)
-                program = torch.export.load(path)
-                self.module = program.module().to(device)
+                with _TORCH_LOAD:
+                    program = torch.export.load(path)
+                    self.module = program.module().to(device)
             else:
-                self.module = torch.jit.load(str(path), map_location=device)
+                with _TORCH_LOAD:
+                    self.module = torch.jit.load(str(path), map_location=device)
                 self.module.eval()
         except LoadError:
             raise

@@ -5,6 +5,11 @@ must not wait on the event loop. So `LLMEngine.step()` runs on a dedicated threa
 each request has an `asyncio.Queue` that the engine thread feeds through
 `call_soon_threadsafe`. A lock orders engine mutations (add, abort) against steps:
 an abort waits at most for the step in flight, then frees the request's blocks.
+
+A request that fails inside a step raises `RequestFailed` to its caller alone. If the
+loop itself dies, every waiting request gets `EngineDead` (503, retry), `on_death` tells
+the supervisor (backends/llm.py), and `revive()` starts a fresh loop over the same
+weights.
 """
 
 from __future__ import annotations
@@ -12,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +28,13 @@ from bitserve.llm.sampling_params import SamplingParams
 
 
 class EngineDead(RuntimeError):
-    """The engine loop crashed; requests fail with this instead of hanging."""
+    """The engine loop crashed; requests fail with this (503) instead of hanging."""
+
+    retry_after = 1  # the supervisor rebuilds the engine in about a second
+
+
+class RequestFailed(RuntimeError):
+    """This request alone failed inside a step; the engine goes on (500)."""
 
 
 class AsyncLLMEngine:
@@ -36,8 +47,31 @@ class AsyncLLMEngine:
         self._stopped = False
         self._error: BaseException | None = None
         self._ids = itertools.count()
-        self._thread = threading.Thread(target=self._loop, name="bitserve-llm-engine", daemon=True)
-        self._thread.start()
+        self.on_death: Callable[[BaseException], None] | None = None  # called on its thread
+        self._thread = self._start_loop()
+
+    def _start_loop(self) -> threading.Thread:
+        thread = threading.Thread(target=self._loop, name="bitserve-llm-engine", daemon=True)
+        thread.start()
+        return thread
+
+    def revive(self) -> None:
+        """After the loop died: forget its requests and blocks, keep the weights, start a
+        new loop. Requests added meanwhile were refused (EngineDead), none is lost."""
+        self._thread.join(timeout=10)  # on_death runs on it just before it ends
+        if self._thread.is_alive():
+            raise RuntimeError("the engine loop is still running")
+        with self._lock:
+            self.engine.reset()
+            self._error = None
+        self._thread = self._start_loop()
+
+    @property
+    def dead(self) -> BaseException | None:
+        """Why the loop is not running (None while it runs)."""
+        if self._error is None and not self._thread.is_alive() and not self._stopped:
+            return RuntimeError("the engine thread is gone")
+        return self._error
 
     # -- the engine thread ------------------------------------------------------------
     def _loop(self) -> None:
@@ -49,7 +83,10 @@ class AsyncLLMEngine:
                 except BaseException as error:  # fail every waiting stream, never hang
                     self._error = error
                     self._fail_all(error)
-                    return
+            if self._error is not None:
+                if self.on_death is not None:
+                    self.on_death(self._error)
+                return
             if not busy:
                 self._work.wait(timeout=1.0)
                 self._work.clear()
@@ -101,6 +138,8 @@ class AsyncLLMEngine:
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.finished
+                if item.error is not None:
+                    raise RequestFailed(f"request {request_id} failed: {item.error}")
                 yield item
         finally:
             self._streams.pop(request_id, None)
@@ -108,7 +147,9 @@ class AsyncLLMEngine:
                 await asyncio.shield(asyncio.to_thread(self._abort, request_id))
 
     def _add(self, request_id, prompt, params, priority, stream=True) -> None:
-        with self._lock:
+        with self._lock:  # the loop fails its streams under this lock: checked here too
+            if self._error is not None:
+                raise EngineDead(f"the LLM engine loop failed: {self._error!r}")
             self.engine.add_request(request_id, prompt, params, priority, stream)
         self._work.set()
 

@@ -3,6 +3,14 @@
 `LLMEngine.step()` is vLLM v1's EngineCore step: the scheduler picks tokens under one
 budget, the model runner computes them in one flattened batch, and the outputs
 (new tokens, stop checks, freed blocks) are applied before the next step.
+
+A step never dies of one request. Requests are checked at admission (token ids within
+the vocabulary, sampling parameters by their own schema). If the forward pass still
+raises, the step is run again one request at a time (each writes the same KV slots, so
+that is safe): the requests that fail alone are failed, with the error, and the others
+get their tokens. A row the sampler cannot sample fails its request only. What is not
+attributable (the scheduler, tensor-parallel workers) propagates: the async engine's
+supervisor rebuilds the engine.
 """
 
 from __future__ import annotations
@@ -10,7 +18,9 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
+import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,13 +34,17 @@ from bitserve.llm.metrics import EngineMetrics, kv_slots
 from bitserve.llm.model_runner import ModelOutput, ModelRunner
 from bitserve.llm.outputs import CompletionOutput, RequestOutput
 from bitserve.llm.parallel import SINGLE
-from bitserve.llm.sampler import Sampler
+from bitserve.llm.sampler import Sampler, SamplingFailed
 from bitserve.llm.sampling_params import SamplingParams
 from bitserve.llm.scheduler import Scheduler, SchedulerOutput
 from bitserve.llm.sequence import Sequence, SequenceStatus
 from bitserve.llm.workers import WorkerDied, Workers
 
 Prompt = str | list[int]
+log = logging.getLogger("bitserve.llm")
+# A test hook called with each (sub-)batch's sequences just before the forward pass:
+# what it raises is what a fault inside the step would raise.
+FaultHook = Callable[[list[Sequence]], None]
 
 
 def load_tokenizer(folder: Path) -> Any | None:
@@ -63,6 +77,7 @@ class RequestState:
     first_token_time: float | None = None
     stop_reason: str | int | None = None
     stream: bool = True  # False: the caller wants only the finished output
+    error: str | None = None  # why this request failed inside a step
 
 
 class LLMEngine:
@@ -86,7 +101,17 @@ class LLMEngine:
         self.requests: dict[str, RequestState] = {}
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
+        self.requests_failed_total = 0
         self._ids = itertools.count()
+        self.fault_hook: FaultHook | None = None
+
+    def reset(self) -> None:
+        """Forget every request and block, keep the weights: a warm restart after the
+        step loop died. The KV cache's contents need no clearing (blocks are rewritten
+        before they are read)."""
+        self.block_manager = BlockManager(self.config, self.runner.num_blocks)
+        self.scheduler = Scheduler(self.config, self.block_manager)
+        self.requests.clear()
 
     # -- requests ---------------------------------------------------------------------
     def add_request(
@@ -107,6 +132,8 @@ class LLMEngine:
         vocab = self.config.hf_config.get("vocab_size")
         if vocab and any(not 0 <= t < vocab for t in token_ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if vocab:
+            params.check_vocab(vocab)
         seq = Sequence(request_id, token_ids, params, priority=priority, device=self.config.device)
         self.scheduler.add(seq)
         detok = None
@@ -139,11 +166,58 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch:
             return []
-        if self.workers is None:
-            return self.update(batch, self.runner.execute(batch))
-        with self.workers.collective():
-            output = self.runner.execute(batch)
-        return self.update(batch, output)
+        if self.workers is not None:  # a failure here is the workers': not attributable
+            with self.workers.collective():
+                output = self.runner.execute(batch)
+            return self.update(batch, output)
+        failed: list[RequestOutput] = []
+        try:
+            output = self.execute(batch)
+        except Exception as error:
+            log.warning(
+                "a step of %d request(s) failed (%r): isolating", len(batch.scheduled), error
+            )
+            batch, output = self.isolate(batch, failed)
+        return failed + self.update(batch, output)
+
+    def execute(self, batch: SchedulerOutput) -> ModelOutput:
+        if self.fault_hook is not None:
+            self.fault_hook([seq for seq, _ in batch.scheduled])
+        return self.runner.execute(batch)
+
+    def isolate(
+        self, batch: SchedulerOutput, failed: list[RequestOutput]
+    ) -> tuple[SchedulerOutput, ModelOutput]:
+        """Run a failed step's requests one by one: those that fail alone are failed
+        (appended to `failed`), the others' outputs are put back together in order."""
+        kept, output = SchedulerOutput(preempted=batch.preempted), ModelOutput()
+        rows, prompt_logits = [], {}
+        for seq, n in batch.scheduled:
+            try:
+                alone = self.execute(SchedulerOutput([(seq, n)]))
+            except Exception as error:
+                out = self.fail(seq, f"{type(error).__name__}: {error}")
+                failed += [out] if out is not None else []
+                continue
+            kept.scheduled.append((seq, n))
+            output.sample_seqs += alone.sample_seqs
+            if alone.logits is not None:
+                rows.append(alone.logits)
+            prompt_logits.update(alone.prompt_logits)
+        output.logits = torch.cat(rows) if rows else None
+        output.prompt_logits = prompt_logits
+        return kept, output
+
+    def fail(self, seq: Sequence, error: str) -> RequestOutput | None:
+        """End one request with an error; its blocks return to the pool now."""
+        state = self.requests.pop(seq.request_id, None)
+        if state is None:  # it had finished already
+            return None
+        state.error = error
+        self.scheduler.finish(seq, SequenceStatus.FINISHED_ERROR)
+        self.requests_failed_total += 1
+        log.error("request %s failed inside a step: %s", seq.request_id, error)
+        return self.make_output(state)
 
     def shutdown(self, wait: bool = True) -> None:
         """Stop the worker processes of tensor/pipeline parallelism (nothing without).
@@ -166,17 +240,29 @@ class LLMEngine:
         results = []
         now = time.monotonic()
         for seq, token in zip(output.sample_seqs, tokens, strict=True):
-            state = self.requests[seq.request_id]
-            state.first_token_time = state.first_token_time or now
-            seq.append_token(token)
-            self.generation_tokens_total += 1
-            status = self.check_stop(state, token)
-            if status is not None:
-                self.scheduler.finish(seq, status)
-                del self.requests[seq.request_id]
-            if state.stream or status is not None:  # building outputs costs per token
-                results.append(self.make_output(state))
+            try:
+                if isinstance(token, SamplingFailed):
+                    raise token
+                out = self.apply(seq, token, now)
+            except Exception as error:  # this request's numbers or text: it alone fails
+                out = self.fail(seq, f"{type(error).__name__}: {error}")
+            if out is not None:
+                results.append(out)
         return results
+
+    def apply(self, seq: Sequence, token: int, now: float) -> RequestOutput | None:
+        """Append a sampled token, check the stops; the output to deliver, if any."""
+        state = self.requests[seq.request_id]
+        state.first_token_time = state.first_token_time or now
+        seq.append_token(token)
+        self.generation_tokens_total += 1
+        status = self.check_stop(state, token)
+        if status is not None:
+            self.scheduler.finish(seq, status)
+            del self.requests[seq.request_id]
+        if state.stream or status is not None:  # building outputs costs per token
+            return self.make_output(state)
+        return None
 
     def check_stop(self, state: RequestState, token: int) -> SequenceStatus | None:
         seq, params = state.seq, state.seq.sampling_params
@@ -229,6 +315,7 @@ class LLMEngine:
                 "first_scheduled_time": seq.first_scheduled_time,
                 "first_token_time": state.first_token_time or 0.0,
             },
+            error=state.error,
         )
 
     # -- metrics --------------------------------------------------------------------------

@@ -11,7 +11,7 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     logprobs: list[dict[int, float]] | None = None
-    finish_reason: str | None = None  # "stop", "length", "abort"
+    finish_reason: str | None = None  # "stop", "length", "abort", "error"
     stop_reason: str | int | None = None  # the stop string or stop token id
     delta_text: str = ""  # text new since the previous output of this request
 
@@ -26,3 +26,4 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, float] | None] | None = None
     num_cached_tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
+    error: str | None = None  # set when this request alone failed inside a step

@@ -3,9 +3,15 @@
 Greedy rows (temperature 0) are one batched argmax. Sampled rows are processed per
 request, because each may carry its own seed (`torch.Generator`) and its own filters.
 Logprobs are those of the model's raw distribution (vLLM's default).
+
+No row can take the step down: a row whose logits hold NaN, or whose filtered
+distribution is not a distribution (inf, NaN, nothing left), is not sampled; the
+sampler answers a `SamplingFailed` for it, and the engine fails that request alone.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -39,7 +45,8 @@ def filter_probs(probs: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     if params.top_p < 1.0:
         sorted_probs, order = probs.sort(descending=True)
         cumulative = sorted_probs.cumsum(-1) / sorted_probs.sum()
-        drop = cumulative - sorted_probs / sorted_probs.sum() >= params.top_p  # keep the first
+        drop = cumulative - sorted_probs / sorted_probs.sum() >= params.top_p
+        drop[..., 0] = False  # the most likely token stays, however small top_p is
         sorted_probs[drop] = 0.0
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
     if params.min_p > 0.0:
@@ -51,6 +58,7 @@ def suppress_stops(logits: torch.Tensor, seq: Sequence, eos_token_ids) -> torch.
     """Before min_tokens, EOS and stop token ids cannot be drawn."""
     params = seq.sampling_params
     banned = list(params.stop_token_ids) + ([] if params.ignore_eos else list(eos_token_ids))
+    banned = [t for t in banned if t < logits.shape[-1]]  # admission checked the vocabulary
     if not banned:
         return logits
     logits = logits.clone()
@@ -67,13 +75,14 @@ def sample_one(logits: torch.Tensor, seq: Sequence, eos_token_ids=()) -> int:
     if params.greedy:
         return int(logits.argmax())
     probs = torch.softmax(logits / params.temperature, dim=-1)
-    probs = filter_probs(probs, params)
+    probs = checked(filter_probs(probs, params))
     return int(torch.multinomial(probs, 1, generator=seq.generator))
 
 
 def top_logprobs(logprobs: torch.Tensor, token_id: int, n: int) -> dict[int, float]:
     """The chosen token's logprob plus the n most likely (vLLM's logprobs format)."""
     result = {token_id: float(logprobs[token_id])}
+    n = min(n, logprobs.shape[-1])
     if n > 0:
         values, ids = torch.topk(logprobs, n)
         for value, idx in zip(values.tolist(), ids.tolist(), strict=True):
@@ -88,22 +97,44 @@ def is_plain_greedy(seq: Sequence) -> bool:
     )
 
 
+class SamplingFailed(RuntimeError):
+    """This row's numbers cannot be sampled from; its request fails, the batch goes on."""
+
+
+def checked(probs: torch.Tensor) -> torch.Tensor:
+    total = float(probs.sum())
+    if not math.isfinite(total) or total <= 0.0 or bool((probs < 0).any()):
+        raise SamplingFailed(f"the next-token distribution is invalid (sum {total})")
+    return probs
+
+
 class Sampler:
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence], eos_token_ids=()) -> list[int]:
-        """One next token per row of `logits`, and logprobs appended to the seqs that ask."""
-        simple = [i for i, s in enumerate(seqs) if is_plain_greedy(s)]
-        tokens = [0] * len(seqs)
+    def __call__(
+        self, logits: torch.Tensor, seqs: list[Sequence], eos_token_ids=()
+    ) -> list[int | SamplingFailed]:
+        """One next token per row of `logits` (or why that row failed), and logprobs
+        appended to the seqs that ask."""
+        tokens: list[int | SamplingFailed] = [0] * len(seqs)
+        # one reduction finds the rows holding NaN (or both infinities) in any column
+        broken = set(logits.sum(-1).isnan().nonzero().flatten().tolist())
+        for i in broken:
+            tokens[i] = SamplingFailed("the model's logits for this request hold NaN")
+        simple = [i for i, s in enumerate(seqs) if is_plain_greedy(s) and i not in broken]
         if simple:
             for i, token in zip(simple, logits[simple].argmax(-1).tolist(), strict=True):
                 tokens[i] = token
-        simple_set = set(simple)
+        done = broken | set(simple)
         for i, seq in enumerate(seqs):
-            if i not in simple_set:
-                tokens[i] = sample_one(logits[i], seq, eos_token_ids)
+            if i not in done:
+                try:
+                    tokens[i] = sample_one(logits[i], seq, eos_token_ids)
+                except SamplingFailed as e:
+                    tokens[i] = e
         for i, seq in enumerate(seqs):
-            if seq.sampling_params.logprobs is not None:
+            n = seq.sampling_params.logprobs
+            if n is not None and not isinstance(tokens[i], SamplingFailed):
                 logprobs = torch.log_softmax(logits[i], dim=-1)
-                seq.logprobs.append(top_logprobs(logprobs, tokens[i], seq.sampling_params.logprobs))
+                seq.logprobs.append(top_logprobs(logprobs, tokens[i], n))
         return tokens
 
     @staticmethod

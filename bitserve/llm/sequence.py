@@ -26,6 +26,7 @@ class SequenceStatus(enum.Enum):
     FINISHED_STOPPED = "stop"  # eos, a stop token id or a stop string
     FINISHED_LENGTH = "length"  # max_tokens or max_model_len
     FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"  # this request alone failed inside a step
 
     @property
     def finished(self) -> bool:
@@ -36,6 +37,7 @@ FINISHED = {
     SequenceStatus.FINISHED_STOPPED,
     SequenceStatus.FINISHED_LENGTH,
     SequenceStatus.FINISHED_ABORTED,
+    SequenceStatus.FINISHED_ERROR,
 }
 
 

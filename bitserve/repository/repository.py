@@ -255,6 +255,9 @@ class Repository:
         if not self.loaded:
             return "loading"
         for entry in self.models.values():
+            for v in entry.versions.values():
+                if v.llm is not None and v.llm.restarting is not None:
+                    return f"model '{entry.name}' version {v.version}: {v.llm.restarting}"
             if entry.wanted and not any(
                 v.ready or v.state == "lazy" for v in entry.versions.values()
             ):

@@ -74,6 +74,8 @@ class ModelVersion:
     def ready(self) -> bool:
         if self.replicated:  # degraded but serving while one replica is healthy
             return self.state == "ready" and len(self.unhealthy) < len(self.instances)
+        if self.llm is not None and self.llm.restarting is not None:
+            return False
         return self.state == "ready" and not self.unhealthy
 
     def degraded(self) -> str | None:

@@ -31,6 +31,7 @@ from bitserve.backends import preimport
 from bitserve.backends.llm import NoChatTemplate, Overloaded, PromptTooLong
 from bitserve.batching.batcher import QueueFull, QueueTimeout
 from bitserve.batching.batcher import Request as BatchRequest
+from bitserve.llm.async_engine import EngineDead, RequestFailed
 from bitserve.metrics import Metrics
 from bitserve.repository.repository import ModelNotFound, ModelUnavailable, Repository
 from bitserve.repository.version import ExecutionError, ModelVersion, ReplicaLost
@@ -363,6 +364,7 @@ STATUS = {
     ModelUnavailable: 503,
     Draining: 503,
     ReplicaLost: 503,
+    EngineDead: 503,
     BodyTooLarge: 413,
     QueueFull: 429,
     Overloaded: 429,
@@ -377,6 +379,8 @@ REASONS = {
     ClientGone: "cancelled",
     ExecutionError: "backend",
     ReplicaLost: "backend",
+    EngineDead: "unavailable",
+    RequestFailed: "backend",
     InvalidRequest: "invalid",
     BodyTooLarge: "invalid",
     ModelUnavailable: "unavailable",
@@ -401,7 +405,7 @@ def errors(handler: Any) -> Any:
             return await handler(request)
         except Exception as exc:
             status = status_of(exc)
-            if status == 500 and not isinstance(exc, ExecutionError):
+            if status == 500 and not isinstance(exc, ExecutionError | RequestFailed):
                 log.exception("internal error on %s", request.url.path, exc_info=exc)
             # an error that says when to come back (queue full, overloaded, replica lost)
             retry_after = getattr(exc, "retry_after", None)
@@ -429,7 +433,11 @@ def _report_startup(repository: Repository, options: ServerOptions, imports: flo
     )
     for phase, seconds in startup.phases().items():
         repository.metrics.startup.labels(phase).set(seconds)
-    log.info(startup.describe())
+    reason = repository.not_ready_reason()
+    if reason is None:  # "ready ..." only when /v2/health/ready answers 200
+        log.info(startup.describe())
+    else:
+        log.error("loading ended, NOT ready: %s", reason)
 
 
 def _quiet_gc() -> None:

@@ -19,7 +19,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
-from bitserve.llm.sampling_params import SamplingParams
+from bitserve.llm.sampling_params import SamplingError, SamplingParams
 from bitserve.repository.version import ModelVersion
 from bitserve.server.v2 import InvalidRequest
 
@@ -30,15 +30,18 @@ FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
 
 
 def sampling(parameters: Any) -> SamplingParams:
+    """The engine's sampling parameters from a JSON object, strictly (sampling_params)."""
     if not isinstance(parameters, dict):
         raise InvalidRequest("'parameters' must be a JSON object")
     unknown = set(parameters) - FIELDS - {"stream"}
     if unknown:
         raise InvalidRequest(f"unknown sampling parameters {sorted(unknown)}")
+    if "stream" in parameters and not isinstance(parameters["stream"], bool):
+        raise InvalidRequest("parameters.stream: must be a bool")
     try:
         return SamplingParams(**{k: v for k, v in parameters.items() if k in FIELDS})
-    except (TypeError, ValueError) as e:
-        raise InvalidRequest(f"parameters: {e}") from None
+    except SamplingError as e:
+        raise InvalidRequest(f"parameters.{e}") from None
 
 
 async def _text(version: ModelVersion, prompt: str, params: SamplingParams) -> str:
@@ -57,11 +60,18 @@ async def infer(http: Request, version: ModelVersion, inputs: dict) -> dict:
     """v2 infer on an llm model: text_input (+ sampling_parameters) -> text_output."""
     prompt = _one(inputs["text_input"], "text_input")
     raw = inputs.get("sampling_parameters")
-    params = sampling(orjson.loads(_one(raw, "sampling_parameters")) if raw is not None else {})
+    params = sampling(_json(_one(raw, "sampling_parameters")) if raw is not None else {})
     text = await _text(version, prompt, params)
     out = np.empty(1, dtype=object)
     out[0] = text.encode()
     return {"text_output": out}
+
+
+def _json(text: str) -> Any:
+    try:
+        return orjson.loads(text)
+    except orjson.JSONDecodeError as e:
+        raise InvalidRequest(f"input 'sampling_parameters' is not JSON: {e}") from None
 
 
 def _one(array: np.ndarray, name: str) -> str:
@@ -88,7 +98,8 @@ def routes(server: Server, errors: Any) -> list[Route]:
             raise InvalidRequest(f"model '{version.config.name}' does not generate text")
         if not isinstance(doc, dict) or not isinstance(doc.get("text_input"), str):
             raise InvalidRequest("field 'text_input' must be a string")
-        return version, doc["text_input"], sampling(doc.get("parameters") or {})
+        parameters = doc.get("parameters")
+        return version, doc["text_input"], sampling({} if parameters is None else parameters)
 
     async def generate(request: Request) -> Response:
         version, prompt, params = await body(request)
@@ -98,6 +109,7 @@ def routes(server: Server, errors: Any) -> list[Route]:
     async def generate_stream(request: Request) -> Response:
         version, prompt, params = await body(request)
         assert version.llm is not None
+        version.llm.check_serving()  # a 503 now, not a stream that starts and breaks
         version.llm.check_length(version.llm.encode(prompt), params.max_tokens)
         lease = version.begin()  # no await since the lookup: a drain cannot miss it
 
@@ -109,6 +121,8 @@ def routes(server: Server, errors: Any) -> list[Route]:
                         doc = _doc(version, delta)
                         doc["finish_reason"] = out.outputs[0].finish_reason
                         yield b"data: " + orjson.dumps(doc) + b"\n\n"
+            except Exception as e:  # the headers are gone: the error is the last event
+                yield b"data: " + orjson.dumps({"error": str(e) or type(e).__name__}) + b"\n\n"
             finally:
                 lease.release()
 

@@ -152,6 +152,7 @@ class OpenAI:
         encoded = [llm.encode(p) for p, _, _ in jobs]
         for ids, (_, _, sp) in zip(encoded, jobs, strict=True):
             llm.check_length(ids, sp.max_tokens)
+        llm.check_serving()
         llm.admit(max(len(ids) for ids in encoded), count=len(jobs))
         # held now, with no await since the lookup: a drain cannot miss it
         stream = _Streams(self.server, version, llm, req, jobs, encoded, chat)

@@ -17,15 +17,22 @@ from collections.abc import Iterator
 from typing import Annotated, Any, Literal
 
 import numpy as np
-import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from bitserve.backends.llm import LLMService, NoChatTemplate, Overloaded, PromptTooLong
 from bitserve.batching.batcher import QueueFull
 from bitserve.batching.batcher import Request as BatchRequest
 from bitserve.batching.collate import shape_key
+from bitserve.llm.async_engine import EngineDead
 from bitserve.llm.outputs import RequestOutput
-from bitserve.llm.sampling_params import SamplingParams
+from bitserve.llm.sampling_params import (
+    LIMITS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    OPEN_BELOW,
+    SamplingError,
+    SamplingParams,
+)
 from bitserve.repository.repository import ModelNotFound, ModelUnavailable
 from bitserve.repository.version import ModelVersion
 
@@ -53,47 +60,61 @@ class APIError(Exception):
 # ------------------------------------------------------------------- schemas
 
 
+# Strict: no string where a number goes, no number where a bool goes, no inf or NaN.
+STRICT = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+
+
+def _limit(name: str) -> Any:
+    """A sampling field's range, as sampling_params.LIMITS says it (one schema)."""
+    low, high = LIMITS[name]
+    return Field(gt=low, le=high) if name in OPEN_BELOW else Field(ge=low, le=high)
+
+
+TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
+
+
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = STRICT
 
     model: str
     n: Annotated[int, Field(ge=1, le=16)] = 1
     stream: bool = False
     stream_options: dict[str, bool] | None = None
-    temperature: Annotated[float, Field(ge=0, le=2)] = 1.0
-    top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    presence_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
-    frequency_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
+    temperature: Annotated[float, Field(ge=0, le=2)] = 1.0  # OpenAI's range
+    top_p: Annotated[float, _limit("top_p")] = 1.0
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    seed: Annotated[int, _limit("seed")] | None = None
+    presence_penalty: Annotated[float, _limit("presence_penalty")] = 0.0
+    frequency_penalty: Annotated[float, _limit("frequency_penalty")] = 0.0
     user: str | None = None
     # vLLM's extra sampling parameters
-    top_k: int = -1
-    min_p: Annotated[float, Field(ge=0, le=1)] = 0.0
-    repetition_penalty: Annotated[float, Field(gt=0)] = 1.0
+    top_k: Annotated[int, _limit("top_k")] = -1
+    min_p: Annotated[float, _limit("min_p")] = 0.0
+    repetition_penalty: Annotated[float, _limit("repetition_penalty")] = 1.0
     ignore_eos: bool = False
-    min_tokens: Annotated[int, Field(ge=0)] = 0
-    stop_token_ids: list[int] = []
-    priority: int = 0
+    min_tokens: Annotated[int, _limit("min_tokens")] = 0
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] = []
+    priority: Annotated[int, Field(ge=-(2**31), le=2**31 - 1)] = 0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
 
 
 class CompletionRequest(_Request):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: Annotated[int, Field(ge=1)] = 16
-    logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
+    max_tokens: Annotated[int, _limit("max_tokens")] = 16
+    logprobs: Annotated[int, _limit("logprobs")] | None = None
     echo: bool = False
     best_of: int | None = None
 
 
 class TextPart(BaseModel):
+    model_config = STRICT
     type: Literal["text"]
     text: str
 
 
 class Message(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = STRICT
     role: Literal["system", "user", "assistant"]
     content: str | list[TextPart]
 
@@ -105,15 +126,15 @@ class Message(BaseModel):
 
 class ChatRequest(_Request):
     messages: Annotated[list[Message], Field(min_length=1)]
-    max_tokens: Annotated[int, Field(ge=1)] | None = None
-    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_tokens: Annotated[int, _limit("max_tokens")] | None = None
+    max_completion_tokens: Annotated[int, _limit("max_tokens")] | None = None
     logprobs: bool = False
-    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    top_logprobs: Annotated[int, _limit("logprobs")] | None = None
     few_shot: bool = True  # bitserve: prepend the model's system prompt and examples
 
 
 class EmbeddingRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = STRICT
     model: str
     input: str | Annotated[list[str], Field(min_length=1)]
     encoding_format: Literal["float", "base64"] = "float"
@@ -121,7 +142,7 @@ class EmbeddingRequest(BaseModel):
 
 
 class TokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = STRICT
     model: str
     prompt: str | None = None
     messages: list[Message] | None = None
@@ -129,9 +150,9 @@ class TokenizeRequest(BaseModel):
 
 
 class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = STRICT
     model: str
-    tokens: list[int]
+    tokens: list[TokenId]
 
 
 # pydantic names the union member in an error's location ("prompt.str"): not a field
@@ -139,16 +160,18 @@ _TYPE_TAG = re.compile(r"^(str|int|float|bool|list|dict|none|literal\[.*|functio
 
 
 def parse(schema: type[BaseModel], body: bytes) -> Any:
+    """Validate a JSON body against a request schema: 400 naming the field."""
     try:
-        doc = orjson.loads(body)
-    except orjson.JSONDecodeError as e:
-        raise APIError(400, f"malformed JSON: {e}", "invalid_request_error") from None
-    if not isinstance(doc, dict):
-        raise APIError(400, "the request body must be a JSON object", "invalid_request_error")
-    try:
-        return schema.model_validate(doc)
+        return schema.model_validate_json(body)
     except ValidationError as e:
         err = e.errors()[0]
+        if err["type"] == "json_invalid":
+            message = f"malformed JSON: {err['ctx'].get('error', err['msg'])}"
+            raise APIError(400, message, "invalid_request_error") from None
+        if err["type"] == "model_type" and not err["loc"]:
+            raise APIError(
+                400, "the request body must be a JSON object", "invalid_request_error"
+            ) from None
         param = ".".join(str(p) for p in err["loc"] if not _TYPE_TAG.match(str(p))) or None
         raise APIError(400, f"{param}: {err['msg']}", "invalid_request_error", param) from None
 
@@ -351,8 +374,8 @@ def _sampling(req: Any, max_tokens: int, logprobs: int | None, choice: int) -> S
             logprobs=logprobs,
             skip_special_tokens=req.skip_special_tokens,
         )
-    except ValueError as e:
-        raise APIError(400, str(e), "invalid_request_error") from None
+    except SamplingError as e:
+        raise APIError(400, str(e), "invalid_request_error", e.field) from None
 
 
 def translate(e: BaseException) -> APIError:
@@ -366,10 +389,15 @@ def translate(e: BaseException) -> APIError:
         )
     if isinstance(e, PromptTooLong):
         return APIError(400, str(e), "invalid_request_error", "messages", "context_length_exceeded")
+    if isinstance(e, SamplingError):
+        return APIError(400, str(e), "invalid_request_error", e.field)
     if isinstance(e, NoChatTemplate | ValueError):
         return APIError(400, str(e), "invalid_request_error")
     if isinstance(e, ModelUnavailable):
         return APIError(503, str(e), "service_unavailable")
+    if isinstance(e, EngineDead):
+        retry = {"Retry-After": str(e.retry_after)}
+        return APIError(503, str(e), "service_unavailable", code="engine_restarting", headers=retry)
     if isinstance(e, ModelNotFound):
         return APIError(404, str(e), "invalid_request_error", "model", "model_not_found")
     return APIError(500, f"{type(e).__name__}: {e}", "internal_error")

@@ -142,6 +142,7 @@ def _read_inputs(config: ModelConfig, raw: list, binary: memoryview) -> dict[str
                 raise InvalidRequest(f"input '{name}': needs 'data' or binary_data_size")
         except TensorError as e:
             raise InvalidRequest(str(e)) from None
+        _check_range(spec, inputs[name])
     if offset != len(binary):
         raise InvalidRequest(
             f"body holds {len(binary) - offset} bytes of binary data that no input claims"
@@ -163,6 +164,17 @@ def _check_shape(config: ModelConfig, spec: TensorSpec, shape: list[int]) -> Non
     if batched and not 1 <= shape[0] <= config.max_batch_size:
         raise InvalidRequest(
             f"input '{spec.name}': batch size {shape[0]} is outside 1..{config.max_batch_size}"
+        )
+
+
+def _check_range(spec: TensorSpec, array: np.ndarray) -> None:
+    if spec.value_range is None or not array.size:
+        return
+    low, high = spec.value_range
+    if array.min() < low or array.max() > high:
+        raise InvalidRequest(
+            f"input '{spec.name}': values must be in [{low:g}, {high:g}], got "
+            f"[{array.min()}, {array.max()}]"
         )
 
 
