@@ -43,6 +43,9 @@ class TensorSpec(_Strict):
     ragged: bool = False
     pad_value: float = 0
     mask: str | None = None
+    # The values the model can take, both ends inclusive (token ids below the vocabulary
+    # size): a request outside gets a 400 before it can fail the batch it would join.
+    value_range: tuple[float, float] | None = None
 
     @model_validator(mode="after")
     def _check(self) -> TensorSpec:
@@ -54,6 +57,10 @@ class TensorSpec(_Strict):
             raise ValueError("ragged=true needs a -1 dimension to pad along")
         if self.mask is not None and not self.ragged:
             raise ValueError("mask is only meaningful with ragged=true")
+        if self.value_range is not None and (
+            self.datatype == "BYTES" or self.value_range[0] > self.value_range[1]
+        ):
+            raise ValueError(f"value_range {list(self.value_range)}: numeric and not empty")
         return self
 
 
@@ -197,8 +204,9 @@ class Traffic(_Strict):
     # Per version, the latest `window` requests feed the statistics.
     window: Annotated[int, Field(ge=100)] = 10_000
     # How to compare an output; by default BYTES is text, integers are labels and
-    # floats are numeric (add "classification" for scores to compare by top-1).
-    compare: dict[str, Literal["numeric", "classification", "text"]] = {}
+    # floats are numeric (add "classification" for scores to compare by top-1). An output
+    # named boxes [K, 4] (or declared "boxes") is compared by IoU-matched box agreement.
+    compare: dict[str, Literal["numeric", "classification", "text", "boxes"]] = {}
     # The verdict: significance, power, and the smallest change worth detecting.
     alpha: Annotated[float, Field(gt=0, lt=0.5)] = 0.05
     power: Annotated[float, Field(gt=0.5, lt=1)] = 0.8
@@ -235,7 +243,7 @@ class Traffic(_Strict):
 
 class ModelConfig(_Strict):
     name: str
-    backend: Literal["python", "torch", "onnx", "hf", "llm", "diffusion"]
+    backend: Literal["python", "torch", "onnx", "hf", "llm", "detector", "diffusion"]
     max_batch_size: Annotated[int, Field(ge=0)] = 0
     input: list[TensorSpec] = []
     output: list[TensorSpec] = []
