@@ -19,6 +19,13 @@ fast paths:
 - a later prefill chunk: gather the context, bottom-right causal mask.
 The KV cache stays fp32 on CPU: bf16 SDPA there is 4-8x slower.
 
+Sliding-window layers (`window`): a query at position q sees keys j with
+q - window < j <= q (transformers' `sliding_window_overlay`); the gather starts at the
+first block a query of the step can see, so blocks the block manager has freed below
+every window (block_manager.py) are never read. Gemma 2's logit soft-capping
+(`softcap`) cannot go through SDPA: those layers take `eager_attention`, which is
+transformers' eager arithmetic (scores, cap * tanh(scores / cap), mask, fp32 softmax).
+
 On a GPU (`EngineConfig.device`) the C kernels are never used: decodes take the
 gather + SDPA path above and the pool is in the model's dtype. When `flash_attn`
 imports and that dtype is fp16/bf16, fresh prefills go to `flash_attn_varlen_func`
@@ -70,6 +77,16 @@ class AttentionMetadata:
     workspace: GatherWorkspace | None = None
     decode: DecodeBatch | None = None
     flash: FlashAttn | None = None  # set on cuda when flash-attn imports
+
+    def row_context_lens(self, positions: torch.Tensor) -> torch.Tensor:
+        """Per row of the batch, its sequence's context length after this step."""
+        lens = torch.zeros_like(positions)
+        for s in self.seqs:
+            lens[s.start : s.end] = s.context_len
+        if self.decode is not None:
+            rows = self.decode.rows.to(device=positions.device, dtype=torch.int64)
+            lens[rows] = self.decode.context_lens.to(device=positions.device, dtype=lens.dtype)
+        return lens
 
 
 @dataclass(frozen=True)
@@ -127,22 +144,36 @@ def write_kv(cache: tuple[torch.Tensor, torch.Tensor], k, v, slot_mapping) -> No
     v_flat.index_copy_(1, slot_mapping, v.transpose(0, 1).to(v_pool.dtype))
 
 
-def paged_attention(q, k, v, cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+def paged_attention(
+    q, k, v, cache, meta: AttentionMetadata, scale: float, window=None, softcap=None
+) -> torch.Tensor:
     """q: [T, Hq, D]; k, v: [T, Hkv, D] for the new tokens. Returns [T, Hq, D]."""
     write_kv(cache, k, v, meta.slot_mapping)
     out = torch.empty_like(q)
     if meta.decode is not None:
         d = meta.decode
         kernels.get().paged_decode(
-            q.contiguous(), out, d.rows, cache[0], cache[1], d.block_tables, d.context_lens, scale
+            q.contiguous(),
+            out,
+            d.rows,
+            cache[0],
+            cache[1],
+            d.block_tables,
+            d.context_lens,
+            scale,
+            window=window or 0,
+            softcap=softcap or 0.0,
         )
-    flash = meta.flash
+    flash = meta.flash if window is None and softcap is None else None
     for s in meta.seqs:
-        if s.fresh:
-            prefill = prefill_attention if flash is None else flash_prefill
-            out[s.start : s.end] = prefill(
-                q[s.start : s.end], k[s.start : s.end], v[s.start : s.end], scale, flash
+        qs = q[s.start : s.end]
+        if window is not None or softcap is not None:
+            out[s.start : s.end] = windowed_attention(
+                qs, k, v, cache, meta, s, scale, window, softcap
             )
+        elif s.fresh:
+            prefill = prefill_attention if flash is None else flash_prefill
+            out[s.start : s.end] = prefill(qs, k[s.start : s.end], v[s.start : s.end], scale, flash)
         else:
             keys = meta.workspace.gather(cache[0], "keys", s.block_table)[:, : s.context_len]
             values = meta.workspace.gather(cache[1], "values", s.block_table)[:, : s.context_len]
@@ -150,8 +181,53 @@ def paged_attention(q, k, v, cache, meta: AttentionMetadata, scale: float) -> to
                 attend = flash_context
             else:
                 attend = decode_attention if s.num_new == 1 else chunk_attention
-            out[s.start : s.end] = attend(q[s.start : s.end], keys, values, scale, flash)
+            out[s.start : s.end] = attend(qs, keys, values, scale, flash)
     return out
+
+
+def windowed_attention(q, k, v, cache, meta, s: SeqSlice, scale, window, softcap):
+    """One sequence's rows with a sliding window and/or soft-capping: the keys from the
+    first one any of its queries sees (new K/V directly for a fresh chunk), a mask."""
+    n, context = s.num_new, s.context_len
+    first = 0 if window is None else max(0, context - n - window + 1)
+    if s.fresh and first == 0:
+        keys, values = k[s.start : s.end].transpose(0, 1), v[s.start : s.end].transpose(0, 1)
+    else:
+        bs = cache[0].shape[2]
+        table = s.block_table[first // bs :]
+        skip = first - first // bs * bs
+        keys = meta.workspace.gather(cache[0], "keys", table)[:, skip : context - first + skip]
+        values = meta.workspace.gather(cache[1], "values", table)[:, skip : context - first + skip]
+    q_pos = torch.arange(context - n, context, device=q.device)[:, None]
+    k_pos = torch.arange(first, context, device=q.device)[None, :]
+    mask = k_pos <= q_pos
+    if window is not None:
+        mask &= k_pos > q_pos - window
+    if softcap is not None:
+        return eager_attention(q, keys, values, scale, mask, softcap)
+    qh = q.transpose(0, 1).unsqueeze(0).to(keys.dtype)
+    o = F.scaled_dot_product_attention(
+        qh,
+        keys.unsqueeze(0).to(qh.dtype),
+        values.unsqueeze(0).to(qh.dtype),
+        attn_mask=mask,
+        scale=scale,
+        enable_gqa=qh.shape[1] != keys.shape[0],
+    )
+    return o[0].transpose(0, 1).to(q.dtype)
+
+
+def eager_attention(q, keys, values, scale, mask, softcap) -> torch.Tensor:
+    """transformers' eager attention with soft-capping: q [n, Hq, D] against keys and
+    values [Hkv, S, D]; mask [n, S] bool (True: attend)."""
+    group = q.shape[1] // keys.shape[0]
+    keys = keys.to(q.dtype).repeat_interleave(group, dim=0)
+    values = values.to(q.dtype).repeat_interleave(group, dim=0)
+    scores = torch.matmul(q.transpose(0, 1), keys.transpose(1, 2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(weights, values).transpose(0, 1)
 
 
 def flash_prefill(q, k, v, scale: float, flash: FlashAttn) -> torch.Tensor:

@@ -9,6 +9,13 @@ hash `hash((parent_hash, tokens))`, so equal prefixes map to equal hashes. A fre
 block keeps its hash and goes to the tail of an LRU free queue; a later request with
 the same prefix takes it back ("touch") instead of recomputing it. Allocation evicts
 from the head. The queue is an OrderedDict: append, remove and pop are O(1).
+
+Sliding windows (`config.kv_window`, set when every layer slides): a query at position
+q reads keys after q - window only, so before each allocation the blocks that lie
+wholly before the window of the next token to compute go back to the pool. Their
+entries in the block table become FREED (-1): positions still index the table, and
+the model runner never reads them. A long generation then holds about
+window / block_size + 1 blocks, whatever its length.
 """
 
 from __future__ import annotations
@@ -16,10 +23,11 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from bitserve.llm.config import EngineConfig
+from bitserve.llm.config import EngineConfig, kv_window
 from bitserve.llm.sequence import Sequence
 
 NO_PARENT = 0x5EED  # the parent hash of a sequence's first block
+FREED = -1  # a block-table entry whose block was freed behind a sliding window
 
 
 @dataclass(eq=False)
@@ -42,6 +50,7 @@ class BlockManager:
     def __init__(self, config: EngineConfig, num_blocks: int):
         self.block_size = config.block_size
         self.enable_prefix_caching = config.enable_prefix_caching
+        self.window = kv_window(config.hf_config)  # None: some layer sees everything
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.hash_to_block: dict[int, int] = {}
@@ -112,6 +121,8 @@ class BlockManager:
         taken with their K/V; the request's computed tokens jump past them.
         """
         num_tokens = seq.num_computed_tokens + len(computed_blocks) * self.block_size
+        if self.window is not None and not computed_blocks:
+            self.free_outside_window(seq)
         num_required = cdiv(num_tokens + num_new_tokens, self.block_size)
         num_new_blocks = num_required - len(seq.block_table) - len(computed_blocks)
         evictable_hits = sum(1 for b in computed_blocks if self.blocks[b].ref_count == 0)
@@ -133,14 +144,32 @@ class BlockManager:
         """Return a sequence's blocks. Tail blocks go first into the LRU queue, so the
         longest prefixes are evicted first; blocks with no hash go to the head."""
         for block_id in reversed(seq.block_table):
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                self.free_queue[block_id] = None
-                if block.hash is None:
-                    self.free_queue.move_to_end(block_id, last=False)
+            if block_id != FREED:
+                self._release(block_id)
         seq.block_table = []
         seq.num_registered_blocks = 0
+
+    def free_outside_window(self, seq: Sequence) -> int:
+        """Free the blocks no query from the next token on can see; returns how many.
+        The next query is at num_computed_tokens and sees keys from q - window + 1.
+        Walks back from the last such block to the first one freed before: O(freed)."""
+        first_visible = seq.num_computed_tokens - self.window + 1
+        i = min(max(first_visible, 0) // self.block_size, len(seq.block_table)) - 1
+        count = 0
+        while i >= 0 and seq.block_table[i] != FREED:
+            self._release(seq.block_table[i])
+            seq.block_table[i] = FREED
+            count += 1
+            i -= 1
+        return count
+
+    def _release(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            self.free_queue[block_id] = None
+            if block.hash is None:
+                self.free_queue.move_to_end(block_id, last=False)
 
     def _touch(self, block_id: int) -> None:
         block = self.blocks[block_id]

@@ -45,6 +45,47 @@ def default_kv_cache_memory(device: str = "cpu") -> int:
     return int(min(free * KV_CACHE_MEMORY_FRACTION, KV_CACHE_MEMORY_CAP))
 
 
+def layer_types(hf: dict[str, Any]) -> list[str]:
+    """Each decoder layer's attention, "full_attention" or "sliding_attention", as
+    transformers reads it: `layer_types` when config.json has it, else each family's
+    rule (Gemma 2 alternates, Gemma 3 every `sliding_window_pattern`-th layer is global,
+    Qwen slides from `max_window_layers` on when `use_sliding_window`, Mistral and
+    Phi-3 slide everywhere)."""
+    n = int(hf.get("num_hidden_layers") or hf.get("n_layer") or 0)
+    if hf.get("layer_types"):
+        return list(hf["layer_types"])
+    kind = hf.get("model_type", "")
+    slides: list[bool]
+    if not hf.get("sliding_window"):
+        slides = [False] * n
+    elif kind == "gemma2":
+        slides = [bool((i + 1) % 2) for i in range(n)]
+    elif kind.startswith("gemma3"):
+        pattern = hf.get("sliding_window_pattern", 6)
+        slides = [bool((i + 1) % pattern) for i in range(n)]
+    elif kind.startswith("qwen"):
+        first = hf.get("max_window_layers", 0)
+        slides = [bool(hf.get("use_sliding_window")) and i >= first for i in range(n)]
+    else:
+        slides = [True] * n
+    return ["sliding_attention" if s else "full_attention" for s in slides]
+
+
+def layer_windows(hf: dict[str, Any]) -> list[int | None]:
+    """Each layer's sliding window in tokens, None for a global layer."""
+    window = hf.get("sliding_window")
+    return [window if t == "sliding_attention" else None for t in layer_types(hf)]
+
+
+def kv_window(hf: dict[str, Any]) -> int | None:
+    """The tokens every layer may still attend to behind the newest one: the largest
+    window when every layer slides (older blocks can be freed), else None."""
+    windows = layer_windows(hf)
+    if not windows or any(w is None for w in windows):
+        return None
+    return max(windows)
+
+
 DEVICE = re.compile(r"cpu|cuda(:\d+)?")
 
 

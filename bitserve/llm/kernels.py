@@ -183,17 +183,21 @@ static inline void block_scores(const float *qh, const float *kb, long n, long D
 /* Decode attention over a paged, head-major pool, for sequence i in row rows[i].
    q: row stride ldq, heads of D; out: row stride ldo; kpool, vpool: [Hkv, nblk, bs, D];
    tables: [B, max_blocks] int32; lens[i]: context length of sequence i (including its
-   new token, already written to the pool). */
+   new token, already written to the pool). window > 0: only the last `window` keys
+   (sliding-window layers; blocks before them are never read, they may be freed);
+   softcap > 0: scores become softcap * tanh(score / softcap) (Gemma 2). */
 static void paged_decode(const float *q, long ldq, float *out, long ldo, const int *rows,
                          long B, long Hq, long Hkv, long D, const float *kpool,
                          const float *vpool, long nblk, long bs, const int *tables,
-                         long max_blocks, const int *lens, float scale) {
+                         long max_blocks, const int *lens, float scale, long window,
+                         float softcap) {
     long group = Hq / Hkv, max_len = max_blocks * bs;
     float *scores = (float *)malloc(sizeof(float) * (max_len > 0 ? max_len : 1));
     float *acc = (float *)malloc(sizeof(float) * D);
     for (long i = 0; i < B; i++) {
         const int *table = tables + i * max_blocks;
         long len = lens[i], nb = (len + bs - 1) / bs;
+        long lo = window > 0 && len > window ? len - window : 0, b0 = lo / bs;
         for (long h = 0; h < Hq; h++) {
             long kvh = h / group;
             const float *qh = q + (long)rows[i] * ldq + h * D;
@@ -203,14 +207,13 @@ static void paged_decode(const float *q, long ldq, float *out, long ldo, const i
             float mx = -3.0e38f;
 #ifdef __AVX512F__
             if (bs == 16 && (D == 32 || D == 64)) { /* 16 keys at a time, one reduction */
-                for (long b = 0; b < nb; b++) {
+                for (long b = b0; b < nb; b++) {
                     long n = len - b * bs < bs ? len - b * bs : bs;
                     block_scores(qh, kh + (long)table[b] * bs * D, n, D, scale, scores + b * bs);
                 }
-                for (long t = 0; t < len; t++) mx = scores[t] > mx ? scores[t] : mx;
             } else
 #endif
-            for (long b = 0; b < nb; b++) {
+            for (long b = b0; b < nb; b++) {
                 const float *kb = kh + (long)table[b] * bs * D;
                 long n = len - b * bs < bs ? len - b * bs : bs;
                 float *sb = scores + b * bs;
@@ -218,14 +221,15 @@ static void paged_decode(const float *q, long ldq, float *out, long ldo, const i
                 const float *kn = b + 1 < nb ? kh + (long)table[b + 1] * bs * D : kb;
                 for (long j = 0; j < n; j++) {
                     for (long c = 0; c < D; c += 16) __builtin_prefetch(kn + j * D + c);
-                    float s = dot(qh, kb + j * D, D) * scale;
-                    sb[j] = s;
-                    mx = s > mx ? s : mx;
+                    sb[j] = dot(qh, kb + j * D, D) * scale;
                 }
             }
+            if (softcap > 0.f)
+                for (long t = lo; t < len; t++) scores[t] = tanhf(scores[t] / softcap) * softcap;
+            for (long t = lo; t < len; t++) mx = scores[t] > mx ? scores[t] : mx;
             float total = 0.f;
 #pragma omp simd reduction(+ : total)
-            for (long t = 0; t < len; t++) {
+            for (long t = lo; t < len; t++) {
                 float e = expf(scores[t] - mx);
                 scores[t] = e;
                 total += e;
@@ -235,12 +239,12 @@ static void paged_decode(const float *q, long ldq, float *out, long ldo, const i
 #ifdef __AVX512F__
             if (D == 64) { /* the common head size: the accumulator stays in registers */
                 __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-                for (long b = 0; b < nb; b++) {
+                for (long b = b0; b < nb; b++) {
                     const float *vb = vh + (long)table[b] * bs * D;
                     long n = len - b * bs < bs ? len - b * bs : bs;
                     const float *sb = scores + b * bs;
                     const float *vn = b + 1 < nb ? vh + (long)table[b + 1] * bs * D : vb;
-                    for (long j = 0; j < n; j++) {
+                    for (long j = b == b0 ? lo - b * bs : 0; j < n; j++) {
                         __m512 p = _mm512_set1_ps(sb[j]);
                         const float *vt = vb + j * 64;
                         for (long c = 0; c < 64; c += 16) __builtin_prefetch(vn + j * 64 + c);
@@ -259,10 +263,10 @@ static void paged_decode(const float *q, long ldq, float *out, long ldo, const i
             }
 #endif
             memset(acc, 0, sizeof(float) * D);
-            for (long b = 0; b < nb; b++) {
+            for (long b = b0; b < nb; b++) {
                 const float *vb = vh + (long)table[b] * bs * D;
                 long n = len - b * bs < bs ? len - b * bs : bs;
-                for (long j = 0; j < n; j++) {
+                for (long j = b == b0 ? lo - b * bs : 0; j < n; j++) {
                     const float *vt = vb + j * D;
                     float p = scores[b * bs + j];
 #pragma omp simd
@@ -278,21 +282,25 @@ static void paged_decode(const float *q, long ldq, float *out, long ldo, const i
 
 void bs_paged_decode(const float *q, float *out, const int *rows, long B, long Hq, long Hkv,
                      long D, const float *kpool, const float *vpool, long nblk, long bs,
-                     const int *tables, long max_blocks, const int *lens, float scale) {
+                     const int *tables, long max_blocks, const int *lens, float scale,
+                     long window, float softcap) {
     paged_decode(q, Hq * D, out, Hq * D, rows, B, Hq, Hkv, D, kpool, vpool, nblk, bs, tables,
-                 max_blocks, lens, scale);
+                 max_blocks, lens, scale, window, softcap);
 }
 
 /* One Llama decoder layer for M decode rows, in place on the residual stream x [M, H]:
    the same arithmetic, in the same order, as the torch path (RMSNorm, fused qkv, RoPE
    from the cos/sin tables, K/V into the pool, paged attention, o_proj, RMSNorm, fused
-   gate/up, SiLU * up, down), so a decode step is 8 calls instead of ~600 torch ops. */
+   gate/up, SiLU * up, down), so a decode step is 8 calls instead of ~600 torch ops.
+   qnorm, knorm (Qwen3): an RMSNorm over each q and k head before RoPE, or NULL;
+   window, softcap: as paged_decode's (0: none). */
 typedef struct {
     const float *ln1, *wqkv, *bqkv, *wo, *bo, *ln2, *wgu, *wdown;
     float *kpool, *vpool;
     const float *cos, *sin; /* [max_len, D] */
-    long H, Hq, Hkv, D, I, nblk, bs;
-    float eps, scale;
+    const float *qnorm, *knorm;
+    long H, Hq, Hkv, D, I, nblk, bs, window;
+    float eps, scale, softcap;
 } LayerParams;
 
 static void rmsnorm(const float *x, const float *w, float *y, long M, long H, float eps) {
@@ -343,10 +351,18 @@ void bs_llama_decode_layer(const LayerParams *p, float *x, long M, const long *p
           *act = gu + M * 2 * I;
     rmsnorm(x, p->ln1, h, M, H, p->eps);
     bs_linear_small(h, H, M, H, p->wqkv, QKV, p->bqkv, qkv);
+    if (p->qnorm)
+        for (long m = 0; m < M; m++) {
+            float *row = qkv + m * QKV;
+            for (long hd = 0; hd < Hq; hd++)
+                rmsnorm(row + hd * D, p->qnorm, row + hd * D, 1, D, p->eps);
+            for (long hd = Hq; hd < Hq + Hkv; hd++)
+                rmsnorm(row + hd * D, p->knorm, row + hd * D, 1, D, p->eps);
+        }
     rope_and_store(qkv, M, Hq, Hkv, D, positions, p->cos, p->sin, slots, p->kpool, p->vpool,
                    p->nblk, p->bs);
     paged_decode(qkv, QKV, att, Hq * D, rows, M, Hq, Hkv, D, p->kpool, p->vpool, p->nblk,
-                 p->bs, tables, max_blocks, lens, p->scale);
+                 p->bs, tables, max_blocks, lens, p->scale, p->window, p->softcap);
     bs_linear_small(att, Hq * D, M, Hq * D, p->wo, H, p->bo, h);
     for (long i = 0; i < M * H; i++) x[i] = x[i] + h[i];
     rmsnorm(x, p->ln2, h, M, H, p->eps);
@@ -440,9 +456,9 @@ class LayerParams(ctypes.Structure):
     _fields_ = [
         *[(name, ctypes.c_void_p) for name in ("ln1", "wqkv", "bqkv", "wo", "bo", "ln2")],
         *[(name, ctypes.c_void_p) for name in ("wgu", "wdown", "kpool", "vpool", "cos", "sin")],
-        *[(name, ctypes.c_long) for name in ("H", "Hq", "Hkv", "D", "I", "nblk", "bs")],
-        ("eps", ctypes.c_float),
-        ("scale", ctypes.c_float),
+        *[(name, ctypes.c_void_p) for name in ("qnorm", "knorm")],
+        *[(name, ctypes.c_long) for name in ("H", "Hq", "Hkv", "D", "I", "nblk", "bs", "window")],
+        *[(name, ctypes.c_float) for name in ("eps", "scale", "softcap")],
     ]
 
 
@@ -458,7 +474,9 @@ class Kernels:
         lib = ctypes.CDLL(str(path))
         p, i, f = ctypes.c_void_p, ctypes.c_long, ctypes.c_float
         self._linear = bind(lib, "bs_linear_small", p, i, i, i, p, i, p, p)
-        self._decode = bind(lib, "bs_paged_decode", p, p, p, i, i, i, i, p, p, i, i, p, i, p, f)
+        self._decode = bind(
+            lib, "bs_paged_decode", p, p, p, i, i, i, i, p, p, i, i, p, i, p, f, i, f
+        )
         layer = ctypes.POINTER(LayerParams)
         self._layer = bind(lib, "bs_llama_decode_layer", layer, p, i, p, p, p, p, i, p, p)
         self._silu_mul = bind(lib, "bs_silu_mul", p, i, i, p)
@@ -495,8 +513,11 @@ class Kernels:
         )
         return y
 
-    def paged_decode(self, q, out, rows, k_pool, v_pool, tables, lens, scale: float) -> None:
-        """q, out: [T, Hq, D] contiguous fp32; rows, lens: int32 [B]; tables: int32 [B, W]."""
+    def paged_decode(
+        self, q, out, rows, k_pool, v_pool, tables, lens, scale: float, window=0, softcap=0.0
+    ) -> None:
+        """q, out: [T, Hq, D] contiguous fp32; rows, lens: int32 [B]; tables: int32 [B, W];
+        window: attend to the last `window` keys only (0: all); softcap: Gemma 2's."""
         hkv, nblk, bs, d = k_pool.shape
         self._decode(
             q.data_ptr(),
@@ -514,6 +535,8 @@ class Kernels:
             tables.shape[1],
             lens.data_ptr(),
             scale,
+            window,
+            softcap,
         )
 
     def llama_decode_layer(self, params: LayerParams, x, positions, slots, decode, scratch):
@@ -533,6 +556,8 @@ def layer_shape(layer: Any) -> dict[str, Any]:
     """The sizes a C decoder layer reads from its params (fp32 and quantized alike)."""
     attn, k_pool = layer.self_attn, layer.self_attn.kv_cache[0]
     return dict(
+        window=attn.window or 0,
+        softcap=attn.softcap or 0.0,
         H=layer.input_layernorm.weight.shape[0],
         Hq=attn.num_heads,
         Hkv=attn.num_kv_heads,

@@ -189,6 +189,8 @@ class ModelRunner:
             start = seq.num_computed_tokens
             end = start + n
             table = seq.block_table
+            if table[0] < 0:  # blocks freed behind a sliding window: never read
+                table = [max(block, 0) for block in table]
             num_ctx_blocks = -(-end // bs)
             if n == 1:
                 input_ids.append(seq.token_ids[start])

@@ -33,7 +33,8 @@ def c_readable(layer: nn.Module) -> bool:
 
 
 def fusable(layer: nn.Module) -> bool:
-    """A Llama decoder layer with plain SwiGLU MLP, no TP, all four linears C-readable."""
+    """A Llama decoder layer with plain SwiGLU MLP, no TP, all four linears C-readable,
+    and Llama's norms (no qk-norm, sandwich or `1 + w` norms: Qwen3 and Gemma stay in torch)."""
     attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
     linears = [
         getattr(attn, "qkv_proj", None),
@@ -45,6 +46,10 @@ def fusable(layer: nn.Module) -> bool:
     return (
         all(lin is not None and c_readable(lin) for lin in linears)
         and hasattr(layer, "input_layernorm")
+        and getattr(attn, "q_norm", None) is None
+        and not getattr(layer, "sandwich", False)
+        and not layer.input_layernorm.unit_offset
+        and getattr(mlp, "activation", "silu") == "silu"
         and (tp is None or tp.size == 1)
     )
 

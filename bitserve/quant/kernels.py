@@ -357,8 +357,8 @@ typedef struct {
     QWeight qkv, o, gu, down;
     float *kpool, *vpool;
     const float *cos, *sin; /* [max_len, D] */
-    long H, Hq, Hkv, D, I, nblk, bs;
-    float eps, scale;
+    long H, Hq, Hkv, D, I, nblk, bs, window;
+    float eps, scale, softcap;
 } QLayerParams;
 
 /* bs_llama_decode_layer (above) with quantized weights: same steps, same order. */
@@ -374,7 +374,7 @@ void bs_q_llama_decode_layer(const QLayerParams *p, float *x, long M, const long
     rope_and_store(qkv, M, Hq, Hkv, D, positions, p->cos, p->sin, slots, p->kpool, p->vpool,
                    p->nblk, p->bs);
     paged_decode(qkv, QKV, att, Hq * D, rows, M, Hq, Hkv, D, p->kpool, p->vpool, p->nblk,
-                 p->bs, tables, max_blocks, lens, p->scale);
+                 p->bs, tables, max_blocks, lens, p->scale, p->window, p->softcap);
     bs_qgemv(&p->o, att, Hq * D, M, h);
     for (long i = 0; i < M * H; i++) x[i] = x[i] + h[i];
     rmsnorm(x, p->ln2, h, M, H, p->eps);
@@ -408,9 +408,8 @@ class QLayerParams(ctypes.Structure):
         ("ln2", ctypes.c_void_p),
         *[(name, QWeight) for name in ("qkv", "o", "gu", "down")],
         *[(name, ctypes.c_void_p) for name in ("kpool", "vpool", "cos", "sin")],
-        *[(name, ctypes.c_long) for name in ("H", "Hq", "Hkv", "D", "I", "nblk", "bs")],
-        ("eps", ctypes.c_float),
-        ("scale", ctypes.c_float),
+        *[(name, ctypes.c_long) for name in ("H", "Hq", "Hkv", "D", "I", "nblk", "bs", "window")],
+        *[(name, ctypes.c_float) for name in ("eps", "scale", "softcap")],
     ]
 
 

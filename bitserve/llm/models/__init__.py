@@ -13,9 +13,12 @@ from safetensors import safe_open
 from torch import nn
 
 from bitserve.llm.config import EngineConfig
+from bitserve.llm.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from bitserve.llm.models.gpt2 import GPT2LMHeadModel
 from bitserve.llm.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
 from bitserve.llm.models.mixtral import MixtralForCausalLM
+from bitserve.llm.models.phi3 import Phi3ForCausalLM
+from bitserve.llm.models.qwen3 import Qwen3ForCausalLM
 from bitserve.llm.parallel import SINGLE, Parallel
 
 ARCHITECTURES: dict[str, type[nn.Module]] = {
@@ -24,6 +27,10 @@ ARCHITECTURES: dict[str, type[nn.Module]] = {
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
     "GPT2LMHeadModel": GPT2LMHeadModel,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
 }
 
 

@@ -54,40 +54,77 @@ class Linear(nn.Linear):
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float):
+    """Llama's RMSNorm; `unit_offset` is Gemma's: the weight is stored as w - 1 and the
+    product is taken in fp32 before the cast back (`x * (1 + w)`)."""
+
+    def __init__(self, size: int, eps: float, unit_offset: bool = False):
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
+        self.weight = nn.Parameter(torch.zeros(size) if unit_offset else torch.ones(size))
         self.eps = eps
+        self.unit_offset = unit_offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.unit_offset:
+            return (x * (1.0 + self.weight.float())).to(dtype)
         return self.weight * x.to(dtype)
 
+    def scale(self) -> torch.Tensor:
+        """The multiplier the C kernels read: the weight, or 1 + weight (Gemma)."""
+        return (1.0 + self.weight.float()) if self.unit_offset else self.weight
 
-def rope_parameters(hf: dict[str, Any]) -> dict[str, Any]:
-    """transformers >= 5 writes `rope_parameters`; older configs `rope_theta` + `rope_scaling`."""
-    params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
-    params.setdefault("rope_theta", hf.get("rope_theta", 10000.0))
+
+def rope_parameters(hf: dict[str, Any], layer_type: str | None = None) -> dict[str, Any]:
+    """transformers >= 5 writes `rope_parameters` (per layer type for Gemma 3); older
+    configs `rope_theta` + `rope_scaling` (+ Gemma 3's `rope_local_base_freq`)."""
+    params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    if layer_type is not None and layer_type in params:
+        params = params[layer_type]
+    elif any(isinstance(v, dict) for v in params.values()):
+        params = params.get("full_attention", {})
+    params = dict(params)
+    theta = hf.get("rope_theta", 10000.0)
+    if layer_type == "sliding_attention" and "rope_local_base_freq" in hf:
+        theta = hf["rope_local_base_freq"]
+        if "rope_parameters" not in hf:  # the old rope_scaling was for global layers only
+            params = {}
+    params.setdefault("rope_theta", theta)
     params["rope_type"] = params.get("rope_type", params.get("type", "default"))
+    if params["rope_type"] == "su":  # Phi-3's first name for longrope
+        params["rope_type"] = "longrope"
+    if "partial_rotary_factor" in hf:
+        params.setdefault("partial_rotary_factor", hf["partial_rotary_factor"])
+    if "original_max_position_embeddings" in hf:  # Phi-3 keeps it at the top level
+        params["original_max_position_embeddings"] = hf["original_max_position_embeddings"]
     return params
 
 
-def inverse_frequencies(hf: dict[str, Any], head_dim: int) -> torch.Tensor:
-    """RoPE inverse frequencies: default, linear and llama3 scaling."""
-    params = rope_parameters(hf)
+ROPE_TYPES = ("default", "linear", "llama3", "dynamic", "longrope")
+
+
+def inverse_frequencies(params: dict[str, Any], head_dim: int, ext=None) -> torch.Tensor:
+    """RoPE inverse frequencies for default, linear, llama3, longrope (short factors,
+    or `ext` given) scaling; `dynamic` starts as default (see RotaryEmbedding)."""
     base, kind = params["rope_theta"], params["rope_type"]
-    dim = int(head_dim * params.get("partial_rotary_factor", 1.0))
+    dim = rotary_dim(params, head_dim)
     exponents = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim
+    if kind == "longrope":
+        factors = params["short_factor"] if ext is None else ext
+        return 1.0 / (torch.tensor(factors, dtype=torch.float32, device="cpu") * base**exponents)
     inv_freq = 1.0 / (base**exponents)
-    if kind == "default":
+    if kind in ("default", "dynamic"):
         return inv_freq
     if kind == "linear":
         return inv_freq / params["factor"]
     if kind == "llama3":
         return llama3_scaling(inv_freq, params)
-    raise ValueError(f"rope_type {kind!r} is not supported (supported: default, linear, llama3)")
+    raise ValueError(f"rope_type {kind!r} is not supported (supported: {', '.join(ROPE_TYPES)})")
+
+
+def rotary_dim(params: dict[str, Any], head_dim: int) -> int:
+    return int(head_dim * params.get("partial_rotary_factor", 1.0))
 
 
 def llama3_scaling(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Tensor:
@@ -102,26 +139,75 @@ def llama3_scaling(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Tens
     return torch.where(is_medium, smoothed, scaled)
 
 
-class RotaryEmbedding(nn.Module):
-    """cos/sin tables for every position up to max_model_len, looked up by position."""
+def longrope_attention_factor(params: dict[str, Any], max_positions: int) -> float:
+    """transformers' default for Phi-3: sqrt(1 + ln(factor) / ln(original length))."""
+    if params.get("attention_factor") is not None:
+        return params["attention_factor"]
+    original = params["original_max_position_embeddings"]
+    factor = params.get("factor") or max_positions / original
+    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
 
-    def __init__(self, hf: dict[str, Any], head_dim: int, max_len: int):
+
+def dynamic_frequencies(params: dict[str, Any], head_dim: int, max_pos: int, lengths):
+    """Dynamic NTK: per sequence length L > max_pos, the base transformers recomputes, in
+    its arithmetic (fp32 tensors): base * (factor L / max_pos - (factor - 1)) ** (d / (d - 2))."""
+    dim, factor = rotary_dim(params, head_dim), params["factor"]
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim
+    base = params["rope_theta"] * ((factor * lengths / max_pos) - (factor - 1)) ** (dim / (dim - 2))
+    return 1.0 / (base[:, None] ** exponents[None, :])
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for every position up to max_model_len, looked up by position.
+
+    Two scalings depend on the sequence, as transformers' `dynamic_rope_update` does:
+    - `dynamic` (NTK): a token at position p >= max_position_embeddings is rotated with
+      the base for length p + 1, the one transformers uses when it decodes that token
+      (a prompt longer than that is rotated token by token the same way, where
+      transformers uses one base for the whole prompt);
+    - `longrope` (Phi-3): a sequence longer than original_max_position_embeddings uses
+      the long factors, a shorter one the short factors (chosen per step from the
+      sequence's length, `table_positions`); rows [max_len, 2 max_len) hold the long set.
+    """
+
+    def __init__(self, hf: dict[str, Any], head_dim: int, max_len: int, layer_type=None):
         super().__init__()
-        self.inv_freq = inverse_frequencies(hf, head_dim)
+        self.hf, self.head_dim = hf, head_dim
+        self.params = rope_parameters(hf, layer_type)
+        self.kind = self.params["rope_type"]
+        self.inv_freq = inverse_frequencies(self.params, head_dim)
         self.max_len = max_len
         self.reset_buffers()
 
-    def reset_buffers(self, device: str | torch.device = "cpu") -> None:
-        """Same arithmetic as transformers: fp32 position x inv_freq, cos/sin in fp32.
+    @property
+    def max_positions(self) -> int:
+        return int(self.hf.get("max_position_embeddings", self.max_len))
 
-        Computed on the CPU (the same tables on every device), then moved to `device`.
-        """
-        freqs = (
-            torch.arange(self.max_len, dtype=torch.float32, device="cpu")[:, None]
-            * self.inv_freq[None, :]
-        )
+    def reset_buffers(self, device: str | torch.device = "cpu") -> None:
+        """Same arithmetic as transformers: fp32 position x inv_freq, cos/sin in fp32
+        (times longrope's attention factor). Computed on the CPU, moved to `device`."""
+        positions = torch.arange(self.max_len, dtype=torch.float32, device="cpu")
+        freqs = positions[:, None] * self.inv_freq[None, :]
+        scale = 1.0
+        if self.kind == "dynamic" and self.max_len > self.max_positions:
+            start = self.max_positions
+            lengths = torch.arange(start + 1, self.max_len + 1, dtype=torch.int64, device="cpu")
+            inv = dynamic_frequencies(self.params, self.head_dim, start, lengths)
+            freqs[start:] = positions[start:, None] * inv
+        if self.kind == "longrope":
+            long = inverse_frequencies(self.params, self.head_dim, self.params["long_factor"])
+            freqs = torch.cat([freqs, positions[:, None] * long[None, :]])
+            scale = longrope_attention_factor(self.params, self.max_positions)
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.cos, self.sin = emb.cos().to(device), emb.sin().to(device)
+        self.cos, self.sin = (emb.cos() * scale).to(device), (emb.sin() * scale).to(device)
+
+    def table_positions(self, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """The table row of each token: its position, or (longrope, a sequence past the
+        original length) its position in the long half of the table."""
+        if self.kind != "longrope":
+            return positions
+        original = self.params["original_max_position_embeddings"]
+        return positions + (meta.row_context_lens(positions) > original) * self.max_len
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """q: [T, Hq, D], k: [T, Hkv, D] -> rotated, in their dtype. On the CPU in fp32
@@ -133,6 +219,13 @@ class RotaryEmbedding(nn.Module):
             return q, k
         cos = self.cos[positions].unsqueeze(1).to(q.dtype)
         sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+        rot = cos.shape[-1]
+        if rot < q.shape[-1]:  # partial rotary (Phi-4-mini): the tail passes through
+            q_rot, q_pass = q[..., :rot], q[..., rot:]
+            k_rot, k_pass = k[..., :rot], k[..., rot:]
+            q = torch.cat([q_rot * cos + rotate_half(q_rot) * sin, q_pass], dim=-1)
+            k = torch.cat([k_rot * cos + rotate_half(k_rot) * sin, k_pass], dim=-1)
+            return q, k
         return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
 
     def c_rope(self, q: torch.Tensor, k: torch.Tensor) -> bool:
@@ -154,6 +247,12 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 class Attention(nn.Module):
     """Multi-head attention with GQA over the paged KV cache of one layer.
 
+    The variations the families need live here, not in copies per model: `qk_norm`
+    (Qwen3, Gemma 3: an RMSNorm over each head's q and k before RoPE, given as the norm
+    to build), `window` (sliding-window layers: a query sees its last `window` keys),
+    `softcap` (Gemma 2: `cap * tanh(scores / cap)` before the softmax) and `scale`
+    (Gemma's `query_pre_attn_scalar ** -0.5` instead of `head_dim ** -0.5`).
+
     Under tensor parallelism (parallel.py) this rank holds `num_heads / tp` query heads
     and `num_kv_heads / tp` kv heads: `qkv_proj` is column-parallel, `o_proj`
     row-parallel, and one all-reduce sums the partial outputs."""
@@ -167,6 +266,11 @@ class Attention(nn.Module):
         bias: bool,
         o_bias: bool,
         tp: TensorParallel = NO_TP,
+        *,
+        qk_norm=None,
+        window: int | None = None,
+        softcap: float | None = None,
+        scale: float | None = None,
     ):
         super().__init__()
         self.tp = tp
@@ -175,7 +279,10 @@ class Attention(nn.Module):
         self.q_size, self.kv_size = self.num_heads * head_dim, self.num_kv_heads * head_dim
         self.qkv_proj = Linear(hidden, self.q_size + 2 * self.kv_size, bias=bias)
         self.o_proj = Linear(self.q_size, hidden, bias=o_bias)
-        self.scale = head_dim**-0.5
+        self.scale = head_dim**-0.5 if scale is None else scale
+        self.q_norm = qk_norm(head_dim) if qk_norm is not None else None
+        self.k_norm = qk_norm(head_dim) if qk_norm is not None else None
+        self.window, self.softcap = window, softcap
         self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None  # set by the runner
 
     def forward(self, x, positions, meta: AttentionMetadata, rotary: RotaryEmbedding | None):
@@ -183,9 +290,13 @@ class Attention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         if rotary is not None:
             q, k = rotary(positions, q, k)
-        out = paged_attention(q, k, v, self.kv_cache, meta, self.scale)
+        out = paged_attention(
+            q, k, v, self.kv_cache, meta, self.scale, window=self.window, softcap=self.softcap
+        )
         return self.tp.all_reduce(self.o_proj(out.reshape(-1, self.q_size)))
 
 

@@ -1,8 +1,13 @@
-"""The Llama family: Llama 2/3 (GQA, rope scaling), Mistral, Qwen2 (qkv bias, tied embeddings).
+"""The Llama-shaped decoder every RoPE family here shares: Llama 2/3, Mistral, Qwen2,
+and (their own modules, one `Style` each) Qwen3, Gemma 2/3, Phi-3 and the MoE models.
 
-One decoder: RMSNorm -> attention (fused qkv, RoPE) -> RMSNorm -> SwiGLU MLP (fused
+One decoder: RMSNorm -> attention (fused qkv, RoPE) -> RMSNorm -> gated MLP (fused
 gate/up). Checkpoint tensors `q_proj/k_proj/v_proj` and `gate_proj/up_proj` are copied
-into slices of the fused weights at load time.
+into slices of the fused weights at load time (Phi-3 stores them fused already).
+A family's departures from Llama are data, `Style`, carried by the shared layers:
+qk-norm, sandwich norms, Gemma's `1 + w` norms and scaled embeddings, the MLP's
+activation, a RoPE of its own for sliding layers; soft-capping, sliding windows and
+the attention scale come from config.json.
 
 Under tensor parallelism each checkpoint tensor is cut to this rank's share on the
 way in (q, k, v by heads, gate and up by columns, o_proj and down_proj by input
@@ -12,6 +17,8 @@ columns); under pipeline parallelism the model holds only its stage's layers
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -20,6 +27,7 @@ from torch import nn
 
 from bitserve.llm import kernels
 from bitserve.llm.attention import AttentionMetadata
+from bitserve.llm.config import layer_types, layer_windows
 from bitserve.llm.models.layers import (
     NO_TP,
     SMALL_M,
@@ -56,22 +64,38 @@ def c_elementwise(x: torch.Tensor) -> bool:
     )
 
 
-class MLP(nn.Module):
-    """SwiGLU; under TP `gate_up_proj` is column- and `down_proj` row-parallel."""
+ACTIVATIONS = {
+    "silu": F.silu,
+    "swish": F.silu,
+    "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh"),  # transformers' GELUTanh
+}
 
-    def __init__(self, hidden: int, intermediate: int, tp: TensorParallel = NO_TP):
+
+class MLP(nn.Module):
+    """Gated MLP, act(gate) * up (SwiGLU; Gemma's GeGLU with tanh-GELU); under TP
+    `gate_up_proj` is column- and `down_proj` row-parallel."""
+
+    def __init__(
+        self, hidden: int, intermediate: int, tp: TensorParallel = NO_TP, activation="silu"
+    ):
         super().__init__()
+        if activation not in ACTIVATIONS:
+            raise ValueError(
+                f"MLP activation {activation!r} is not supported (supported: {list(ACTIVATIONS)})"
+            )
         self.tp = tp
+        self.activation = activation
+        self.act = ACTIVATIONS[activation]
         self.intermediate = intermediate // tp.size
         self.gate_up_proj = Linear(hidden, 2 * self.intermediate, bias=False)
         self.down_proj = Linear(self.intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        if c_elementwise(gate_up) and (k := kernels.get()) is not None:
+        if self.act is F.silu and c_elementwise(gate_up) and (k := kernels.get()) is not None:
             return self.tp.all_reduce(self.down_proj(k.silu_mul(gate_up)))  # one pass
         gate, up = gate_up.split(self.intermediate, dim=-1)
-        return self.tp.all_reduce(self.down_proj(F.silu(gate) * up))
+        return self.tp.all_reduce(self.down_proj(self.act(gate) * up))
 
 
 def attention_shape(hf: dict[str, Any]) -> tuple[int, int, int]:
@@ -81,56 +105,101 @@ def attention_shape(hf: dict[str, Any]) -> tuple[int, int, int]:
     return heads, kv_heads, head_dim
 
 
+@dataclass(frozen=True)
+class Style:
+    """How a family's decoder departs from Llama's (the defaults)."""
+
+    qkv_bias: bool = False  # q/k/v biases when config.json has no attention_bias
+    o_proj_bias: bool = True  # attention_bias covers o_proj too (Llama); Qwen2: never
+    qk_norm: bool = False  # Qwen3, Gemma 3: RMSNorm over each q and k head before RoPE
+    sandwich_norms: bool = False  # Gemma 2/3: norms after attention and after the MLP too
+    unit_offset_norms: bool = False  # Gemma: RMSNorm weights stored as w - 1
+    scaled_embeddings: bool = False  # Gemma: embeddings times sqrt(hidden_size)
+    local_rope: bool = False  # Gemma 3: sliding layers have a RoPE of their own
+
+
+def activation_of(hf: dict[str, Any]) -> str:
+    return hf.get("hidden_activation") or hf.get("hidden_act") or "silu"
+
+
 class DecoderLayer(nn.Module):
-    def __init__(self, hf: dict[str, Any], qkv_bias: bool, o_bias: bool, tp: TensorParallel):
+    """Pre-norm attention and MLP, each added to the residual stream; with
+    `sandwich_norms` (Gemma) each output is normalised again before it is added, and the
+    checkpoint's names are Gemma's: `post_attention_layernorm` is then the norm after
+    attention, `pre_feedforward_layernorm`/`post_feedforward_layernorm` wrap the MLP."""
+
+    def __init__(self, hf: dict[str, Any], index: int, style: Style, tp: TensorParallel):
         super().__init__()
         hidden, eps = hf["hidden_size"], hf.get("rms_norm_eps", 1e-6)
+        norm = partial(RMSNorm, eps=eps, unit_offset=style.unit_offset_norms)
+        qkv_bias = hf.get("attention_bias", style.qkv_bias)
+        scalar = hf.get("query_pre_attn_scalar")
+        self.layer_type = layer_types(hf)[index]
         self.self_attn = Attention(
-            hidden, *attention_shape(hf), bias=qkv_bias, o_bias=o_bias, tp=tp
+            hidden,
+            *attention_shape(hf),
+            bias=qkv_bias,
+            o_bias=qkv_bias and style.o_proj_bias,
+            tp=tp,
+            qk_norm=norm if style.qk_norm else None,
+            window=layer_windows(hf)[index],
+            softcap=hf.get("attn_logit_softcapping"),
+            scale=None if scalar is None else scalar**-0.5,
         )
-        self.input_layernorm = RMSNorm(hidden, eps)
-        self.post_attention_layernorm = RMSNorm(hidden, eps)
+        self.input_layernorm = norm(hidden)
+        self.post_attention_layernorm = norm(hidden)
+        self.sandwich = style.sandwich_norms
+        if self.sandwich:
+            self.pre_feedforward_layernorm = norm(hidden)
+            self.post_feedforward_layernorm = norm(hidden)
         self.mlp = self.make_mlp(hf, tp)
 
     def make_mlp(self, hf: dict[str, Any], tp: TensorParallel) -> nn.Module:
-        return MLP(hf["hidden_size"], hf["intermediate_size"], tp)
+        return MLP(hf["hidden_size"], hf["intermediate_size"], tp, activation_of(hf))
 
     def forward(self, x, positions, meta: AttentionMetadata, rotary) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, meta, rotary)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h = self.self_attn(self.input_layernorm(x), positions, meta, rotary)
+        if not self.sandwich:
+            x = x + h
+            return x + self.mlp(self.post_attention_layernorm(x))
+        x = x + self.post_attention_layernorm(h)
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 
 
 class LlamaForCausalLM(nn.Module):
-    """Also Mistral and Qwen2: the same graph, with qkv bias where the config says so."""
+    """Also Mistral and Qwen2 (the same graph, qkv bias where the config says so), and
+    the base of every family module: a subclass sets its `Style` (and `layer_class`)."""
 
     layer_class = DecoderLayer
-    qkv_bias = False  # default when config.json has no attention_bias
-    o_proj_bias = True  # Llama's attention_bias covers o_proj too
+    style = Style()
 
     def __init__(self, hf: dict[str, Any], max_model_len: int, parallel: Parallel = SINGLE):
         super().__init__()
         self.hf = hf
         self.parallel = parallel
-        qkv_bias = hf.get("attention_bias", self.qkv_bias)
-        o_bias = qkv_bias and self.o_proj_bias
+        style = self.style
         hidden, vocab = hf["hidden_size"], hf["vocab_size"]
         self.tie_word_embeddings = bool(hf.get("tie_word_embeddings", False))
         first, last = parallel.is_first_stage, parallel.is_last_stage
         # the last stage holds the embedding too when the LM head is tied to it
         has_embedding = first or (last and self.tie_word_embeddings)
         self.embed_tokens = nn.Embedding(vocab, hidden) if has_embedding else None
+        self.embed_scale = hidden**0.5 if style.scaled_embeddings else None
         self.stage = parallel.layers(hf["num_hidden_layers"])
         self.layers = nn.ModuleList(
-            self.layer_class(hf, qkv_bias, o_bias, parallel.tp)
-            if i in self.stage
-            else StageMissing()
+            self.layer_class(hf, i, style, parallel.tp) if i in self.stage else StageMissing()
             for i in range(hf["num_hidden_layers"])
         )
-        self.norm = RMSNorm(hidden, hf.get("rms_norm_eps", 1e-6)) if last else None
+        eps = hf.get("rms_norm_eps", 1e-6)
+        self.norm = RMSNorm(hidden, eps, style.unit_offset_norms) if last else None
         self.lm_head = Linear(hidden, vocab, bias=False) if last else None
+        self.final_softcap = hf.get("final_logit_softcapping")
         self.tie_weights()
         _, _, head_dim = attention_shape(hf)
-        self.rotary = RotaryEmbedding(hf, head_dim, max_model_len)
+        self.rotary = RotaryEmbedding(hf, head_dim, max_model_len, "full_attention")
+        self.local_rotary = None
+        if style.local_rope:
+            self.local_rotary = RotaryEmbedding(hf, head_dim, max_model_len, "sliding_attention")
 
     def tie_weights(self) -> None:
         if self.tie_word_embeddings and self.lm_head is not None:
@@ -148,12 +217,26 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids, positions, meta: AttentionMetadata, hidden=None) -> torch.Tensor:
         """`hidden`: the previous stage's output (pipeline parallelism), else None."""
-        x = self.embed_tokens(input_ids) if hidden is None else hidden
+        x = self.embed(input_ids) if hidden is None else hidden
+        rope_positions = self.rotary.table_positions(positions, meta)
         if self.can_fuse_decode(x, meta):
-            x = self.fused_decode(x, positions, meta)
-        else:
-            for layer in self.local_layers:
-                x = layer(x, positions, meta, self.rotary)
+            return self.final_norm(self.fused_decode(x, rope_positions, meta))
+        local = self.local_rotary
+        local_positions = local.table_positions(positions, meta) if local is not None else None
+        for layer in self.local_layers:
+            if local is not None and layer.layer_type == "sliding_attention":
+                x = layer(x, local_positions, meta, local)
+            else:
+                x = layer(x, rope_positions, meta, self.rotary)
+        return self.final_norm(x)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        if self.embed_scale is None:
+            return x
+        return x * torch.tensor(self.embed_scale).to(device=x.device, dtype=x.dtype)
+
+    def final_norm(self, x: torch.Tensor) -> torch.Tensor:
         return self.norm(x) if self.norm is not None else x
 
     # -- small decode steps: one C call per layer (kernels.py) --------------------------
@@ -174,14 +257,20 @@ class LlamaForCausalLM(nn.Module):
         )
 
     def fusable(self) -> bool:
-        """The C layer reads fp32 `Linear` weights: a plain MLP, full-width RoPE, and no
-        layer swapped for another kind (quantized layers are, after the model is built)."""
+        """The C layer reads fp32 `Linear` weights: a plain SwiGLU MLP, full-width RoPE,
+        Llama's norm placement, and no layer swapped for another kind (quantized layers
+        are, after the model is built). It has qk-norm (Qwen3), sliding windows and
+        soft-capping; Gemma's sandwich norms, `1 + w` norms, GeGLU and second RoPE table
+        are not in it (Gemma decodes layer by layer in torch, attention in C)."""
         _, _, head_dim = attention_shape(self.hf)
+        style = self.style
         if self.rotary.cos.shape[-1] != head_dim:
+            return False
+        if style.sandwich_norms or style.unit_offset_norms or self.local_rotary is not None:
             return False
         for layer in self.local_layers:  # every decode step: each submodule looked up once
             attn, mlp = layer.self_attn, layer.mlp
-            if type(mlp) is not MLP:
+            if type(mlp) is not MLP or mlp.act is not F.silu:
                 return False
             linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
             if not all(type(linear) is Linear for linear in linears):
@@ -221,6 +310,8 @@ class LlamaForCausalLM(nn.Module):
             vpool=ptr(v_pool),
             cos=ptr(self.rotary.cos),
             sin=ptr(self.rotary.sin),
+            qnorm=ptr(attn.q_norm.weight) if attn.q_norm is not None else None,
+            knorm=ptr(attn.k_norm.weight) if attn.k_norm is not None else None,
             **kernels.layer_shape(layer),
         )
 
@@ -239,7 +330,10 @@ class LlamaForCausalLM(nn.Module):
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+        logits = self.lm_head(hidden)
+        if self.final_softcap is not None:  # Gemma 2, in transformers' order
+            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
+        return logits
 
     def parameter_for(self, name: str) -> tuple[str, int | None]:
         """Map a checkpoint name to (our parameter name, shard of a fused weight or None)."""
@@ -262,6 +356,12 @@ class LlamaForCausalLM(nn.Module):
                 return
             raise KeyError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
         param, tp = params[target], self.parallel.tp
+        if shard is None and target.endswith(("qkv_proj.weight", "gate_up_proj.weight")):
+            # a checkpoint that stores them fused (Phi-3): cut into parts, load each
+            sizes = self.packed_sizes(target)
+            for i, part in enumerate(tensor.split(sizes)):
+                load_packed(param, tp.shard(part, 0), i, [size // tp.size for size in sizes])
+            return
         if shard is None:
             if target.endswith(ROW_PARALLEL):
                 tensor = tp.shard(tensor, 1)
@@ -269,18 +369,20 @@ class LlamaForCausalLM(nn.Module):
                 tensor = tp.row_bias(tensor)
             param.data.copy_(tensor)
             return
-        heads, kv_heads, head_dim = attention_shape(self.hf)
-        if "qkv_proj" in target:
-            sizes = [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
-        else:
-            sizes = [self.hf["intermediate_size"]] * 2
+        sizes = self.packed_sizes(target)
         # column-parallel: this rank's heads of q, k or v; its columns of gate or up
         load_packed(param, tp.shard(tensor, 0), shard, [size // tp.size for size in sizes])
 
+    def packed_sizes(self, target: str) -> list[int]:
+        """The full (unsharded) sizes of the parts of a fused weight: q, k, v or gate, up."""
+        heads, kv_heads, head_dim = attention_shape(self.hf)
+        if "qkv_proj" in target:
+            return [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
+        return [self.hf["intermediate_size"]] * 2
+
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
-    qkv_bias = True  # Qwen2 always has q/k/v biases, never an o_proj bias
-    o_proj_bias = False
+    style = Style(qkv_bias=True, o_proj_bias=False)  # q/k/v biases, never an o_proj bias
 
 
 class MistralForCausalLM(LlamaForCausalLM):
