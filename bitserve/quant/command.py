@@ -171,6 +171,13 @@ def _quantize_encoder(source, out_dir, method, group_size, version, activations=
     return save_encoder(model, target), target
 
 
+def is_diffusion(model_dir: Path) -> bool:
+    from bitserve.repository.config import load_config
+
+    toml = model_dir / "config.toml"
+    return toml.is_file() and load_config(toml).backend == "diffusion"
+
+
 @click.command()
 @click.argument("model_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.option(
@@ -182,29 +189,41 @@ def _quantize_encoder(source, out_dir, method, group_size, version, activations=
 @click.option(
     "--text",
     type=click.Path(exists=True, dir_okay=False, path_type=Path),
-    required=True,
-    help="Held-out text (LLM: perplexity; encoder: one sentence per line).",
+    default=None,
+    help="Held-out text (LLM: perplexity; encoder: one sentence per line). Required but "
+    "for diffusion models.",
 )
 @click.option("--window", type=int, default=256, show_default=True, help="LLM: tokens per window.")
 @click.option("--max-tokens", type=int, default=None, help="LLM: score at most this many tokens.")
 @click.option("--new-tokens", type=int, default=64, show_default=True, help="LLM: greedy tokens.")
 @click.option("--json", "as_json", is_flag=True, help="Print only the JSON result.")
 @click.option("--threads", type=int, default=0, help="torch threads (0: torch's default).")
+@click.option("--samples", type=int, default=50, show_default=True, help="Diffusion: per class.")
+@click.option("--report", type=click.Path(path_type=Path), help="Diffusion: figures folder.")
 def evaluate(
     model_dir: Path,
     reference: Path | None,
-    text: Path,
+    text: Path | None,
     window: int,
     max_tokens: int | None,
     new_tokens: int,
     as_json: bool,
     threads: int,
+    samples: int,
+    report: Path | None,
 ) -> None:
-    """Perplexity, agreement, cosine similarity, memory and speed of MODEL_DIR (vs --against)."""
+    """Perplexity, agreement, cosine similarity, memory and speed of MODEL_DIR (vs --against);
+    for a diffusion model, adherence, diversity and Fréchet distance per guidance scale."""
     from bitserve.quant import evaluate as ev
     from bitserve.quant.folders import resolve_source
 
     _threads(threads)
+    if is_diffusion(model_dir):
+        from bitserve.diffusion.evaluate import main as diffusion_eval
+
+        return diffusion_eval(model_dir, samples, report, as_json)
+    if text is None:
+        raise click.UsageError("--text is required for llm and hf models")
     source = resolve_source(model_dir)
     ref = resolve_source(reference).weights if reference is not None else None
     content = text.read_text()
