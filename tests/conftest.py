@@ -35,11 +35,13 @@ def free_port() -> int:
 class Server:
     """A `bitserve serve` subprocess; `url` once it answers ready."""
 
-    def __init__(self, repository: Path, *args: str, wait_ready: bool = True):
+    def __init__(
+        self, repository: Path, *args: str, wait_ready: bool = True, env: dict | None = None
+    ):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = repository.parent / f"server-{self.port}.log"
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}))
         command = [sys.executable, "-m", "bitserve.cli", "serve", "--repository", str(repository)]
         command += ["--port", str(self.port), "--threads", "1", *args]
         self.process = subprocess.Popen(

@@ -17,6 +17,7 @@ ready again. `restarts` counts it for the metrics.
     max_queued_requests = 64       # requests admitted but not yet generating
     max_queued_tokens = 65536      # their prompt tokens
     stall_timeout_s = 60           # a step loop silent this long with work = not live
+    restart_backoff_s = 0          # pause before restarting a dead engine (doubles, 30 s max)
     system_prompt = "You are a helpful assistant."
     few_shot = [{ role = "user", content = "Hi" }, { role = "assistant", content = "Hello!" }]
 """
@@ -27,7 +28,6 @@ import asyncio
 import contextlib
 import dataclasses
 import importlib
-import itertools
 import logging
 import math
 import os
@@ -51,11 +51,12 @@ SERVICE_KEYS = {
     "stall_timeout_s",
     "system_prompt",
     "few_shot",
+    "restart_backoff_s",
 }
 ENGINE_KEYS = {f.name for f in dataclasses.fields(EngineConfig)} - {"model", "hf_config"}
 # Tests inject faults inside steps with "module:function" (engine.FaultHook); unset in use.
 FAULT_HOOK_ENV = "BITSERVE_LLM_FAULT_HOOK"
-RESTART_BACKOFF_S = (0.0, 1.0, 2.0, 5.0, 10.0, 30.0)
+MAX_RESTART_BACKOFF_S = 30.0
 
 
 class Overloaded(Exception):
@@ -89,6 +90,7 @@ class LLMService:
         self.max_queued_requests = int(params.get("max_queued_requests", 256))
         self.max_queued_tokens = int(params.get("max_queued_tokens", 1 << 20))
         self.stall_timeout = float(params.get("stall_timeout_s", 60.0))
+        self.restart_backoff = float(params.get("restart_backoff_s", 0.0))
         self.system_prompt: str | None = params.get("system_prompt")
         self.few_shot: list[dict] = list(params.get("few_shot", []))
         self.engine: AsyncLLMEngine | None = None
@@ -154,8 +156,10 @@ class LLMService:
         self.restarting = f"engine loop died: {self.engine.dead!r}; restarting"
         self.restarts += 1
         log.error("model %s: %s (restart %d)", self.config.name, self.restarting, self.restarts)
-        for attempt in itertools.count():
-            await asyncio.sleep(RESTART_BACKOFF_S[min(attempt, len(RESTART_BACKOFF_S) - 1)])
+        pause = self.restart_backoff
+        while True:
+            await asyncio.sleep(pause)
+            pause = min(max(2 * pause, 1.0), MAX_RESTART_BACKOFF_S)
             try:
                 if self.engine.engine.workers is None:  # the weights are safe: keep them
                     await asyncio.to_thread(self.engine.revive)

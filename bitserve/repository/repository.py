@@ -34,7 +34,9 @@ class ModelNotFound(LookupError):
 
 
 class ModelUnavailable(RuntimeError):
-    """Known but not ready: loading, failed, draining or unloaded (HTTP 503)."""
+    """Known but not ready: loading, failed, restarting, draining or unloaded (HTTP 503)."""
+
+    retry_after = 1  # the Retry-After header: most of these pass within seconds
 
 
 @dataclass

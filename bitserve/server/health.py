@@ -192,13 +192,27 @@ def _engine_metrics(server: Server) -> Iterator[Metric]:
         "Tokens routed to each MoE expert.",
         labels=[*labels, "expert"],
     )
+    restarts = CounterMetricFamily(
+        "bitserve_llm_engine_restarts",
+        "Times the engine's step loop died and was restarted by its supervisor.",
+        labels=labels,
+    )
+    failed = CounterMetricFamily(
+        "bitserve_llm_requests_failed",
+        "Requests that failed alone inside a step (the engine went on).",
+        labels=labels,
+    )
     for name, entry in server.repository.models.items():
         for number, version in entry.versions.items():
             if version.llm is None or version.llm.engine is None or version.state != "ready":
                 continue
+            restarts.add_metric([name, str(number)], float(version.llm.restarts))
+            failed.add_metric(
+                [name, str(number)], float(version.llm.engine.engine.requests_failed_total)
+            )
             snapshot = version.llm.engine.metrics().as_dict()
             for key, family in families.items():
                 family.add_metric([name, str(number)], float(snapshot[key]))
             for expert, count in enumerate(snapshot["tokens_per_expert"]):
                 experts.add_metric([name, str(number), str(expert)], float(count))
-    yield from (*families.values(), experts)
+    yield from (*families.values(), experts, restarts, failed)

@@ -393,11 +393,9 @@ def translate(e: BaseException) -> APIError:
         return APIError(400, str(e), "invalid_request_error", e.field)
     if isinstance(e, NoChatTemplate | ValueError):
         return APIError(400, str(e), "invalid_request_error")
-    if isinstance(e, ModelUnavailable):
-        return APIError(503, str(e), "service_unavailable")
-    if isinstance(e, EngineDead):
+    if isinstance(e, ModelUnavailable | EngineDead):
         retry = {"Retry-After": str(e.retry_after)}
-        return APIError(503, str(e), "service_unavailable", code="engine_restarting", headers=retry)
+        return APIError(503, str(e), "service_unavailable", headers=retry)
     if isinstance(e, ModelNotFound):
         return APIError(404, str(e), "invalid_request_error", "model", "model_not_found")
     return APIError(500, f"{type(e).__name__}: {e}", "internal_error")
