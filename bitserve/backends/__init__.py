@@ -17,6 +17,7 @@ _MODULES = {
     "onnx": "bitserve.backends.onnx",
     "hf": "bitserve.backends.hf",
     "diffusion": "bitserve.backends.diffusion",
+    "detector": "bitserve.vision.backend",  # an exported detector graph (onnxruntime)
 }
 
 
@@ -50,7 +51,7 @@ def preimport(backends: set[str]) -> None:
         if todo & {"llm", "hf"}:
             import transformers  # noqa: F401
             from transformers import AutoModel, AutoTokenizer  # noqa: F401
-        if "onnx" in todo:
+        if todo & {"onnx", "detector"}:
             import onnxruntime  # noqa: F401
         for name in todo & set(_MODULES):
             backend_class(name)

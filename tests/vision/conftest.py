@@ -1,0 +1,50 @@
+"""A detector repository for the vision tests: the committed teacher exported to
+version 1 and its int8 quantization as version 2 (seconds, no training)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+ROOT = Path(__file__).resolve().parents[2]
+DETECTOR = ROOT / "models" / "detector"
+
+
+@pytest.fixture(scope="session")
+def detector_graphs(tmp_path_factory) -> dict[str, Path]:
+    """{"teacher": fp32 graph at 128 px, "int8": its QDQ int8 quantization}."""
+    import torch
+
+    from bitserve.optimize import techniques
+    from bitserve.vision import export, weights
+
+    torch.set_num_threads(1)
+    folder = tmp_path_factory.mktemp("graphs")
+    teacher = export.export(weights.load(DETECTOR / "teacher.safetensors"), 128, folder / "t.onnx")
+    calibration = techniques.calibration_images(count=16)
+    int8 = techniques.quantize_int8(teacher, folder / "int8.onnx", calibration)
+    return {"teacher": teacher, "int8": int8}
+
+
+@pytest.fixture(scope="session")
+def detector_repository(tmp_path_factory, detector_graphs) -> Path:
+    """models/detector with version 1 (teacher) and 2 (int8) served, 2 shadowing 1."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    repository = tmp_path_factory.mktemp("repo") / "models"
+    folder = repository / "detector"
+    shutil.copytree(DETECTOR, folder, ignore=shutil.ignore_patterns("optimize", "[0-9]*"))
+    for version, name in ((1, "teacher"), (2, "int8")):
+        (folder / str(version)).mkdir()
+        shutil.copyfile(detector_graphs[name], folder / str(version) / "model.onnx")
+    config = folder / "config.toml"
+    config.write_text(
+        config.read_text()
+        + "\n[version_policy]\nall = true\n"
+        + "\n[traffic]\nstable = 1\nshadow = 2\nshadow_percent = 100\nmin_agreement = 0.8\n"
+    )
+    return repository
