@@ -5,6 +5,14 @@ similarity per row), classification (top-1 agreement: argmax over the last axis,
 labels themselves for integer outputs) or text (exact match, and token agreement: the
 share of whitespace tokens that agree position by position).
 
+Detections (an output `boxes` of [..., K, 4], or one declared "boxes") are compared as
+a set, not slot by slot: a shadow box agrees with a primary box of the same class when
+their IoU is at least 0.5 (matched greedily, best score first), and `box_agreement` is
+2 * matched / (primary boxes + shadow boxes) per row (1 when both found nothing), with
+`mean_iou` over the matched pairs. The companion outputs (`scores`, `classes`,
+`num_detections`) only say which slots hold detections, so they are not compared slot
+by slot: an int8 variant that ranks two equal boxes the other way still agrees.
+
 Memory is bounded: `Comparisons` keeps exact running totals over every mirrored request
 (O(1) per output), and the last `keep` records in a fixed window for inspection.
 """
@@ -52,8 +60,12 @@ def compare_outputs(
 ) -> dict[str, dict[str, float]]:
     """Per output present in both: the figures for its kind."""
     out = {}
+    boxes = _box_output(primary, shadow, kinds)
+    skip = set(DETECTION_PARTS) if boxes else set()
+    if boxes:
+        out[boxes] = box_agreement(_detections(primary, boxes), _detections(shadow, boxes))
     for name, a in primary.items():
-        if name not in shadow:
+        if name not in shadow or name in skip:
             continue
         a, b = np.asarray(a), np.asarray(shadow[name])
         kind = kind_of(a, kinds.get(name))
@@ -93,6 +105,82 @@ def top1_agreement(a: np.ndarray, b: np.ndarray) -> dict[str, float]:
     else:
         labels_a, labels_b = a.argmax(axis=-1).reshape(-1), b.argmax(axis=-1).reshape(-1)
     return {"top1_agreement": float(np.mean(labels_a == labels_b)) if labels_a.size else 1.0}
+
+
+DETECTION_PARTS = ("boxes", "scores", "classes", "num_detections")
+MATCH_IOU = 0.5
+
+
+def _box_output(primary: dict, shadow: dict, kinds: dict[str, str]) -> str | None:
+    """The name of the detections' box output, if these outputs are detections."""
+    for name, a in primary.items():
+        declared = kinds.get(name)
+        a = np.asarray(a)
+        looks_like = name == "boxes" and a.ndim >= 2 and a.shape[-1] == 4 and a.dtype.kind == "f"
+        if name in shadow and (declared == "boxes" or (declared is None and looks_like)):
+            return name
+    return None
+
+
+def _detections(outputs: dict, boxes_name: str) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Per row: the valid boxes [n, 4] and their classes [n]."""
+    boxes = np.asarray(outputs[boxes_name], dtype=np.float64)
+    boxes = boxes.reshape(-1, boxes.shape[-2], 4) if boxes.ndim > 2 else boxes[None]
+    rows, slots = boxes.shape[:2]
+    classes = outputs.get("classes")
+    classes = np.zeros((rows, slots)) if classes is None else np.asarray(classes)
+    classes = classes.reshape(rows, slots)
+    if "num_detections" in outputs:
+        counts = np.asarray(outputs["num_detections"]).reshape(rows, -1)[:, 0]
+        valid = np.arange(slots)[None, :] < counts[:, None]
+    elif "scores" in outputs:
+        valid = np.asarray(outputs["scores"]).reshape(rows, slots) > 0
+    else:
+        valid = np.ones((rows, slots), bool)
+    return [(boxes[r][valid[r]], classes[r][valid[r]]) for r in range(rows)]
+
+
+def box_agreement(primary: list, shadow: list) -> dict[str, float]:
+    """IoU-matched agreement of two detectors' answers to the same rows."""
+    if len(primary) != len(shadow):
+        return {"shape_mismatch": 1.0}
+    agreements, ious = [], []
+    for (boxes_a, classes_a), (boxes_b, classes_b) in zip(primary, shadow, strict=True):
+        matched = _match(boxes_a, classes_a, boxes_b, classes_b)
+        ious += matched
+        total = len(boxes_a) + len(boxes_b)
+        agreements.append(2 * len(matched) / total if total else 1.0)
+    return {
+        "box_agreement": float(np.mean(agreements)) if agreements else 1.0,
+        "mean_iou": float(np.mean(ious)) if ious else 1.0,
+    }
+
+
+def _match(boxes_a, classes_a, boxes_b, classes_b) -> list[float]:
+    """Greedy matching in `a`'s order (best score first): the IoU of each matched pair."""
+    if len(boxes_a) == 0 or len(boxes_b) == 0:
+        return []
+    iou = _iou_matrix(boxes_a, boxes_b)
+    iou[classes_a[:, None] != classes_b[None, :]] = 0.0
+    taken, matched = np.zeros(len(boxes_b), bool), []
+    for row in iou:
+        candidates = np.where(taken, -1.0, row)
+        best = int(candidates.argmax())
+        if candidates[best] >= MATCH_IOU:
+            taken[best] = True
+            matched.append(float(candidates[best]))
+    return matched
+
+
+def _iou_matrix(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """IoU of every box of `a` with every box of `b` (x1, y1, x2, y2)."""
+    top_left = np.maximum(a[:, None, :2], b[None, :, :2])
+    bottom_right = np.minimum(a[:, None, 2:], b[None, :, 2:])
+    inter = np.clip(bottom_right - top_left, 0, None).prod(axis=2)
+    area_a = np.clip(a[:, 2:] - a[:, :2], 0, None).prod(axis=1)
+    area_b = np.clip(b[:, 2:] - b[:, :2], 0, None).prod(axis=1)
+    union = area_a[:, None] + area_b[None, :] - inter
+    return np.where(union > EPS, inter / np.maximum(union, EPS), 0.0)
 
 
 def text_agreement(a: np.ndarray, b: np.ndarray) -> dict[str, float]:

@@ -166,6 +166,7 @@ def _disagrees(traffic: Traffic, agreement: dict) -> list[str]:
             ("cosine", traffic.min_cosine),
             ("top1_agreement", traffic.min_agreement),
             ("exact_match", traffic.min_agreement),
+            ("box_agreement", traffic.min_agreement),
         ):
             if figure in figures and figures[figure]["mean"] < bar:
                 mean = figures[figure]["mean"]
