@@ -76,6 +76,8 @@ def check_parallel(hf: dict[str, Any], tp: int, pp: int) -> None:
         divide(hf.get("n_inner") or 4 * hf["n_embd"], tp, "n_inner (4 * n_embd)")
     elif "intermediate_size" in hf:
         divide(hf["intermediate_size"], tp, "intermediate_size")
+    if hf.get("moe_intermediate_size"):  # Qwen-MoE experts are cut like a dense MLP
+        divide(hf["moe_intermediate_size"], tp, "moe_intermediate_size")
     layers_key = "n_layer" if gpt2 else "num_hidden_layers"
     if hf.get(layers_key, pp) < pp:
         raise ValueError(

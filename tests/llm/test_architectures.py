@@ -20,11 +20,13 @@ from transformers import (
     MistralConfig,
     Phi3Config,
     Qwen3Config,
+    Qwen3MoeConfig,
 )
 
 from bitserve.llm import SamplingParams
 from bitserve.llm.block_manager import cdiv
-from tests.llm.conftest import COMMON, build_model, make_engine
+from bitserve.llm.engine import LLMEngine
+from tests.llm.conftest import COMMON, _engines, build_model, make_engine
 from tests.llm.test_engine import MIXED, NEW_TOKENS, SHARED, generate
 
 SMALL = dict(
@@ -107,7 +109,21 @@ def qwen3_window():
     )
 
 
-ARCHS = {"qwen3": qwen3, "gemma2": gemma2, "gemma3": gemma3, "phi3": phi3}
+def qwen3_moe():
+    """Experts in layers 0 and 2, a dense MLP in layer 1; top-k weights not renormalised."""
+    return Qwen3MoeConfig(
+        num_hidden_layers=3,
+        head_dim=16,
+        moe_intermediate_size=32,
+        num_experts=4,
+        num_experts_per_tok=2,
+        mlp_only_layers=[1],
+        norm_topk_prob=False,
+        **SMALL,
+    )
+
+
+ARCHS = {"qwen3": qwen3, "gemma2": gemma2, "gemma3": gemma3, "phi3": phi3, "qwen3_moe": qwen3_moe}
 EXTRA = {"phi4_mini": phi4_mini, "mistral_window": mistral_window, "qwen3_window": qwen3_window}
 
 
@@ -213,3 +229,24 @@ def test_longrope_switches_to_the_long_factors_with_the_sequence(tmp_path):
     engine = make_engine(folder, num_kv_blocks=64)
     prompts = [MIXED[1], MIXED[3]]
     assert_parity(folder, prompts, generate(engine, prompts))
+
+
+def test_qwen3_moe_counts_tokens_in_its_expert_layers_only(arch_dirs):
+    engine = make_engine(arch_dirs["qwen3_moe"], num_kv_blocks=64)
+    prompt = MIXED[1]
+    generate(engine, [prompt], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    counts = engine.metrics().tokens_per_expert
+    assert len(counts) == 4
+    assert sum(counts) == (len(prompt) + 3) * 2 * 2  # top-2, 2 of the 3 layers have experts
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "phi3"])
+def test_tensor_parallel_2_matches_transformers(arch_dirs, name):
+    """Experts cut like a dense MLP (Qwen3-MoE); Phi-3's fused checkpoint tensors cut
+    per part, so each rank holds its own q, k, v heads and gate, up columns."""
+    engine = LLMEngine(arch_dirs[name], tensor_parallel_size=2, num_kv_blocks=12)
+    _engines.append(engine)
+    try:
+        assert_parity(arch_dirs[name], MIXED, generate(engine, MIXED))
+    finally:
+        engine.shutdown()

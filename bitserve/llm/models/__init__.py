@@ -19,6 +19,7 @@ from bitserve.llm.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen
 from bitserve.llm.models.mixtral import MixtralForCausalLM
 from bitserve.llm.models.phi3 import Phi3ForCausalLM
 from bitserve.llm.models.qwen3 import Qwen3ForCausalLM
+from bitserve.llm.models.qwen3_moe import Qwen3MoeForCausalLM
 from bitserve.llm.parallel import SINGLE, Parallel
 
 ARCHITECTURES: dict[str, type[nn.Module]] = {
@@ -31,6 +32,7 @@ ARCHITECTURES: dict[str, type[nn.Module]] = {
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
 }
 
 

@@ -130,6 +130,7 @@ class DecoderLayer(nn.Module):
 
     def __init__(self, hf: dict[str, Any], index: int, style: Style, tp: TensorParallel):
         super().__init__()
+        self.index = index
         hidden, eps = hf["hidden_size"], hf.get("rms_norm_eps", 1e-6)
         norm = partial(RMSNorm, eps=eps, unit_offset=style.unit_offset_norms)
         qkv_bias = hf.get("attention_bias", style.qkv_bias)

@@ -1,9 +1,15 @@
-"""Mixtral: the Llama decoder with a sparse Mixture-of-Experts MLP.
+"""Mixtral (and the MoE layers Qwen3-MoE shares): the Llama decoder with a sparse
+Mixture-of-Experts MLP.
 
 A router (linear `gate`) scores every expert per token; the top-k experts (softmax,
-then renormalised over the k) each run a SwiGLU MLP on the tokens routed to them, and
-the weighted outputs are summed. `tokens_per_expert` counts routed tokens: the
-per-expert load metric.
+then renormalised over the k unless config.json says `norm_topk_prob: false`) each run
+a SwiGLU MLP on the tokens routed to them, and the weighted outputs are summed.
+`tokens_per_expert` counts routed tokens: the per-expert load metric.
+
+Expert weights are stacked, `w13` [E, 2I, H] (gate | up) and `w2` [E, H, I], whatever
+the checkpoint's naming: Mixtral's `experts.N.w1/w3/w2`, Qwen's
+`experts.N.gate_proj/up_proj/down_proj`, or transformers 5's own stacked
+`experts.gate_up_proj` / `experts.down_proj`.
 
 Under tensor parallelism every rank holds every expert, each cut like a dense MLP
 (w1/w3 by intermediate rows, w2 by intermediate columns): the replicated router
@@ -26,16 +32,26 @@ from bitserve.llm.models.llama import DecoderLayer, LlamaForCausalLM, attention_
 from bitserve.llm.parallel import TensorParallel
 
 
+def expert_intermediate(hf: dict[str, Any]) -> int:
+    """One expert's intermediate size (Qwen's `moe_intermediate_size`, else Mixtral's)."""
+    return hf.get("moe_intermediate_size") or hf["intermediate_size"]
+
+
+def num_experts(hf: dict[str, Any]) -> int:
+    return hf.get("num_local_experts") or hf["num_experts"]
+
+
 class SparseMoE(nn.Module):
     def __init__(self, hf: dict[str, Any], tp: TensorParallel = NO_TP):
         super().__init__()
         self.tp = tp
-        hidden, inter = hf["hidden_size"], hf["intermediate_size"] // tp.size
+        hidden, inter = hf["hidden_size"], expert_intermediate(hf) // tp.size
         self.num_experts, self.top_k, self.intermediate = (
-            hf["num_local_experts"],
+            num_experts(hf),
             hf["num_experts_per_tok"],
             inter,
         )
+        self.normalize = hf.get("norm_topk_prob", True)
         self.gate = nn.Linear(hidden, self.num_experts, bias=False)
         self.w13 = nn.Parameter(torch.empty(self.num_experts, 2 * inter, hidden))  # gate, up
         self.w2 = nn.Parameter(torch.empty(self.num_experts, hidden, inter))
@@ -47,7 +63,8 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         probs = F.softmax(self.gate(x).float(), dim=-1)
         weights, experts = torch.topk(probs, self.top_k, dim=-1)
-        weights /= weights.sum(dim=-1, keepdim=True)
+        if self.normalize:
+            weights /= weights.sum(dim=-1, keepdim=True)
         self.tokens_per_expert += torch.bincount(experts.flatten(), minlength=self.num_experts)
         out = torch.zeros_like(x)
         for e in experts.unique().tolist():
@@ -63,33 +80,49 @@ class MixtralDecoderLayer(DecoderLayer):
         return SparseMoE(hf, tp)
 
 
-EXPERT = re.compile(r"block_sparse_moe\.experts\.(\d+)\.(w1|w2|w3)\.weight$")
+EXPERT = re.compile(
+    r"(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$"
+)
+STACKED = re.compile(r"mlp\.experts\.(gate_up_proj|down_proj)$")  # [E, 2I, H], [E, H, I]
+GATE, UP = ("w1", "gate_proj"), ("w3", "up_proj")
 
 
 class MixtralForCausalLM(LlamaForCausalLM):
     layer_class = MixtralDecoderLayer
 
     def load_weight(self, params, name: str, tensor: torch.Tensor) -> None:
-        match = EXPERT.search(name)
+        match = EXPERT.search(name) or STACKED.search(name)
         if match is None:
             name = name.replace("block_sparse_moe.gate", "mlp.gate")
             return super().load_weight(params, name, tensor)
         prefix = name[: match.start()].removeprefix("model.")
         if self.elsewhere(prefix):
             return
-        expert, which = int(match.group(1)), match.group(2)
-        tp = self.parallel.tp
-        inter = self.hf["intermediate_size"] // tp.size
-        if which == "w2":  # row-parallel: this rank's intermediate columns
-            params[f"{prefix}mlp.w2"].data[expert].copy_(tp.shard(tensor, 1))
-        else:  # column-parallel: this rank's intermediate rows of w1 (gate) or w3 (up)
-            rows = slice(0, inter) if which == "w1" else slice(inter, 2 * inter)
-            params[f"{prefix}mlp.w13"].data[expert, rows].copy_(tp.shard(tensor, 0))
+        moe = params[f"{prefix}mlp.w13"], params[f"{prefix}mlp.w2"]
+        if match.re is STACKED:
+            if match.group(1) == "down_proj":
+                return moe[1].data.copy_(self.parallel.tp.shard(tensor, 2))
+            gate, up = tensor.chunk(2, dim=1)
+            for expert in range(tensor.shape[0]):
+                self.load_expert(moe, expert, "gate_proj", gate[expert])
+                self.load_expert(moe, expert, "up_proj", up[expert])
+            return
+        self.load_expert(moe, int(match.group(1)), match.group(2), tensor)
+
+    def load_expert(self, moe, expert: int, which: str, tensor: torch.Tensor) -> None:
+        """One expert's gate, up or down weight into this rank's share of the stack."""
+        (w13, w2), tp = moe, self.parallel.tp
+        inter = w13.shape[1] // 2
+        if which in ("w2", "down_proj"):  # row-parallel: this rank's intermediate columns
+            w2.data[expert].copy_(tp.shard(tensor, 1))
+        else:  # column-parallel: this rank's intermediate rows of gate or up
+            rows = slice(0, inter) if which in GATE else slice(inter, 2 * inter)
+            w13.data[expert, rows].copy_(tp.shard(tensor, 0))
 
     def tokens_per_expert(self) -> list[int]:
-        """Routed tokens per expert, over this stage's layers (all without PP)."""
-        counts = sum(layer.mlp.tokens_per_expert for layer in self.local_layers)
-        return counts.tolist()
+        """Routed tokens per expert, over this stage's MoE layers (all without PP)."""
+        moe = [layer.mlp for layer in self.local_layers if isinstance(layer.mlp, SparseMoE)]
+        return sum(mlp.tokens_per_expert for mlp in moe).tolist()
 
 
 __all__ = ["MixtralForCausalLM", "attention_shape"]
