@@ -8,7 +8,10 @@ replaced by one `model.safetensors` in bitserve's own module names (fused `qkv_p
      "activations": "int8" | "bf16" (int8), "group_size": 32 (int4),
      "threshold": 6.0 (int8-outlier), "embedding": "int8", "tied_lm_head": false}
 
-Every `nn.Linear` is quantized (the LM head too) except a MoE router; Llama-family token
+Every `nn.Linear` is quantized (the LM head too) except a MoE router, and so are a MoE
+layer's stacked experts: one quantized layer per expert and matrix (`mlp.q13.E`, gate |
+up, and `mlp.q2.E`, down), with the per-row int8 or per-group int4 of any other
+linear, so each routed token runs its experts through the same kernels. Llama-family token
 embeddings become int8 rows (they are a quarter of the 58M bench model). A tied LM head
 shares the int8 embedding under `int8`; under the other methods it gets its own tensors.
 `load_model` (bitserve/llm/models) calls `prepare_modules` on the meta-device model and
@@ -56,6 +59,11 @@ def quantizable(model: nn.Module) -> dict[str, nn.Linear]:
     }
 
 
+def moe_layers(model: nn.Module) -> dict[str, nn.Module]:
+    """The sparse MoE layers (stacked experts), by module name."""
+    return {name: m for name, m in model.named_modules() if hasattr(m, "quantize_experts")}
+
+
 def set_module(model: nn.Module, name: str, module: nn.Module) -> None:
     parent, _, child = name.rpartition(".")
     setattr(model.get_submodule(parent) if parent else model, child, module)
@@ -89,6 +97,10 @@ def quantize_model(
     for name, linear in quantizable(model).items():
         idx = (outliers or {}).get(name)
         set_module(model, name, quantized_linear(linear, method, group_size, activations, idx))
+    for moe in moe_layers(model).values():  # no activation profile: no outlier channels
+        moe.quantize_experts(
+            lambda linear, _: quantized_linear(linear, method, group_size, activations)
+        )
     config = method_config(method, group_size, activations, threshold)
     config["embedding"] = None
     embedding = embedding_of(model)
@@ -178,6 +190,11 @@ def prepare_modules(model: nn.Module, folder: Path, qconfig: dict[str, Any]) -> 
     for name, linear in quantizable(model).items():
         if f"{name}.qweight" in shapes:  # else full precision (or a head tied, below)
             set_module(model, name, empty_linear(linear, name, qconfig, shapes))
+    for prefix, moe in moe_layers(model).items():
+        if f"{prefix}.q13.0.qweight" in shapes:
+            moe.quantize_experts(
+                lambda linear, name, p=prefix: empty_linear(linear, f"{p}.{name}", qconfig, shapes)
+            )
     embedding = embedding_of(model)
     if embedding is not None and "embed_tokens.qweight" in shapes:
         model.embed_tokens = Int8Embedding(*embedding.weight.shape, dtype=torch.get_default_dtype())

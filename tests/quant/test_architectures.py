@@ -1,5 +1,5 @@
 """Every architecture the engine serves quantizes and loads: Llama (GQA), Qwen2 (qkv bias,
-tied head), Mixtral (experts stay full precision) and GPT-2, as tiny random models."""
+tied head), Mixtral (experts quantized too: test_moe.py) and GPT-2, as tiny random models."""
 
 from __future__ import annotations
 

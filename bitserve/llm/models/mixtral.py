@@ -55,7 +55,31 @@ class SparseMoE(nn.Module):
         self.gate = nn.Linear(hidden, self.num_experts, bias=False)
         self.w13 = nn.Parameter(torch.empty(self.num_experts, 2 * inter, hidden))  # gate, up
         self.w2 = nn.Parameter(torch.empty(self.num_experts, hidden, inter))
+        self.q13: nn.ModuleList | None = None  # quantized experts (bitserve/quant), per expert
+        self.q2: nn.ModuleList | None = None
         self.reset_buffers()
+
+    def quantize_experts(self, make) -> None:
+        """Replace the stacked fp weights by one quantized layer per expert and matrix:
+        `make(linear, name)` gets an `nn.Linear` view of expert e's w13 ("q13.e") or w2
+        ("q2.e") and returns its quantized layer. The stacks are dropped."""
+        stacks = {"q13": self.w13, "q2": self.w2}
+        for attr, stack in stacks.items():
+            layers = []
+            for e in range(self.num_experts):
+                out_features, in_features = stack.shape[1:]
+                linear = nn.Linear(in_features, out_features, bias=False, device=stack.device)
+                linear.weight = nn.Parameter(stack.data[e], requires_grad=False)
+                layers.append(make(linear, f"{attr}.{e}"))
+            setattr(self, attr, nn.ModuleList(layers))
+        del self.w13, self.w2
+        self.w13 = self.w2 = None
+
+    def up_gate(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.w13[e]) if self.q13 is None else self.q13[e](x)
+
+    def down(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.w2[e]) if self.q2 is None else self.q2[e](x)
 
     def reset_buffers(self, device: str | torch.device = "cpu") -> None:
         self.tokens_per_expert = torch.zeros(self.num_experts, dtype=torch.int64, device=device)
@@ -69,8 +93,8 @@ class SparseMoE(nn.Module):
         out = torch.zeros_like(x)
         for e in experts.unique().tolist():
             token_idx, k_idx = torch.where(experts == e)
-            gate, up = F.linear(x[token_idx], self.w13[e]).split(self.intermediate, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.w2[e]) * weights[token_idx, k_idx, None]
+            gate, up = self.up_gate(e, x[token_idx]).split(self.intermediate, dim=-1)
+            y = self.down(e, F.silu(gate) * up) * weights[token_idx, k_idx, None]
             out.index_add_(0, token_idx, y.to(out.dtype))
         return self.tp.all_reduce(out)
 
