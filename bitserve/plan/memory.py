@@ -45,19 +45,15 @@ def weight_bytes(shape: ModelShape, dtype: str, quant: str | None) -> int:
     """The weights as the engine holds them. Quantized as `bitserve quantize` writes them
     (bitserve/quant): the decoder's linear layers at the quantized width, the embedding
     in int8 with an fp32 scale per row, the LM head int8 (shared with a tied embedding)
-    or, for int4, its own int4 copy; norms, biases and MoE experts stay in the model
-    dtype."""
+    or, for int4, its own int4 copy; MoE experts at the quantized width like any linear
+    layer; norms and biases stay in the model dtype."""
     width = DTYPE_BYTES[dtype]
     if quant is None:
         return (shape.layer_matrix_params() + shape.other_params()) * width
     table = shape.vocab * shape.hidden  # one embedding (or LM head) matrix
     tables = table * (1 if shape.tied_embeddings else 2)
     rest = shape.other_params() - tables  # norms, biases, learned positions
-    # MoE experts (stacked tensors, not linear layers) stay in the model dtype
-    experts = shape.layers * shape.experts * 3 * shape.hidden * shape.intermediate
-    experts = experts if shape.experts > 1 else 0
-    matrices = shape.layer_matrix_params() - experts
-    rest += experts
+    matrices = shape.layer_matrix_params()
     embedding = shape.vocab * (shape.hidden + 4)
     if quant == "int8":
         linear = matrices * (1 + 4 / shape.hidden)  # the scale of each output row

@@ -26,6 +26,9 @@ class ModelShape:
     max_positions: int
     experts: int = 1  # MoE: experts per layer; 1 for a dense MLP
     experts_per_token: int = 1
+    expert_intermediate: int = 0  # Qwen-MoE's moe_intermediate_size (0: intermediate)
+    dense_layers: int = 0  # MoE models: layers with a dense MLP instead of experts
+    layer_norm_params: int = 0  # per layer beyond two RMSNorms (qk-norm, sandwich norms)
     tied_embeddings: bool = False
     qkv_bias: bool = False
     o_bias: bool = False
@@ -42,9 +45,13 @@ class ModelShape:
         if self.family == "gpt2":
             return self.layers * (attention + 2 * self.hidden * self.intermediate)
         experts = self.experts_per_token if active_only else self.experts
-        mlp = experts * 3 * self.hidden * self.intermediate
-        router = self.hidden * self.experts if self.experts > 1 else 0
-        return self.layers * (attention + mlp + router)
+        if self.experts == 1:
+            return self.layers * (attention + 3 * self.hidden * self.intermediate)
+        inter = self.expert_intermediate or self.intermediate
+        sparse = experts * 3 * self.hidden * inter + self.hidden * self.experts  # + router
+        dense = 3 * self.hidden * self.intermediate
+        moe_layers = self.layers - self.dense_layers
+        return self.layers * attention + moe_layers * sparse + self.dense_layers * dense
 
     def other_params(self) -> int:
         """Embeddings, LM head, norms, biases: kept in the model dtype when quantizing."""
@@ -54,7 +61,7 @@ class ModelShape:
             return self.vocab * h + self.max_positions * h + self.layers * (4 * h + biases) + 2 * h
         embeddings = self.vocab * h * (1 if self.tied_embeddings else 2)
         biases = ((q + 2 * kv) if self.qkv_bias else 0) + (h if self.o_bias else 0)
-        return embeddings + self.layers * (2 * h + biases) + h
+        return embeddings + self.layers * (2 * h + biases + self.layer_norm_params) + h
 
     def params(self) -> int:
         return self.layer_matrix_params() + self.other_params()
@@ -72,6 +79,24 @@ def read_config(model: Path) -> dict[str, Any]:
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no config.json")
     return json.loads(path.read_text())
+
+
+def dense_moe_layers(hf: dict[str, Any]) -> int:
+    """Qwen-MoE's layers without experts (`mlp_only_layers`, `decoder_sparse_step`)."""
+    if not (hf.get("num_experts") or hf.get("num_local_experts")):
+        return 0
+    step, only = hf.get("decoder_sparse_step", 1), hf.get("mlp_only_layers") or []
+    return sum(1 for i in range(hf["num_hidden_layers"]) if i in only or (i + 1) % step)
+
+
+def extra_norm_params(hf: dict[str, Any]) -> int:
+    """Norm weights per layer beyond Llama's two: qk-norm (Qwen3, Gemma 3) and Gemma's
+    norms after attention and the MLP."""
+    kind = hf.get("model_type", "")
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+    qk = 2 * head_dim if kind in ("qwen3", "qwen3_moe", "gemma3_text") else 0
+    sandwich = 2 * hf["hidden_size"] if kind in ("gemma2", "gemma3_text") else 0
+    return qk + sandwich
 
 
 def from_config(hf: dict[str, Any]) -> ModelShape:
@@ -97,8 +122,11 @@ def from_config(hf: dict[str, Any]) -> ModelShape:
         intermediate=hf["intermediate_size"],
         vocab=hf["vocab_size"],
         max_positions=hf.get("max_position_embeddings", 4096),
-        experts=hf.get("num_local_experts", 1),
+        experts=hf.get("num_local_experts") or hf.get("num_experts") or 1,
         experts_per_token=hf.get("num_experts_per_tok", 1),
+        expert_intermediate=hf.get("moe_intermediate_size") or 0,
+        dense_layers=dense_moe_layers(hf),
+        layer_norm_params=extra_norm_params(hf),
         tied_embeddings=bool(hf.get("tie_word_embeddings", False)),
         qkv_bias=bias,
         o_bias=bias and not qwen2,

@@ -10,8 +10,11 @@ scores, a head_dim unlike hidden / heads, RoPE scalings whose switch is crossed.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
+from safetensors import safe_open
 from transformers import (
     AutoModelForCausalLM,
     Gemma2Config,
@@ -26,6 +29,7 @@ from transformers import (
 from bitserve.llm import SamplingParams
 from bitserve.llm.block_manager import cdiv
 from bitserve.llm.engine import LLMEngine
+from bitserve.plan import shape
 from tests.llm.conftest import COMMON, _engines, build_model, make_engine
 from tests.llm.test_engine import MIXED, NEW_TOKENS, SHARED, generate
 
@@ -250,3 +254,12 @@ def test_tensor_parallel_2_matches_transformers(arch_dirs, name):
         assert_parity(arch_dirs[name], MIXED, generate(engine, MIXED))
     finally:
         engine.shutdown()
+
+
+@pytest.mark.parametrize("name", list(ARCHS))
+def test_plan_counts_every_checkpoint_parameter(arch_dirs, name):
+    """`bitserve plan` sizes these families too (qk-norm, sandwich norms, sparse layers)."""
+    folder = arch_dirs[name]
+    with safe_open(str(folder / "model.safetensors"), "pt") as f:
+        stored = sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())  # noqa: SIM118
+    assert shape.from_config(shape.read_config(folder)).params() == stored

@@ -19,6 +19,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from bitserve.llm import LLM, SamplingParams
+from bitserve.plan import memory, shape
 from bitserve.quant.command import _quantize_llm
 from bitserve.quant.evaluate import evaluate_llm
 from bitserve.quant.folders import Source
@@ -108,3 +109,13 @@ def test_quantized_experts_serve(moe_folders, arch):
     assert sum(llm.engine.metrics().tokens_per_expert) > 0
     int8 = LLM(moe_folders[arch, "int8"], num_kv_blocks=32).engine.runner.model
     assert all(type(layer) is Int8Linear for layer in int8.layers[0].mlp.q2)
+
+
+@pytest.mark.parametrize("arch", list(NAMES))
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_plan_memory_quant_counts_quantized_experts(moe_folders, arch, method):
+    """`bitserve plan memory --quant` predicts the quantized MoE the engine holds."""
+    model = shape.from_config(shape.read_config(moe_folders[arch, "fp32"]))
+    plan = memory.estimate(model, 8, 256, quant=method)
+    measured = memory.measure(moe_folders[arch, method], 8, 256)
+    assert plan.weights + plan.tables == pytest.approx(measured["other"], rel=0.10)
