@@ -102,6 +102,12 @@ class Server:
     async def server_metadata(self, request: Request) -> Response:
         return json_response({"name": "bitserve", "version": __version__, "extensions": EXTENSIONS})
 
+    async def openapi(self, request: Request) -> Response:
+        from bitserve.server.openapi import document
+
+        models = self.repository.models.items()
+        return json_response(document({n: e.config.backend for n, e in models if e.config}))
+
     def _lookup(self, request: Request) -> ModelVersion:
         params = request.path_params
         return self.repository.get(params["model"], params.get("version"))
@@ -495,6 +501,7 @@ def create_app(
         *probes.routes(),
         *management.routes(errors),
         Route("/v2", server.server_metadata),
+        Route("/openapi.json", server.openapi),
         Route("/v2/models/stats", errors(server.model_stats)),
         Route(m + "/rollout", errors(server.rollout_report)),
     ]
