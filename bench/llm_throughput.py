@@ -17,6 +17,12 @@ timing, at the same thread count). bitserve runs its C decode kernels
 (`bitserve/llm/kernels.py`, single-threaded) when a C compiler is present;
 `BITSERVE_NO_KERNELS=1` measures the pure-torch fallback. Prints a table, then one
 JSON line.
+
+`--architectures`: each dense family the engine serves (Llama, Qwen3, Gemma 2,
+Gemma 3, Phi-3) at Llama's shape above (untied head, head_dim 64), batch-1 decode
+ms/step and batched decode tok/s (32 requests, 64 in, 64 out), and throughput per
+parameter (tok/s x parameters) against Llama's. `--moe`: a Mixtral whose experts
+(400 MB fp32) exceed the caches, batch-1 decode fp32 against int8 and int4 experts.
 """
 
 from __future__ import annotations
@@ -259,6 +265,94 @@ def attention_alternatives() -> list[dict]:
     return results
 
 
+FAMILIES = {  # same shape as SHAPE; each family's own switches at their defaults
+    "llama": ("LlamaConfig", {}),
+    "qwen3": ("Qwen3Config", dict(head_dim=64)),
+    "gemma2": ("Gemma2Config", dict(head_dim=64, query_pre_attn_scalar=64)),
+    "gemma3": ("Gemma3TextConfig", dict(head_dim=64, query_pre_attn_scalar=64)),
+    "phi3": ("Phi3Config", {}),
+}
+
+
+def build_family(folder: Path, family: str) -> int:
+    import transformers
+
+    name, extra = FAMILIES[family]
+    config = getattr(transformers, name)(
+        **SHAPE, **extra, max_position_embeddings=1024, tie_word_embeddings=False,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(folder)
+    return sum(p.numel() for p in model.parameters())
+
+
+def batched_decode(folder: Path, requests: int = 32, prompt: int = 64, out: int = 64) -> float:
+    """Output tok/s of `requests` prompts decoded together (prefill excluded)."""
+    engine = LLMEngine(folder, num_kv_blocks=requests * 10, max_model_len=1024)
+    params = SamplingParams(temperature=0, max_tokens=out, ignore_eos=True)
+    for i in range(requests):
+        engine.add_request(str(i), list(range(3 + i, 3 + i + prompt)), params)
+    engine.step()  # every prefill in one step
+    produced, start = 0, time.perf_counter()
+    while engine.has_unfinished_requests():
+        produced += len(engine.step())
+    return produced / (time.perf_counter() - start)
+
+
+def architectures(quick: bool) -> None:
+    rows = []
+    for family in FAMILIES:
+        with tempfile.TemporaryDirectory() as tmp:
+            params = build_family(Path(tmp), family)
+            step = decode_step_time(Path(tmp), 16 if quick else 64)
+            tok_s = batched_decode(Path(tmp), 8 if quick else 32, 64, 16 if quick else 64)
+        rows.append(dict(family=family, params=params, step_ms=step * 1e3, tok_s=tok_s))
+        print(f"  {family}: {step * 1e3:.2f} ms/step, {tok_s:.0f} tok/s", file=sys.stderr)
+    base = rows[0]
+    print(f"{'family':<8} {'params M':>9} {'b1 ms/step':>11} {'b1 vs llama':>12} "
+          f"{'b32 tok/s':>10} {'b32 vs llama':>13}")  # fmt: skip
+    for r in rows:  # per parameter: a bigger model may be slower in proportion
+        r["b1_vs_llama"] = (base["step_ms"] / base["params"]) / (r["step_ms"] / r["params"])
+        r["b32_vs_llama"] = (r["tok_s"] * r["params"]) / (base["tok_s"] * base["params"])
+        print(
+            f"{r['family']:<8} {r['params'] / 1e6:>9.1f} {r['step_ms']:>11.2f} "
+            f"{r['b1_vs_llama']:>11.0%} {r['tok_s']:>10.0f} {r['b32_vs_llama']:>12.0%}"
+        )
+    print(json.dumps({"bench": "llm_architectures", "quick": quick, "results": rows}))
+
+
+def moe_quantized(quick: bool) -> None:
+    from transformers import AutoModelForCausalLM, MixtralConfig
+
+    from bitserve.quant.command import _quantize_llm
+    from bitserve.quant.folders import Source
+
+    hidden, inter = (512, 1024) if quick else (1024, 2048)
+    config = MixtralConfig(
+        hidden_size=hidden, intermediate_size=inter, num_hidden_layers=2,
+        num_attention_heads=8, num_key_value_heads=8, num_local_experts=8,
+        num_experts_per_tok=2, vocab_size=1024, max_position_embeddings=1024,
+    )  # fmt: skip
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        source = Path(tmp) / "fp32"
+        torch.manual_seed(0)
+        AutoModelForCausalLM.from_config(config).save_pretrained(source)
+        folders = {"fp32": source}
+        for method in ("int8", "int4"):
+            folders[method] = Path(tmp) / method
+            _quantize_llm(Source(source, "llm"), folders[method], method, 32, 6.0, None, 0, None)
+        for name, folder in folders.items():
+            results[name] = decode_step_time(folder, 16 if quick else 64) * 1e3
+    experts = 2 * 8 * 3 * hidden * inter * 4
+    print(f"Mixtral, 2 layers x 8 experts, {experts / 2**20:.0f} MiB of fp32 experts, batch 1:")
+    for name, ms in results.items():
+        print(f"  {name:<5} {ms:7.2f} ms/step  {results['fp32'] / ms:5.2f}x fp32")
+    print(json.dumps({"bench": "llm_moe_quant", "expert_bytes": experts, "ms_per_step": results}))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a small smoke run")
@@ -270,8 +364,15 @@ def main() -> None:
         action="store_true",
         help="only compare the paged decode-attention alternatives",
     )
+    parser.add_argument("--architectures", action="store_true", help="decode speed per family")
+    parser.add_argument("--moe", action="store_true", help="MoE decode: fp32, int8, int4 experts")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if args.architectures:
+        return architectures(args.quick)
+    if args.moe:
+        return moe_quantized(args.quick)
     if args.attention:
         print(json.dumps({"bench": "llm_attention", "results": attention_alternatives()}))
         return
