@@ -32,6 +32,7 @@ LAZY_COMMANDS = {
     "eval": "bitserve.quant.command:evaluate",
     "plan": "bitserve.plan.command:plan",
     "rollout": "bitserve.rollout.command:rollout",
+    "optimize": "bitserve.optimize.command:optimize_command",
 }
 
 

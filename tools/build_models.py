@@ -111,9 +111,22 @@ def build_bow_classifier(path: Path) -> None:
     onnx.save(model, path)
 
 
+def build_detector(path: Path) -> None:
+    """Export the committed teacher (models/detector/teacher.safetensors, trained by
+    tools/train_detector.py) to the servable graph at 128 px."""
+    import torch
+
+    from bitserve.vision import export, weights
+
+    torch.set_num_threads(1)
+    teacher = weights.load(path.parent.parent / "teacher.safetensors")
+    export.export(teacher, 128, path)
+
+
 BUILDERS: dict[str, tuple[str, Callable[[Path], None]]] = {
     "mlp": ("1/model.pt2", build_mlp),
     "bow_classifier": ("1/model.onnx", build_bow_classifier),
+    "detector": ("1/model.onnx", build_detector),
 }
 
 

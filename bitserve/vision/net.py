@@ -68,14 +68,17 @@ def current_widths(model: CenterNet) -> tuple[int, int, int, int]:
     )
 
 
-def to_input(images: np.ndarray | torch.Tensor, resolution: int) -> torch.Tensor:
+def to_input(
+    images: np.ndarray | torch.Tensor, resolution: int, always_resize: bool = False
+) -> torch.Tensor:
     """uint8 [N, H, W] or [N, H, W, C] -> float [N, 1, r, r] in 0..1 (the graph's own
-    preprocessing, so training sees exactly what serving feeds)."""
+    preprocessing, so training sees exactly what serving feeds). The export resizes
+    always: a trace at 128 px that skipped the resize would bake 128 px into the graph."""
     x = torch.as_tensor(images)
     if x.dim() == 3:
         x = x.unsqueeze(-1)
     x = x.float().mean(dim=3, keepdim=True).permute(0, 3, 1, 2) / 255.0
-    if x.shape[-1] != resolution or x.shape[-2] != resolution:
+    if always_resize or x.shape[-1] != resolution or x.shape[-2] != resolution:
         x = F.interpolate(x, size=(resolution, resolution), mode="bilinear", align_corners=False)
     return x
 
@@ -90,7 +93,7 @@ class Deployed(nn.Module):
 
     def forward(self, image: torch.Tensor):
         height, width = image.shape[1], image.shape[2]
-        logits, reg = self.net(to_input(image, self.resolution))
+        logits, reg = self.net(to_input(image, self.resolution, always_resize=True))
         heat = torch.sigmoid(logits)
         peaks = heat * (F.max_pool2d(heat, 3, 1, 1) == heat).float()
         n, c, h, w = peaks.shape

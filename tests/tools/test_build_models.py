@@ -18,7 +18,7 @@ from bitserve.repository.config import load_config
 
 torch.set_num_threads(1)
 ROOT = Path(__file__).resolve().parents[2]
-GENERATED = ["mlp/1/model.pt2", "bow_classifier/1/model.onnx"]
+GENERATED = ["mlp/1/model.pt2", "bow_classifier/1/model.onnx", "detector/1/model.onnx"]
 
 
 def import_build_models():

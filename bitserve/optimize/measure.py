@@ -1,0 +1,97 @@
+"""What a variant costs and buys: accuracy, latency, throughput, size.
+
+Timing on a shared machine drifts (other processes come and go), so all variants are
+timed in one interleaved loop: each round runs every variant once, and a variant's
+p50/p95 come from its share of the rounds. A drift then slows all of them alike and
+the ratios against the baseline, which is what the report is about, stay fair.
+Every session runs on one intra-op thread: the figure is per core.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from bitserve.vision import data, evaluate
+
+Run = Callable[[np.ndarray], tuple]
+
+
+@dataclass
+class Variant:
+    name: str
+    techniques: list[str]
+    run: Run  # uint8 [N, H, W] -> boxes, scores, classes
+    resolution: int
+    size_bytes: int
+    train_minutes: float = 0.0
+    onnx: str | None = None  # the exported graph's path (None: eager torch)
+    metrics: dict = field(default_factory=dict)
+
+
+def ort_run(path, threads: int = 1) -> Run:
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.inter_op_num_threads = 1
+    session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    return evaluate.session_detect(session)
+
+
+def torch_run(deployed) -> Run:
+    import torch
+
+    def run(images: np.ndarray) -> tuple:
+        with torch.inference_mode():
+            return tuple(t.numpy() for t in deployed(torch.from_numpy(images[..., None])))
+
+    return run
+
+
+def accuracy(variants: list[Variant], canvases: list[data.Canvas]) -> None:
+    for v in variants:
+        v.metrics.update(evaluate.mean_ap(v.run, canvases))
+
+
+def speed(variants: list[Variant], images: np.ndarray, rounds: int, batch: int = 8) -> None:
+    """Batch-1 p50/p95 latency (ms) and batch-`batch` throughput (images/s)."""
+    for v in variants:  # warm up: first runs allocate and pick kernels
+        for _ in range(3):
+            v.run(images[:1])
+            v.run(images[:batch])
+    single = {v.name: [] for v in variants}
+    batched = {v.name: [] for v in variants}
+    for r in range(rounds):
+        one, many = images[r % len(images)][None], np.roll(images, r, axis=0)[:batch]
+        for v in variants:
+            single[v.name].append(_seconds(v.run, one))
+        if r % 4 == 0:
+            for v in variants:
+                batched[v.name].append(_seconds(v.run, many))
+    for v in variants:
+        ms = np.array(single[v.name]) * 1000
+        v.metrics.update(
+            p50_ms=float(np.percentile(ms, 50)),
+            p95_ms=float(np.percentile(ms, 95)),
+            throughput_b8=float(batch / np.median(batched[v.name])),
+        )
+
+
+def batch_curve(run: Run, images: np.ndarray, sizes=(1, 2, 4, 8, 16), rounds: int = 20) -> dict:
+    """Images per second at each batch size (median of `rounds`)."""
+    curve = {}
+    for size in sizes:
+        chunk = np.resize(images, (size, *images.shape[1:]))
+        run(chunk)
+        curve[size] = float(size / np.median([_seconds(run, chunk) for _ in range(rounds)]))
+    return curve
+
+
+def _seconds(run: Run, images: np.ndarray) -> float:
+    start = time.perf_counter()
+    run(images)
+    return time.perf_counter() - start
