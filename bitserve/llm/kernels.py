@@ -292,14 +292,17 @@ void bs_paged_decode(const float *q, float *out, const int *rows, long B, long H
    the same arithmetic, in the same order, as the torch path (RMSNorm, fused qkv, RoPE
    from the cos/sin tables, K/V into the pool, paged attention, o_proj, RMSNorm, fused
    gate/up, SiLU * up, down), so a decode step is 8 calls instead of ~600 torch ops.
-   qnorm, knorm (Qwen3): an RMSNorm over each q and k head before RoPE, or NULL;
-   window, softcap: as paged_decode's (0: none). */
+   qnorm, knorm (Qwen3, Gemma 3): an RMSNorm over each q and k head before RoPE, or NULL;
+   post_attn, post_mlp (Gemma's sandwich norms): an RMSNorm of the attention and MLP
+   outputs before they are added, or NULL; act: 0 SiLU (SwiGLU), 1 tanh-GELU (GeGLU);
+   window, softcap: as paged_decode's (0: none). Norm weights are the multipliers
+   (Gemma's 1 + w computed by the caller). */
 typedef struct {
     const float *ln1, *wqkv, *bqkv, *wo, *bo, *ln2, *wgu, *wdown;
     float *kpool, *vpool;
     const float *cos, *sin; /* [max_len, D] */
-    const float *qnorm, *knorm;
-    long H, Hq, Hkv, D, I, nblk, bs, window;
+    const float *qnorm, *knorm, *post_attn, *post_mlp;
+    long H, Hq, Hkv, D, I, nblk, bs, window, act;
     float eps, scale, softcap;
 } LayerParams;
 
@@ -364,15 +367,23 @@ void bs_llama_decode_layer(const LayerParams *p, float *x, long M, const long *p
     paged_decode(qkv, QKV, att, Hq * D, rows, M, Hq, Hkv, D, p->kpool, p->vpool, p->nblk,
                  p->bs, tables, max_blocks, lens, p->scale, p->window, p->softcap);
     bs_linear_small(att, Hq * D, M, Hq * D, p->wo, H, p->bo, h);
+    if (p->post_attn) rmsnorm(h, p->post_attn, h, M, H, p->eps);
     for (long i = 0; i < M * H; i++) x[i] = x[i] + h[i];
     rmsnorm(x, p->ln2, h, M, H, p->eps);
     bs_linear_small(h, H, M, H, p->wgu, 2 * I, NULL, gu);
     for (long m = 0; m < M; m++) {
         const float *g = gu + m * 2 * I, *u = g + I;
         float *a = act + m * I;
-        for (long i = 0; i < I; i++) a[i] = (g[i] / (1.f + expf(-g[i]))) * u[i];
+        if (p->act == 1) /* tanh-GELU, torch's approximate="tanh" */
+            for (long i = 0; i < I; i++) {
+                float v = g[i], inner = 0.7978845608028654f * (v + 0.044715f * v * v * v);
+                a[i] = (0.5f * v * (1.f + tanhf(inner))) * u[i];
+            }
+        else
+            for (long i = 0; i < I; i++) a[i] = (g[i] / (1.f + expf(-g[i]))) * u[i];
     }
     bs_linear_small(act, I, M, I, p->wdown, H, NULL, h);
+    if (p->post_mlp) rmsnorm(h, p->post_mlp, h, M, H, p->eps);
     for (long i = 0; i < M * H; i++) x[i] = x[i] + h[i];
 }
 
@@ -456,8 +467,11 @@ class LayerParams(ctypes.Structure):
     _fields_ = [
         *[(name, ctypes.c_void_p) for name in ("ln1", "wqkv", "bqkv", "wo", "bo", "ln2")],
         *[(name, ctypes.c_void_p) for name in ("wgu", "wdown", "kpool", "vpool", "cos", "sin")],
-        *[(name, ctypes.c_void_p) for name in ("qnorm", "knorm")],
-        *[(name, ctypes.c_long) for name in ("H", "Hq", "Hkv", "D", "I", "nblk", "bs", "window")],
+        *[(name, ctypes.c_void_p) for name in ("qnorm", "knorm", "post_attn", "post_mlp")],
+        *[
+            (name, ctypes.c_long)
+            for name in ("H", "Hq", "Hkv", "D", "I", "nblk", "bs", "window", "act")
+        ],
         *[(name, ctypes.c_float) for name in ("eps", "scale", "softcap")],
     ]
 

@@ -26,7 +26,7 @@ from transformers import (
     Qwen3MoeConfig,
 )
 
-from bitserve.llm import SamplingParams
+from bitserve.llm import SamplingParams, kernels
 from bitserve.llm.block_manager import cdiv
 from bitserve.llm.engine import LLMEngine
 from bitserve.plan import shape
@@ -263,3 +263,13 @@ def test_plan_counts_every_checkpoint_parameter(arch_dirs, name):
     with safe_open(str(folder / "model.safetensors"), "pt") as f:
         stored = sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())  # noqa: SIM118
     assert shape.from_config(shape.read_config(folder)).params() == stored
+
+
+@pytest.mark.parametrize("name", ["qwen3", "gemma2", "gemma3", "phi3", "mistral_window"])
+def test_small_decode_steps_take_the_fused_c_layer(arch_dirs, name):
+    """qk-norm, sandwich norms, GeGLU, soft-caps, windows, longrope: all in the C layer
+    (the parity tests above ran through it); Phi-4-mini's partial rotary is not."""
+    if kernels.get() is None:
+        pytest.skip("no C compiler: decode runs in torch")
+    assert make_engine(arch_dirs[name], num_kv_blocks=8).runner.model.fusable()
+    assert not make_engine(arch_dirs["phi4_mini"], num_kv_blocks=8).runner.model.fusable()

@@ -9,8 +9,9 @@
 - Gemma 3 adds qk-norm and a RoPE of its own for sliding layers (`rope_local_base_freq`,
   or `rope_parameters["sliding_attention"]`).
 
-Decode runs layer by layer in torch with the C paged attention: the fused C decoder
-layer has neither sandwich norms nor GeGLU (see `LlamaForCausalLM.fusable`).
+Small decode steps go through the fused C decoder layer like Llama's: it takes the
+sandwich norms, the `1 + w` multipliers, GeGLU, soft-capping, windows and each layer's
+RoPE table (`LlamaForCausalLM.fusable`).
 """
 
 from __future__ import annotations

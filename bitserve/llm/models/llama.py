@@ -71,6 +71,9 @@ ACTIVATIONS = {
 }
 
 
+C_ACTIVATIONS = {"silu": 0, "swish": 0, "gelu_pytorch_tanh": 1}  # the C layer's `act`
+
+
 class MLP(nn.Module):
     """Gated MLP, act(gate) * up (SwiGLU; Gemma's GeGLU with tanh-GELU); under TP
     `gate_up_proj` is column- and `down_proj` row-parallel."""
@@ -258,20 +261,20 @@ class LlamaForCausalLM(nn.Module):
         )
 
     def fusable(self) -> bool:
-        """The C layer reads fp32 `Linear` weights: a plain SwiGLU MLP, full-width RoPE,
-        Llama's norm placement, and no layer swapped for another kind (quantized layers
-        are, after the model is built). It has qk-norm (Qwen3), sliding windows and
-        soft-capping; Gemma's sandwich norms, `1 + w` norms, GeGLU and second RoPE table
-        are not in it (Gemma decodes layer by layer in torch, attention in C)."""
+        """The C layer reads fp32 `Linear` weights: a gated MLP (SiLU or tanh-GELU),
+        full-width RoPE, and no layer swapped for another kind (quantized layers are,
+        after the model is built). It carries every Style: qk-norm, sandwich norms
+        (Gemma's `1 + w` multipliers are computed for it), windows, soft-capping, a
+        second RoPE table; not longrope on local layers (one table-row per position)."""
         _, _, head_dim = attention_shape(self.hf)
-        style = self.style
         if self.rotary.cos.shape[-1] != head_dim:
             return False
-        if style.sandwich_norms or style.unit_offset_norms or self.local_rotary is not None:
+        local = self.local_rotary
+        if local is not None and (local.cos.shape[-1] != head_dim or local.kind == "longrope"):
             return False
         for layer in self.local_layers:  # every decode step: each submodule looked up once
             attn, mlp = layer.self_attn, layer.mlp
-            if type(mlp) is not MLP or mlp.act is not F.silu:
+            if type(mlp) is not MLP or mlp.activation not in C_ACTIVATIONS:
                 return False
             linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
             if not all(type(linear) is Linear for linear in linears):
@@ -282,37 +285,55 @@ class LlamaForCausalLM(nn.Module):
         """The C view of every layer (raw pointers), rebuilt when a pool or table changes.
 
         The key holds the pool tuples and the RoPE tables themselves (compared by
-        identity), so nothing the pointers refer to can be freed while they are cached.
+        identity), so nothing the pointers refer to can be freed while they are cached;
+        `_c_tensors` keeps the norm multipliers computed for the C layer (Gemma's 1 + w).
         """
+        tables = [self.rotary] + ([self.local_rotary] if self.local_rotary is not None else [])
         key = (
-            self.rotary.cos,
-            self.rotary.sin,
+            *(t for rotary in tables for t in (rotary.cos, rotary.sin)),
             *(attn.kv_cache for attn in self.attentions),
         )
         old = getattr(self, "_params_key", ())
         if len(old) != len(key) or any(a is not b for a, b in zip(old, key, strict=True)):
+            self._c_tensors: list[torch.Tensor] = []
             self._params = [self.c_params(layer) for layer in self.local_layers]
             self._params_key = key
         return self._params
 
+    def c_norm(self, norm: RMSNorm | None) -> int | None:
+        """The multiplier the C layer reads for `norm` (kept alive with the params)."""
+        if norm is None:
+            return None
+        scale = norm.scale().contiguous()
+        self._c_tensors.append(scale)
+        return scale.data_ptr()
+
     def c_params(self, layer: DecoderLayer) -> kernels.LayerParams:
         attn, mlp, ptr = layer.self_attn, layer.mlp, kernels.ptr
         k_pool, v_pool = attn.kv_cache
+        rotary = self.rotary
+        if self.local_rotary is not None and layer.layer_type == "sliding_attention":
+            rotary = self.local_rotary
+        sandwich = layer.sandwich
+        pre_mlp = layer.pre_feedforward_layernorm if sandwich else layer.post_attention_layernorm
         return kernels.LayerParams(
-            ln1=ptr(layer.input_layernorm.weight),
+            ln1=self.c_norm(layer.input_layernorm),
             wqkv=ptr(attn.qkv_proj.weight),
             bqkv=ptr(attn.qkv_proj.bias),
             wo=ptr(attn.o_proj.weight),
             bo=ptr(attn.o_proj.bias),
-            ln2=ptr(layer.post_attention_layernorm.weight),
+            ln2=self.c_norm(pre_mlp),
             wgu=ptr(mlp.gate_up_proj.weight),
             wdown=ptr(mlp.down_proj.weight),
             kpool=ptr(k_pool),
             vpool=ptr(v_pool),
-            cos=ptr(self.rotary.cos),
-            sin=ptr(self.rotary.sin),
-            qnorm=ptr(attn.q_norm.weight) if attn.q_norm is not None else None,
-            knorm=ptr(attn.k_norm.weight) if attn.k_norm is not None else None,
+            cos=ptr(rotary.cos),
+            sin=ptr(rotary.sin),
+            qnorm=self.c_norm(attn.q_norm),
+            knorm=self.c_norm(attn.k_norm),
+            post_attn=self.c_norm(layer.post_attention_layernorm if sandwich else None),
+            post_mlp=self.c_norm(layer.post_feedforward_layernorm if sandwich else None),
+            act=C_ACTIVATIONS[mlp.activation],
             **kernels.layer_shape(layer),
         )
 

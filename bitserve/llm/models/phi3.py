@@ -4,7 +4,7 @@ shards them like any other), with longrope/su RoPE scaling, partial rotary
 (`partial_rotary_factor`, Phi-4-mini) and tied embeddings where config.json says so.
 
 Full-width rotary (Phi-3) decodes through the fused C layer; partial rotary rotates
-in torch, so Phi-4-mini decodes layer by layer.
+in torch, so Phi-4-mini decodes layer by layer (the C layer rotates whole heads).
 """
 
 from __future__ import annotations
