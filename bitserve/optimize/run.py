@@ -117,7 +117,7 @@ def optimize(config: OptimizeConfig, log=print) -> dict:
         "threads": 1,
         "heldout_images": config.heldout,
         "batching": {
-            name: measure.batch_curve(by_name[name].run, images)
+            name: measure.batch_curve(by_name[name].run, images, rounds=max(3, config.rounds // 10))
             for name in dict.fromkeys(["teacher", best])
         },
     }
