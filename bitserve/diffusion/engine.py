@@ -187,7 +187,8 @@ class DiffusionEngine:
                     row.state, row.finished = "done", time.perf_counter()
                     self.stats.images += 1
                     row.future.set_result(row.image())
-            self.running = [r for r in self.running if r.state == "running"]
+            # rows cancelled during this step stay until _schedule ends them
+            self.running = [r for r in self.running if r.state != "done"]
 
     def _fail(self, rows: list[Row], error: Exception) -> None:
         with self._cv:
@@ -196,7 +197,7 @@ class DiffusionEngine:
                     self.stats.failed += 1
                     row.state = "done"
                     row.future.set_exception(RuntimeError(f"denoising step failed: {error!r}"))
-            self.running = [r for r in self.running if r.state == "running"]
+            self.running = [r for r in self.running if r.state != "done"]
 
     def _end(self, row: Row, error: BaseException) -> None:
         if isinstance(error, Cancelled):
