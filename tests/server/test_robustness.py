@@ -146,9 +146,9 @@ def test_a_fault_inside_a_step_fails_one_request(server):
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
     prompts = [[20, 21, 22, 23], [*BREAK, 30, 31], [40, 41, 42]]
     alone = [
-        client.completions.create(
-            model="tinylm", prompt=p, max_tokens=8, temperature=0
-        ).choices[0].text
+        client.completions.create(model="tinylm", prompt=p, max_tokens=8, temperature=0)
+        .choices[0]
+        .text
         for p in (prompts[0], prompts[2])
     ]
     results: dict[int, object] = {}
