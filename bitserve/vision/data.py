@@ -13,6 +13,7 @@ Boxes are COCO's [x, y, width, height] in pixels, tight around the digit's ink.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 from scipy.ndimage import zoom
@@ -38,15 +39,25 @@ _POOLS: Pools | None = None
 def pools() -> Pools:
     global _POOLS
     if _POOLS is None:
-        from sklearn.datasets import load_digits
-
-        digits = load_digits()
-        order = np.random.default_rng(0).permutation(len(digits.target))
-        images = (digits.images / 16.0).astype(np.float32)[order]
-        labels = digits.target.astype(np.int64)[order]
+        table = _digits_table()
+        order = np.random.default_rng(0).permutation(len(table))
+        images = (table[:, :64].reshape(-1, 8, 8) / 16.0).astype(np.float32)[order]
+        labels = table[:, 64].astype(np.int64)[order]
         cut = int(0.8 * len(labels))
         _POOLS = Pools(images[:cut], labels[:cut], images[cut:], labels[cut:])
     return _POOLS
+
+
+def _digits_table() -> np.ndarray:
+    """scikit-learn's bundled digits.csv.gz (what `load_digits` reads: 64 pixels 0..16
+    and the label per row), read directly: importing sklearn costs seconds."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("sklearn")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("the synthetic detection set needs scikit-learn (the vision extra)")
+    path = Path(spec.submodule_search_locations[0]) / "datasets" / "data" / "digits.csv.gz"
+    return np.loadtxt(path, delimiter=",", dtype=np.float32)
 
 
 @dataclass
