@@ -16,6 +16,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q $(TORCH_CPU) || echo "no $(TORCH_CPU) here; pyproject's torch range applies"
 	$(PIP) install -q -e '.[test]'
+	$(PY) tools/fetch_gguf_converter.py || echo "no llama.cpp converter: GGUF conversion tests skip"
 	touch $@
 
 models: $(VENV)/.installed

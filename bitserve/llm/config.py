@@ -136,6 +136,8 @@ class EngineConfig:
         return max(self.distributed_timeout_s, STARTUP_TIMEOUT_S)
 
     hf_config: dict[str, Any] = field(default_factory=dict, repr=False)
+    # a llama.cpp file (gguf.py): `model` is then its companion folder (config, tokenizer)
+    gguf_file: Path | None = None
 
     def __post_init__(self) -> None:
         self.dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)
@@ -152,6 +154,7 @@ class EngineConfig:
         self.device = resolve_device(self.device)
         if self.model is not None:
             self.model = Path(self.model)
+            self.read_gguf()
             config_file = self.model / "config.json"
             if not config_file.is_file():
                 raise FileNotFoundError(f"{config_file} not found: not a Hugging Face model folder")
@@ -167,6 +170,16 @@ class EngineConfig:
             self.kv_cache_memory = default_kv_cache_memory(self.device)
             if self.on_cpu:  # the ranks share this host's memory (a GPU each has its own)
                 self.kv_cache_memory //= self.world_size
+
+    def read_gguf(self) -> None:
+        """A .gguf file (or a folder holding one instead of config.json) is served from
+        its companion folder of config and tokenizer, its weights read from the file."""
+        from bitserve.llm.gguf import companion_folder, gguf_file
+
+        file = gguf_file(self.model)
+        if file is not None:
+            self.gguf_file = file
+            self.model = companion_folder(file)
 
     def check_parallel(self) -> None:
         check_parallel(self.hf_config, self.tensor_parallel_size, self.pipeline_parallel_size)

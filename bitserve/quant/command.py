@@ -179,11 +179,11 @@ def is_diffusion(model_dir: Path) -> bool:
 
 
 @click.command()
-@click.argument("model_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.argument("model_dir", type=click.Path(exists=True, path_type=Path))  # or a .gguf
 @click.option(
     "--against",
     "reference",
-    type=click.Path(exists=True, file_okay=False, path_type=Path),
+    type=click.Path(exists=True, path_type=Path),
     help="The reference (full-precision) model to compare with.",
 )
 @click.option(

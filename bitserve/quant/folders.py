@@ -45,6 +45,8 @@ def is_llm_folder(folder: Path) -> bool:
 
 
 def resolve_source(model_dir: Path) -> Source:
+    if model_dir.suffix == ".gguf" and model_dir.is_file():  # llama.cpp's (bitserve/llm/gguf.py)
+        return Source(model_dir, "llm")
     toml = model_dir / "config.toml"
     if not toml.is_file():
         if not (model_dir / "config.json").is_file():

@@ -21,7 +21,10 @@ BLOCK = 16
 def text_token_ids(folder: Path, text: str) -> list[int]:
     """The whole text, newlines included, as token ids without special tokens (as
     tools/train_lm.py scores tinylm's held-out perplexity)."""
-    tokenizer = load_tokenizer(folder)
+    from bitserve.llm.gguf import companion_folder, gguf_file
+
+    file = gguf_file(folder)
+    tokenizer = load_tokenizer(companion_folder(file) if file is not None else folder)
     if tokenizer is None:
         raise ValueError(f"{folder}: no tokenizer, cannot tokenize the text")
     tokenizer.model_max_length = 1 << 40  # the text is cut into windows afterwards

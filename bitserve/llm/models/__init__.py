@@ -1,7 +1,8 @@
 """Model registry and the safetensors loader.
 
 `architectures` in config.json picks the class; anything else is refused by name.
-Weights are read with `safetensors.safe_open` (memory-mapped), never unpickled.
+Weights are read with `safetensors.safe_open` (memory-mapped), or from a llama.cpp
+GGUF file (`bitserve/llm/gguf.py`), never unpickled.
 """
 
 from __future__ import annotations
@@ -75,6 +76,10 @@ def load_model(config: EngineConfig, parallel: Parallel = SINGLE) -> nn.Module:
         model.tie_weights()  # to_empty made the tied parameters two
     if quant is not None:
         quantized.load_weights(model, Path(config.model), quant)
+    elif config.gguf_file is not None:
+        from bitserve.llm import gguf
+
+        gguf.load_weights(model, config.gguf_file, config.hf_config)
     else:
         load_safetensors(model, Path(config.model))
     return model.eval().requires_grad_(False)
