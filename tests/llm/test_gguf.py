@@ -105,6 +105,49 @@ def test_q8_0_gguf_keeps_tinylm_perplexity_within_the_int8_limit(tmp_path):
     assert result["comparison"]["next_token_agreement"] > 0.95
 
 
+def requantize(src: Path, dst: Path, kind: str) -> Path:
+    """`src` with its F32 decoder matrices quantized to `kind` by gguf-py (ggml's
+    reference quantizer, what llama-quantize applies; the converter cannot write Q4_0).
+    A matrix whose rows are not whole blocks of 32 stays F32 (llama-quantize would
+    pick a fallback type for it)."""
+    import gguf
+    import numpy as np
+    from gguf.quants import quantize
+
+    qtype = gguf.GGMLQuantizationType[kind]
+    reader = gguf.GGUFReader(str(src))
+    writer = gguf.GGUFWriter(str(dst), reader.get_field("general.architecture").contents())
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue
+        sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(name, field.contents(), field.types[0], sub_type=sub)
+    for t in reader.tensors:
+        data = np.array(t.data)
+        blocks = data.ndim == 2 and data.shape[-1] % 32 == 0
+        if t.name.startswith("blk.") and blocks and t.tensor_type.name == "F32":
+            writer.add_tensor(t.name, quantize(data, qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(t.name, data)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return dst
+
+
+@needs_converter
+@pytest.mark.slow
+def test_q4_0_gguf_keeps_tinylm_perplexity_within_the_int4_limit(tmp_path):
+    """Q4_0 is re-quantized as bitserve int4 (group 32): llama.cpp's rounding, then ours."""
+    f32 = convert(TINYLM / "1", "f32", tmp_path / "tinylm-f32.gguf")
+    file = requantize(f32, tmp_path / "tinylm-q4_0.gguf", "Q4_0")
+    result = evaluate_llm(file, TINYLM / "1", HELDOUT.read_text(), 256, 1024, 2)
+    change = result["comparison"]["perplexity_change"]
+    print(f"tinylm Q4_0 GGUF as bitserve int4: perplexity change {change:+.4%}")
+    assert abs(change) < 0.05  # the int4 limit (tests/quant/test_tinylm.py)
+
+
 @needs_converter
 def test_bitserve_eval_compares_a_gguf_with_its_folder(llama_dir, llama_f32, tmp_path):
     from click.testing import CliRunner
