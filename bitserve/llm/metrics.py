@@ -31,7 +31,12 @@ class EngineMetrics:
 
 
 def kv_slots(seqs, block_size: int) -> tuple[int, int]:
-    """(allocated, used) token slots over the given sequences."""
-    allocated = sum(len(s.block_table) for s in seqs) * block_size
-    used = sum(s.num_computed_tokens for s in seqs)
+    """(allocated, used) token slots over the given sequences. Blocks freed behind a
+    sliding window (table entries < 0, a prefix of the table) count in neither."""
+    allocated = used = 0
+    for s in seqs:
+        table = s.block_table
+        freed = next((i for i, block in enumerate(table) if block >= 0), len(table))
+        allocated += (len(table) - freed) * block_size
+        used += s.num_computed_tokens - freed * block_size
     return allocated, used
