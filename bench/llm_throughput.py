@@ -301,17 +301,18 @@ def batched_decode(folder: Path, requests: int = 32, prompt: int = 64, out: int 
     return produced / (time.perf_counter() - start)
 
 
-def architectures(quick: bool, rounds: int = 3) -> None:
-    """Every family measured in turn, `rounds` times; each keeps its best round (on a
-    shared machine one slow moment must not decide a comparison)."""
+def architectures(quick: bool, rounds: int = 4) -> None:
+    """Every family measured in turn, `rounds` times, the order reversed every round
+    (a machine that gets busier or quieter favours no family); each keeps its best
+    round (on a shared machine one slow moment must not decide a comparison)."""
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         folders = {family: Path(tmp) / family for family in FAMILIES}
         for family, folder in folders.items():
             rows.append(dict(family=family, params=build_family(folder, family)))
             rows[-1].update(step_ms=float("inf"), tok_s=0.0)
-        for _ in range(rounds):
-            for row in rows:
+        for r in range(rounds):
+            for row in rows if r % 2 == 0 else reversed(rows):
                 folder = folders[row["family"]]
                 step = decode_step_time(folder, 16 if quick else 64) * 1e3
                 tok_s = batched_decode(folder, 8 if quick else 32, 64, 16 if quick else 64)
