@@ -189,8 +189,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="short training, few rounds")
     parser.add_argument("--report", type=Path, default=ROOT / "bench/results/optimize")
     parser.add_argument("--work", type=Path, default=ROOT / "build/optimize-bench")
-    parser.add_argument("--prune-steps", type=int, default=300)
-    parser.add_argument("--distill-steps", type=int, default=600)
+    parser.add_argument("--prune-steps", type=int, default=600)
+    parser.add_argument("--distill-steps", type=int, default=2000)
     args = parser.parse_args()
     import torch
 

@@ -27,8 +27,8 @@ from bitserve.optimize.run import TECHNIQUES
 )
 @click.option("--no-versions", is_flag=True, help="measure only; write no model versions")
 @click.option("--prune-ratio", default=0.5, show_default=True)
-@click.option("--prune-steps", default=300, show_default=True)
-@click.option("--distill-steps", default=600, show_default=True)
+@click.option("--prune-steps", default=600, show_default=True)
+@click.option("--distill-steps", default=2000, show_default=True)
 @click.option("--heldout", default=500, show_default=True, help="held-out canvases for mAP")
 @click.option("--rounds", default=200, show_default=True, help="interleaved timing rounds")
 def optimize_command(model_dir, techniques, report_dir, no_versions, **knobs) -> None:

@@ -1,6 +1,7 @@
 """The optimize report: a table, a speed-accuracy scatter with the Pareto front, JSON.
 
-Speed-up is the baseline's batch-1 p50 over the variant's; a mAP delta is in points
+Speed-up is the baseline's batch-1 p50 over the variant's (CPU time of the one thread
+that runs it, bitserve/optimize/measure.py says why); a mAP delta is in points
 (1 point = 0.01 mAP). A variant is on the Pareto front when no other is both faster
 and at least as accurate.
 """
@@ -17,6 +18,7 @@ COLUMNS = (
     ("dmAP pts", "{delta_points:+.1f}"),
     ("p50 ms", "{p50_ms:.2f}"),
     ("p95 ms", "{p95_ms:.2f}"),
+    ("wall p50", "{wall_p50_ms:.2f}"),
     ("speed-up", "{speedup:.2f}x"),
     ("b8 img/s", "{throughput_b8:.0f}"),
     ("size KB", "{size_kb:.0f}"),
@@ -94,7 +96,7 @@ def scatter(table: list[dict], path: Path) -> Path:
         label="Pareto front",
     )
     ax.set_xscale("log", base=2)
-    ax.set_xlabel("batch-1 speed-up over the teacher (p50, one thread)")
+    ax.set_xlabel("batch-1 speed-up over the teacher (p50 CPU time, one thread)")
     ax.set_ylabel("mAP@[.5:.95] on the held-out set (points)")
     ax.set_title("detector variants: speed against accuracy")
     ax.grid(True, alpha=0.3)

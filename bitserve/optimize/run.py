@@ -29,8 +29,8 @@ class OptimizeConfig:
     report_dir: Path | None = None  # default: <model_dir>/optimize
     write_versions: bool = True
     prune_ratio: float = 0.5
-    prune_steps: int = 300
-    distill_steps: int = 600
+    prune_steps: int = 600
+    distill_steps: int = 2000
     heldout: int = 500
     rounds: int = 200
     max_points_lost: float = 3.0
