@@ -36,11 +36,15 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import orjson
+
 from bitserve.backends.base import LoadError
+from bitserve.inference import InvalidRequest
 from bitserve.llm.async_engine import AsyncLLMEngine, EngineDead
 from bitserve.llm.config import EngineConfig
 from bitserve.llm.outputs import RequestOutput
-from bitserve.llm.sampling_params import SamplingParams
+from bitserve.llm.sampling_params import SamplingError, SamplingParams
 from bitserve.repository.config import ModelConfig
 
 log = logging.getLogger("bitserve.llm")
@@ -54,6 +58,7 @@ SERVICE_KEYS = {
     "restart_backoff_s",
 }
 ENGINE_KEYS = {f.name for f in dataclasses.fields(EngineConfig)} - {"model", "hf_config"}
+SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
 # Tests inject faults inside steps with "module:function" (engine.FaultHook); unset in use.
 FAULT_HOOK_ENV = "BITSERVE_LLM_FAULT_HOOK"
 MAX_RESTART_BACKOFF_S = 30.0
@@ -275,6 +280,19 @@ class LLMService:
                 self.waiting -= 1
                 self.waiting_tokens -= len(prompt_ids)
 
+    async def infer(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """v2 infer on an llm model, as Triton's vLLM backend: `text_input` (BYTES) and
+        an optional JSON `sampling_parameters` -> `text_output`."""
+        prompt = _one(inputs["text_input"], "text_input")
+        raw = inputs.get("sampling_parameters")
+        params = sampling(_json(_one(raw, "sampling_parameters")) if raw is not None else {})
+        text = ""
+        async for out in self.generate(prompt, params):
+            text = out.outputs[0].text
+        result = np.empty(1, dtype=object)
+        result[0] = text.encode()
+        return {"text_output": result}
+
     def _start_running(self, prompt_tokens: int) -> None:
         self.waiting -= 1
         self.waiting_tokens -= prompt_tokens
@@ -282,6 +300,38 @@ class LLMService:
 
     def decode_token(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
+
+
+def sampling(parameters: Any) -> SamplingParams:
+    """The engine's sampling parameters from a JSON object, strictly (sampling_params)."""
+    if not isinstance(parameters, dict):
+        raise InvalidRequest("'parameters' must be a JSON object")
+    unknown = set(parameters) - SAMPLING_FIELDS - {"stream"}
+    if unknown:
+        raise InvalidRequest(f"unknown sampling parameters {sorted(unknown)}")
+    if "stream" in parameters and not isinstance(parameters["stream"], bool):
+        raise InvalidRequest("parameters.stream: must be a bool")
+    try:
+        return SamplingParams(**{k: v for k, v in parameters.items() if k in SAMPLING_FIELDS})
+    except SamplingError as e:
+        raise InvalidRequest(f"parameters.{e}") from None
+
+
+def _json(text: str) -> Any:
+    try:
+        return orjson.loads(text)
+    except orjson.JSONDecodeError as e:
+        raise InvalidRequest(f"input 'sampling_parameters' is not JSON: {e}") from None
+
+
+def _one(array: np.ndarray, name: str) -> str:
+    if array.size != 1:
+        raise InvalidRequest(f"input '{name}' takes one element")
+    item = array.reshape(-1)[0]
+    try:
+        return item.decode() if isinstance(item, bytes) else str(item)
+    except UnicodeDecodeError:
+        raise InvalidRequest(f"input '{name}' is not UTF-8") from None
 
 
 def _fault_hook() -> Any:

@@ -18,12 +18,13 @@ from typing import Any
 import orjson
 
 from bitserve.batching.batcher import QueueFull
-from bitserve.batching.batcher import Request as BatchRequest
 from bitserve.batching.collate import shape_key
+from bitserve.inference import InferRequest
 from bitserve.offline.records import Record, error_line, ok_line, record_key
 from bitserve.offline.rows import RowMapping, row_inputs, v2_body
 from bitserve.repository.repository import Repository
 from bitserve.repository.version import ModelVersion
+from bitserve.server import errors
 from bitserve.server import openai_protocol as api
 
 ENDPOINTS = {"/v1/completions", "/v1/chat/completions", "/v1/embeddings"}
@@ -82,14 +83,14 @@ class Executor:
         try:
             return self.repository.get(name)
         except Exception as e:
-            raise api.translate(e) from None
+            raise errors.to_openai(e) from None
 
     def _generation(self, custom_id: str, line: int, raw: bytes, chat: bool) -> Work:
         req = api.parse(api.ChatRequest if chat else api.CompletionRequest, raw)
         version = self._version(req.model)
         llm = version.llm
         if llm is None:
-            raise api.APIError(
+            raise errors.APIError(
                 400, f"model '{req.model}' is not a text generation model", "invalid_request_error"
             )
         jobs = api.chat_jobs(req, llm) if chat else api.completion_jobs(req)
@@ -111,7 +112,7 @@ class Executor:
         req = api.parse(api.EmbeddingRequest, raw)
         version = self._version(req.model)
         if version.config.backend != "hf" or not version.instances:
-            raise api.APIError(
+            raise errors.APIError(
                 400, f"model '{req.model}' is not an embedding model", "invalid_request_error"
             )
         texts = api.embedding_texts(req)
@@ -133,8 +134,7 @@ class Executor:
         inputs, length = row_inputs(version.config, self.rows, record.raw)
 
         async def run() -> dict:
-            now = asyncio.get_running_loop().time()
-            request = BatchRequest(inputs, 1, now, shape_key=shape_key(version.config, inputs))
+            request = InferRequest(inputs, 1, shape_key(version.config, inputs))
             outputs = await _submit(version, request)
             return ok_line(custom_id, v2_body(version, outputs))
 
@@ -143,7 +143,7 @@ class Executor:
 
 def failure(custom_id: str | None, line: int, e: BaseException) -> dict:
     """The error line for an exception, in the online server's error shape."""
-    error = e if isinstance(e, api.APIError) else api.translate(e)
+    error = errors.to_openai(e)
     fields = {"message": str(error), "type": error.kind, "param": error.param, "code": error.code}
     body = {"error": fields}
     code = error.code or error.kind
@@ -167,12 +167,13 @@ async def _embed(version: ModelVersion, texts: list[str]) -> list:
     return results
 
 
-async def _submit(version: ModelVersion, request: BatchRequest) -> dict:
-    """One batcher request; a full queue means wait, not fail (nobody is waiting on us)."""
+async def _submit(version: ModelVersion, request: InferRequest) -> dict:
+    """One request on the version's one path; a full queue means wait, not fail (nobody
+    is waiting on us)."""
     while True:
         try:
-            future = version.submit(request)
+            ticket = version.start(request)
         except QueueFull:
             await asyncio.sleep(0.005)
             continue
-        return await future
+        return await ticket.result

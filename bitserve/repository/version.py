@@ -4,6 +4,11 @@ States: loading → ready → draining → unloaded, or loading → failed. A ve
 `healthy` while every instance is alive and no batch has run past
 `instance_group.execution_timeout_ms`; the watchdog restarts an instance that is not,
 failing the batch it held so that no request hangs.
+
+`start(request)` is the one request path below the protocols: a batched model (its
+instances in threads, processes or Ray replicas) and an LLM on its engine alike take an
+`InferRequest` and give a `Ticket` whose result is the outputs by name. HTTP, the
+shadow mirror and batch jobs all come through here.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import asyncio
 import functools
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -20,9 +26,11 @@ from bitserve.backends import backend_class, is_llm, preimport
 from bitserve.backends.base import LoadError
 from bitserve.batching.batcher import DynamicBatcher, Request
 from bitserve.batching.clock import LoopClock
+from bitserve.inference import InferRequest, InvalidRequest
 from bitserve.metrics import Metrics
 from bitserve.repository.config import ModelConfig
 from bitserve.repository.instance import Instance
+from bitserve.repository.loading import device_for
 from bitserve.repository.replica import ReplicaGone
 
 if TYPE_CHECKING:
@@ -112,7 +120,7 @@ class ModelVersion:
         started = time.perf_counter()
         count = self.config.instance_group.count
         kind = self.config.instance_group.kind
-        device = kind if self.replicated else _device(kind)  # a replica resolves its own
+        device = kind if self.replicated else device_for(kind)  # a replica resolves its own
         self.instances = [Instance(self.config, self.version_dir, i, device) for i in range(count)]
         results = await asyncio.gather(*(i.start() for i in self.instances), return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException)]
@@ -192,6 +200,55 @@ class ModelVersion:
             await self.llm.stop()
 
     # ------------------------------------------------------------- requests
+
+    def start(self, request: InferRequest, background: bool = False) -> Ticket:
+        """Begin one inference: queued for a batch, or generated on the LLM engine.
+        `background` (the shadow mirror): the lowest priority, no deadline of its own.
+        Raises InvalidRequest or QueueFull before anything is queued."""
+        if self.llm is not None:
+            task = asyncio.ensure_future(self._generate(request))
+            return Ticket(task, lambda _: task.cancel())
+        job = self._job(request, background)
+        future = self.submit(job)
+        return Ticket(future, functools.partial(self._cancel_queued, job), job)
+
+    async def infer(self, request: InferRequest, background: bool = False) -> dict:
+        """`start` for a caller with no client to watch (the mirror, batch jobs)."""
+        return await self.start(request, background).result
+
+    def _job(self, request: InferRequest, background: bool) -> Request:
+        policy = self.config.dynamic_batching
+        levels = policy.priority_levels if policy else 1
+        default = (policy.default_priority_level if policy else 0) or levels
+        priority = levels if background else request.priority or default
+        if priority > levels:
+            raise InvalidRequest(f"parameter 'priority' {priority} exceeds {levels} levels")
+        try:
+            self.validate(request.inputs)
+        except ValueError as e:
+            raise InvalidRequest(str(e)) from None
+        now = asyncio.get_running_loop().time()
+        timeout_s = 0.0 if background else _timeout(policy, request.timeout_us)
+        return Request(
+            request.inputs,
+            request.rows,
+            now,
+            priority=priority,
+            timeout_at=now + timeout_s if timeout_s else None,
+            shape_key=request.shape_key,
+        )
+
+    def _cancel_queued(self, job: Request, error: BaseException) -> None:
+        if job.state == "queued":  # a running batch cannot be taken back
+            self.cancel(job, error)
+
+    async def _generate(self, request: InferRequest) -> dict:
+        assert self.llm is not None
+        lease = self.begin()
+        try:
+            return await self.llm.infer(request.inputs)
+        finally:
+            lease.release()
 
     def submit(self, request: Request) -> asyncio.Future:
         """Queue a request; the future gets its outputs or its error, whatever happens.
@@ -348,6 +405,26 @@ class ModelVersion:
                 request.finish(None, error)
 
 
+@dataclass
+class Ticket:
+    """A started inference: `result` resolves to the outputs by name (or raises);
+    `cancel(error)` takes it back if it has not started running (a client that left);
+    `job` is the batcher's request, for the access log (None for an LLM)."""
+
+    result: asyncio.Future
+    cancel: Any
+    job: Request | None = None
+
+
+def _timeout(policy: Any, timeout_us: int) -> float:
+    """Seconds: the config's default, or the request's if allowed and shorter."""
+    default = (policy.default_timeout_ms / 1000.0) if policy else 0.0
+    asked = timeout_us / 1e6
+    if asked and (policy is None or policy.allow_timeout_override):
+        return min(asked, default) if default else asked
+    return default
+
+
 class Lease:
     """One LLM request's hold on its version; released once, even if the response
     that owned it never started streaming (then when it is garbage-collected)."""
@@ -376,18 +453,3 @@ def _bind(metrics: Metrics, labels: tuple[str, str]) -> dict[str, Any]:
         "duration": metrics.request_duration.labels(*labels),
         "success": metrics.success.labels(*labels),
     }
-
-
-def _device(kind: str) -> str:
-    if kind == "cpu":
-        return "cpu"
-    try:
-        import torch
-
-        if torch.cuda.is_available():
-            return "cuda"
-    except ImportError:
-        pass
-    if kind == "gpu":
-        raise LoadError("instance_group.kind is 'gpu' but no CUDA device is available")
-    return "cpu"

@@ -15,7 +15,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from bitserve.batching.batcher import Request as BatchRequest
+from bitserve.inference import InferRequest
 from bitserve.repository.version import ModelVersion
 
 log = logging.getLogger("bitserve.rollout")
@@ -24,7 +24,7 @@ log = logging.getLogger("bitserve.rollout")
 @dataclass
 class MirrorJob:
     shadow: ModelVersion
-    parsed: Any  # the primary's parsed v2 request (inputs are read, never written)
+    parsed: InferRequest  # the primary's request (inputs are read, never written)
     primary: int
     primary_seconds: float
     primary_ok: bool
@@ -72,19 +72,7 @@ class Mirror:
         self.tasks = []
 
 
-async def run(version: ModelVersion, parsed: Any) -> dict:
-    """Run a parsed v2 request on `version`, as `Server._run` does, at the lowest
-    priority and with no client to watch."""
-    if version.llm is not None:
-        from bitserve.server import generate
-
-        return await generate.infer(None, version, parsed.inputs)  # type: ignore[arg-type]
-    policy = version.config.dynamic_batching
-    job = BatchRequest(
-        parsed.inputs,
-        parsed.rows,
-        asyncio.get_running_loop().time(),
-        priority=policy.priority_levels if policy else 1,
-        shape_key=parsed.shape_key,
-    )
-    return await version.submit(job)
+async def run(version: ModelVersion, parsed: InferRequest) -> dict:
+    """Run the primary's request on the shadow version: the one request path, at the
+    lowest priority and with no client to watch."""
+    return await version.infer(parsed, background=True)
