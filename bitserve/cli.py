@@ -146,7 +146,8 @@ def serve(
 ) -> None:
     """Serve every model in a repository on HTTP (v2 / Open Inference Protocol)."""
     from bitserve.repository.repository import Repository
-    from bitserve.server.app import ServerOptions, create_app
+    from bitserve.server.app import create_app
+    from bitserve.server.state import ServerOptions
 
     logging.basicConfig(
         level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"

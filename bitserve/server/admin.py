@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hmac
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import orjson
 from starlette.requests import Request
@@ -18,26 +18,21 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from bitserve.backends.base import LoadError
-from bitserve.server.http import error, json_response
-from bitserve.server.v2 import InvalidRequest
-
-if TYPE_CHECKING:
-    from bitserve.server.app import Server
-
-
-class Forbidden(Exception):
-    pass
+from bitserve.inference import InvalidRequest
+from bitserve.server.errors import Forbidden, Unauthorized, handle
+from bitserve.server.http import json_response
+from bitserve.server.state import ServerState
 
 
-class Unauthorized(Exception):
-    pass
+def routes(state: ServerState) -> list[Route]:
+    return Admin(state).routes()
 
 
 class Admin:
-    def __init__(self, server: Server):
-        self.server = server
+    def __init__(self, state: ServerState):
+        self.server = state
 
-    def routes(self, errors: Callable[[Any], Any]) -> list[Route]:
+    def routes(self) -> list[Route]:
         return [
             Route("/v2/repository/index", self._guard(self.index), methods=["POST", "GET"]),
             Route("/v2/repository/models/{model}/load", self._guard(self.load), methods=["POST"]),
@@ -106,25 +101,21 @@ class Admin:
         return rollout
 
     def _guard(self, handler: Callable[[Request], Any]) -> Callable[[Request], Any]:
-        async def guarded(request: Request) -> Response:
-            from bitserve.server.app import status_of  # app imports this module
+        """The admin token first, then the handler; errors map as everywhere else."""
 
+        async def guarded(request: Request) -> Response:
             token = self.server.options.admin_token
             if not token:
-                return error(403, "repository management is off: start with --admin-token")
+                raise Forbidden("repository management is off: start with --admin-token")
             given = request.headers.get("authorization", "")
             if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
-                return error(401, "missing or wrong admin token", {"WWW-Authenticate": "Bearer"})
+                raise Unauthorized("missing or wrong admin token")
             try:
                 return await handler(request)
-            except Forbidden as e:
-                return error(403, str(e))
             except LoadError as e:
-                return error(400, f"failed to load: {e}")
-            except Exception as e:
-                return error(status_of(e), str(e))
+                raise InvalidRequest(f"failed to load: {e}") from None
 
-        return guarded
+        return handle(guarded)
 
     async def index(self, request: Request) -> Response:
         return json_response(self.server.repository.index())

@@ -1,47 +1,29 @@
-"""The v2 protocol for LLM models: Triton's generate extension and plain infer.
+"""Triton's generate extension for LLM models.
 
 `POST /v2/models/{m}/generate` takes `{"text_input": ..., "parameters": {...}}` and
 answers `{"model_name", "model_version", "text_output"}`; `.../generate_stream` sends
-the same as server-sent events, one per new piece of text. `infer` on an llm model takes
-`text_input` (BYTES) and an optional JSON `sampling_parameters`, as Triton's vLLM
-backend does. Sampling parameters are the engine's (`max_tokens`, `temperature`, ...).
+the same as server-sent events, one per new piece of text, and an error that comes after
+the headers as a last `{"error": ...}` event. Sampling parameters are the engine's
+(`max_tokens`, `temperature`, ...), checked strictly (backends/llm.py `sampling`).
+Plain v2 infer on an llm model goes the one request path (`ModelVersion.start`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import orjson
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
-from bitserve.llm.sampling_params import SamplingError, SamplingParams
+from bitserve.backends.llm import sampling
+from bitserve.inference import InvalidRequest
+from bitserve.llm.sampling_params import SamplingParams
 from bitserve.repository.version import ModelVersion
-from bitserve.server.v2 import InvalidRequest
-
-if TYPE_CHECKING:
-    from bitserve.server.app import Server
-
-FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
-
-
-def sampling(parameters: Any) -> SamplingParams:
-    """The engine's sampling parameters from a JSON object, strictly (sampling_params)."""
-    if not isinstance(parameters, dict):
-        raise InvalidRequest("'parameters' must be a JSON object")
-    unknown = set(parameters) - FIELDS - {"stream"}
-    if unknown:
-        raise InvalidRequest(f"unknown sampling parameters {sorted(unknown)}")
-    if "stream" in parameters and not isinstance(parameters["stream"], bool):
-        raise InvalidRequest("parameters.stream: must be a bool")
-    try:
-        return SamplingParams(**{k: v for k, v in parameters.items() if k in FIELDS})
-    except SamplingError as e:
-        raise InvalidRequest(f"parameters.{e}") from None
+from bitserve.rollout.policy import VERSION_HEADER
+from bitserve.server.errors import handle
+from bitserve.server.state import ServerState
 
 
 async def _text(version: ModelVersion, prompt: str, params: SamplingParams) -> str:
@@ -56,44 +38,18 @@ async def _text(version: ModelVersion, prompt: str, params: SamplingParams) -> s
         lease.release()
 
 
-async def infer(http: Request, version: ModelVersion, inputs: dict) -> dict:
-    """v2 infer on an llm model: text_input (+ sampling_parameters) -> text_output."""
-    prompt = _one(inputs["text_input"], "text_input")
-    raw = inputs.get("sampling_parameters")
-    params = sampling(_json(_one(raw, "sampling_parameters")) if raw is not None else {})
-    text = await _text(version, prompt, params)
-    out = np.empty(1, dtype=object)
-    out[0] = text.encode()
-    return {"text_output": out}
-
-
-def _json(text: str) -> Any:
-    try:
-        return orjson.loads(text)
-    except orjson.JSONDecodeError as e:
-        raise InvalidRequest(f"input 'sampling_parameters' is not JSON: {e}") from None
-
-
-def _one(array: np.ndarray, name: str) -> str:
-    if array.size != 1:
-        raise InvalidRequest(f"input '{name}' takes one element")
-    item = array.reshape(-1)[0]
-    try:
-        return item.decode() if isinstance(item, bytes) else str(item)
-    except UnicodeDecodeError:
-        raise InvalidRequest(f"input '{name}' is not UTF-8") from None
-
-
-def routes(server: Server, errors: Any) -> list[Route]:
+def routes(state: ServerState) -> list[Route]:
     async def body(request: Request) -> tuple[ModelVersion, str, SamplingParams]:
         try:
             doc = orjson.loads(await request.body())
         except orjson.JSONDecodeError as e:
             raise InvalidRequest(f"malformed JSON: {e}") from None
-        await server.repository.ensure_loaded(request.path_params["model"])
-        # looked up after the last await: see Server.infer; a traffic policy's canary
-        # split applies (bitserve/rollout), its statistics count v2 infer only
-        version, _ = server.route(request)
+        model = request.path_params["model"]
+        await state.repository.ensure_loaded(model)
+        # looked up after the last await (see v2.infer); a traffic policy's canary split
+        # applies (bitserve/rollout), its statistics count v2 infer only
+        pinned = request.path_params.get("version") or request.headers.get(VERSION_HEADER)
+        version, _ = state.route_model(model, pinned)
         if version.llm is None:
             raise InvalidRequest(f"model '{version.config.name}' does not generate text")
         if not isinstance(doc, dict) or not isinstance(doc.get("text_input"), str):
@@ -130,8 +86,8 @@ def routes(server: Server, errors: Any) -> list[Route]:
 
     routes = []
     for prefix in ("/v2/models/{model}", "/v2/models/{model}/versions/{version}"):
-        routes.append(Route(prefix + "/generate", errors(generate), methods=["POST"]))
-        routes.append(Route(prefix + "/generate_stream", errors(generate_stream), methods=["POST"]))
+        routes.append(Route(prefix + "/generate", handle(generate), methods=["POST"]))
+        routes.append(Route(prefix + "/generate_stream", handle(generate_stream), methods=["POST"]))
     return routes
 
 

@@ -15,37 +15,34 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
 from bitserve.server.http import error, json_response
-
-if TYPE_CHECKING:
-    from bitserve.server.app import Server
+from bitserve.server.state import ServerState
 
 log = logging.getLogger("bitserve.server")
 
 WATCHDOG_PERIOD_S = 0.25
 
 
-class Health:
-    def __init__(self, server: Server):
-        self.server = server
+def routes(state: ServerState) -> list[Route]:
+    probes = Health(state)
+    return [
+        Route("/v2/health/live", probes.live),
+        Route("/livez", probes.live),
+        Route("/v2/health/ready", probes.ready),
+        Route("/readyz", probes.ready),
+        Route("/startupz", probes.startup),
+    ]
 
-    def routes(self) -> list[Route]:
-        return [
-            Route("/v2/health/live", self.live),
-            Route("/livez", self.live),
-            Route("/v2/health/ready", self.ready),
-            Route("/readyz", self.ready),
-            Route("/startupz", self.startup),
-            Route("/metrics", self.metrics),
-        ]
+
+class Health:
+    def __init__(self, state: ServerState):
+        self.server = state
 
     async def live(self, request: Request) -> Response:
         sick = [
@@ -83,13 +80,6 @@ class Health:
             return _answer(500, "; ".join(broken))
         return _answer(200 if repository.loaded else 503, "" if repository.loaded else "loading")
 
-    async def metrics(self, request: Request) -> Response:
-        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-
-        return Response(
-            generate_latest(self.server.metrics.registry), media_type=CONTENT_TYPE_LATEST
-        )
-
     async def watchdog(self) -> None:
         """Restart dead or wedged instances; one restart per slot at a time."""
         restarting: set[tuple[Any, int]] = set()
@@ -111,108 +101,3 @@ def _answer(status: int, reason: str) -> Response:
     if status == 200:
         return Response(status_code=200)
     return error(status, reason)
-
-
-def collect(server: Server) -> Iterator[Metric]:
-    """Scrape-time metrics read from the batchers: nothing on the request path."""
-    depth = GaugeMetricFamily(
-        "bitserve_queue_depth", "Requests waiting in the batcher.", labels=["model", "version"]
-    )
-    healthy = GaugeMetricFamily(
-        "bitserve_instances_healthy",
-        "Instances alive and not wedged.",
-        labels=["model", "version"],
-    )
-    rows = CounterMetricFamily(
-        "bitserve_inference_count",
-        "Rows inferred (a batch of n counts n).",
-        labels=["model", "version"],
-    )
-    runs = CounterMetricFamily(
-        "bitserve_execution_count", "Batches executed.", labels=["model", "version"]
-    )
-    restarts = CounterMetricFamily(
-        "bitserve_instance_restarts",
-        "Instances restarted by the watchdog, by reason (wedged, died).",
-        labels=["model", "version", "reason"],
-    )
-    retried = CounterMetricFamily(
-        "bitserve_requests_retried",
-        "Requests put back in the queue because their Ray replica died before starting them.",
-        labels=["model", "version"],
-    )
-    draining = GaugeMetricFamily("bitserve_draining", "1 while the server drains.")
-    draining.add_metric([], 1.0 if server.draining else 0.0)
-    yield from _engine_metrics(server)
-    for name, entry in server.repository.models.items():
-        for number, version in entry.versions.items():
-            if version.batcher is None:
-                continue  # llm versions export the engine's own metrics
-            labels = [name, str(number)]
-            depth.add_metric(labels, version.batcher.queued)
-            healthy.add_metric(labels, len(version.instances) - len(version.unhealthy))
-            rows.add_metric(labels, version.batcher.stats.inference_count)
-            runs.add_metric(labels, version.batcher.stats.execution_count)
-            for reason, count in version.restarts.items():
-                restarts.add_metric([*labels, reason], count)
-            retried.add_metric(labels, version.retried)
-    yield from (depth, healthy, rows, runs, restarts, retried, draining)
-
-
-def _engine_metrics(server: Server) -> Iterator[Metric]:
-    """The LLM engines' own state (vLLM's gauges): read under the engine lock."""
-    labels = ["model", "version"]
-    families = {
-        "num_requests_running": GaugeMetricFamily(
-            "bitserve_llm_num_requests_running", "Requests in the running batch.", labels=labels
-        ),
-        "num_requests_waiting": GaugeMetricFamily(
-            "bitserve_llm_num_requests_waiting", "Requests waiting for the engine.", labels=labels
-        ),
-        "kv_cache_usage": GaugeMetricFamily(
-            "bitserve_llm_kv_cache_usage_perc", "Fraction of KV blocks in use.", labels=labels
-        ),
-        "kv_waste": GaugeMetricFamily(
-            "bitserve_llm_kv_cache_waste_perc",
-            "Allocated but unused KV slots of running requests, as a fraction.",
-            labels=labels,
-        ),
-        "prefix_cache_queries": CounterMetricFamily(
-            "bitserve_llm_prefix_cache_queries", "Prompt tokens looked up.", labels=labels
-        ),
-        "prefix_cache_hits": CounterMetricFamily(
-            "bitserve_llm_prefix_cache_hits", "Prompt tokens found cached.", labels=labels
-        ),
-        "num_preemptions": CounterMetricFamily(
-            "bitserve_llm_num_preemptions", "Requests preempted (recomputed).", labels=labels
-        ),
-    }
-    experts = CounterMetricFamily(
-        "bitserve_llm_expert_tokens",
-        "Tokens routed to each MoE expert.",
-        labels=[*labels, "expert"],
-    )
-    restarts = CounterMetricFamily(
-        "bitserve_llm_engine_restarts",
-        "Times the engine's step loop died and was restarted by its supervisor.",
-        labels=labels,
-    )
-    failed = CounterMetricFamily(
-        "bitserve_llm_requests_failed",
-        "Requests that failed alone inside a step (the engine went on).",
-        labels=labels,
-    )
-    for name, entry in server.repository.models.items():
-        for number, version in entry.versions.items():
-            if version.llm is None or version.llm.engine is None or version.state != "ready":
-                continue
-            restarts.add_metric([name, str(number)], float(version.llm.restarts))
-            failed.add_metric(
-                [name, str(number)], float(version.llm.engine.engine.requests_failed_total)
-            )
-            snapshot = version.llm.engine.metrics().as_dict()
-            for key, family in families.items():
-                family.add_metric([name, str(number)], float(snapshot[key]))
-            for expert, count in enumerate(snapshot["tokens_per_expert"]):
-                experts.add_metric([name, str(number), str(expert)], float(count))
-    yield from (*families.values(), experts, restarts, failed)

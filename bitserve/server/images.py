@@ -45,7 +45,7 @@ from bitserve.repository.version import ModelVersion
 from bitserve.server.http import until_disconnect
 
 if TYPE_CHECKING:
-    from bitserve.server.app import Server
+    from bitserve.server.state import ServerState as Server
 
 MAX_IMAGES = 16  # n per request
 

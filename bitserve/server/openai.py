@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import orjson
 from starlette.requests import Request
@@ -20,12 +20,13 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from bitserve.backends.llm import LLMService
+from bitserve.inference import ClientGone
 from bitserve.llm.outputs import RequestOutput
 from bitserve.repository.repository import ModelNotFound
 from bitserve.repository.version import ModelVersion
+from bitserve.server.errors import APIError, handle, to_openai
 from bitserve.server.http import until_disconnect
 from bitserve.server.openai_protocol import (
-    APIError,
     ChatRequest,
     CompletionRequest,
     DetokenizeRequest,
@@ -38,55 +39,39 @@ from bitserve.server.openai_protocol import (
     embedding_requests,
     embedding_texts,
     parse,
-    translate,
 )
-
-if TYPE_CHECKING:
-    from bitserve.server.app import Server
+from bitserve.server.state import ServerState
 
 
-def api_error(exc: APIError) -> Response:
-    body = {"error": {"message": str(exc), "type": exc.kind, "param": exc.param, "code": exc.code}}
-    return Response(orjson.dumps(body), exc.status, exc.headers, "application/json")
+def routes(state: ServerState) -> list[Route]:
+    api = OpenAI(state)
 
+    def post(path: str, handler: Any) -> Route:
+        return Route(path, handle(handler, "openai"), methods=["POST"])
 
-# ---------------------------------------------------------------------- app
+    return [
+        Route("/v1/models", handle(api.models, "openai")),
+        post("/v1/completions", api.completions),
+        post("/v1/chat/completions", api.chat),
+        post("/v1/embeddings", api.embeddings),
+        post("/tokenize", api.tokenize),
+        post("/detokenize", api.detokenize),
+    ]
 
 
 class OpenAI:
-    def __init__(self, server: Server):
-        self.server = server
-
-    def routes(self) -> list[Route]:
-        return [
-            Route("/v1/models", self._errors(self.models)),
-            Route("/v1/completions", self._errors(self.completions), methods=["POST"]),
-            Route("/v1/chat/completions", self._errors(self.chat), methods=["POST"]),
-            Route("/v1/embeddings", self._errors(self.embeddings), methods=["POST"]),
-            Route("/tokenize", self._errors(self.tokenize), methods=["POST"]),
-            Route("/detokenize", self._errors(self.detokenize), methods=["POST"]),
-        ]
-
-    def _errors(self, handler: Any) -> Any:
-        async def wrapped(request: Request) -> Response:
-            try:
-                return await handler(request)
-            except APIError as e:
-                return api_error(e)
-            except Exception as e:
-                return api_error(translate(e))
-
-        return wrapped
+    def __init__(self, state: ServerState):
+        self.state = state
 
     # ---------------------------------------------------------- lookups
 
     def _version(self, name: str, param: str = "model") -> ModelVersion:
-        if self.server.draining:
+        if self.state.draining:
             raise APIError(503, "server is draining", "service_unavailable")
         try:
             # a traffic policy's canary split applies here too (bitserve/rollout); the
             # verdict's statistics count v2 infer requests only
-            return self.server.route_model(name)[0]
+            return self.state.route_model(name)[0]
         except ModelNotFound:
             raise APIError(
                 404,
@@ -109,7 +94,7 @@ class OpenAI:
 
     async def models(self, request: Request) -> Response:
         data = []
-        for name, entry in sorted(self.server.repository.models.items()):
+        for name, entry in sorted(self.state.repository.models.items()):
             for number, version in sorted(entry.versions.items()):
                 if version.ready and version.config.backend in ("llm", "hf"):
                     data.append(
@@ -128,14 +113,14 @@ class OpenAI:
 
     async def completions(self, request: Request) -> Response:
         req: CompletionRequest = parse(CompletionRequest, await request.body())
-        await self.server.repository.ensure_loaded(req.model)
+        await self.state.repository.ensure_loaded(req.model)
         version, llm = self._llm(req.model)
         jobs = completion_jobs(req)
         return await self._generate(request, version, llm, req, jobs, chat=False)
 
     async def chat(self, request: Request) -> Response:
         req: ChatRequest = parse(ChatRequest, await request.body())
-        await self.server.repository.ensure_loaded(req.model)
+        await self.state.repository.ensure_loaded(req.model)
         version, llm = self._llm(req.model)
         jobs = chat_jobs(req, llm)
         return await self._generate(request, version, llm, req, jobs, chat=True)
@@ -155,7 +140,7 @@ class OpenAI:
         llm.check_serving()
         llm.admit(max(len(ids) for ids in encoded), count=len(jobs))
         # held now, with no await since the lookup: a drain cannot miss it
-        stream = _Streams(self.server, version, llm, req, jobs, encoded, chat)
+        stream = _Streams(self.state, version, llm, req, jobs, encoded, chat)
         if req.stream:
             return StreamingResponse(stream.sse(), media_type="text/event-stream")
         return _json(await until_disconnect(http, stream.complete()))
@@ -164,7 +149,7 @@ class OpenAI:
 
     async def embeddings(self, request: Request) -> Response:
         req: EmbeddingRequest = parse(EmbeddingRequest, await request.body())
-        await self.server.repository.ensure_loaded(req.model)
+        await self.state.repository.ensure_loaded(req.model)
         version = self._version(req.model)
         if version.config.backend != "hf" or not version.instances:
             raise APIError(
@@ -179,8 +164,10 @@ class OpenAI:
 
     async def _embed(self, http: Request, version: ModelVersion, texts: list[str]) -> list:
         results: list = []
+        gone = ClientGone("client disconnected")
         for job in embedding_requests(version, texts):
-            outputs = await until_disconnect(http, version.submit(job))
+            ticket = version.start(job)
+            outputs = await until_disconnect(http, ticket.result, lambda t=ticket: t.cancel(gone))
             results.extend(outputs[version.config.output[0].name])
         return results
 
@@ -217,7 +204,7 @@ class _Streams(Responses):
 
     def __init__(
         self,
-        server: Server,
+        server: ServerState,
         version: ModelVersion,
         llm: LLMService,
         req: Any,
@@ -226,7 +213,7 @@ class _Streams(Responses):
         chat: bool,
     ):
         super().__init__(llm, req, jobs, chat)
-        self.server, self.version, self.encoded = server, version, encoded
+        self.state, self.version, self.encoded = server, version, encoded
         self.labels = (version.config.name, str(version.version))
         self.lease = version.begin()
 
@@ -246,7 +233,7 @@ class _Streams(Responses):
                 raise
 
         tasks = [asyncio.create_task(run(i)) for i in range(len(self.jobs))]
-        recorder = _Recorder(self.server, self.labels)
+        recorder = _Recorder(self.state, self.labels)
         finished: set[int] = set()
         try:
             while len(finished) < len(tasks):
@@ -304,7 +291,7 @@ class _Streams(Responses):
                 usage_doc["object"] = self._chunk_object()
                 yield b"data: " + orjson.dumps(usage_doc) + b"\n\n"
         except Exception as e:  # headers are gone: report the error as an event
-            error = translate(e) if not isinstance(e, APIError) else e
+            error = to_openai(e)
             doc = {"error": {"message": str(error), "type": error.kind, "code": error.code}}
             yield b"data: " + orjson.dumps(doc) + b"\n\n"
         yield b"data: [DONE]\n\n"
@@ -328,7 +315,7 @@ class _Streams(Responses):
 class _Recorder:
     """vLLM's latency metrics: TTFT from arrival, TPOT excluding the first token, ITL."""
 
-    def __init__(self, server: Server, labels: tuple[str, str]):
+    def __init__(self, server: ServerState, labels: tuple[str, str]):
         self.m = server.metrics
         self.labels = labels
         self.start = time.perf_counter()

@@ -1,5 +1,5 @@
-"""The OpenAI API apart from HTTP: request schemas and their validation, errors in
-OpenAI's shape, sampling parameters, and response bodies built from engine outputs.
+"""The OpenAI API apart from HTTP: request schemas and their validation, sampling
+parameters, and response bodies built from engine outputs (errors: server/errors.py).
 
 The server's routes (server/openai.py) and `bitserve batch` (offline/executor.py) both
 build on it, so a batch output body is exactly what the server answers. Parameters
@@ -9,7 +9,6 @@ beyond OpenAI's (`top_k`, `min_p`, `repetition_penalty`, `ignore_eos`, `min_toke
 
 from __future__ import annotations
 
-import asyncio
 import re
 import time
 import uuid
@@ -19,11 +18,9 @@ from typing import Annotated, Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from bitserve.backends.llm import LLMService, NoChatTemplate, Overloaded, PromptTooLong
-from bitserve.batching.batcher import QueueFull
-from bitserve.batching.batcher import Request as BatchRequest
+from bitserve.backends.llm import LLMService
 from bitserve.batching.collate import shape_key
-from bitserve.llm.async_engine import EngineDead
+from bitserve.inference import InferRequest
 from bitserve.llm.outputs import RequestOutput
 from bitserve.llm.sampling_params import (
     LIMITS,
@@ -33,29 +30,8 @@ from bitserve.llm.sampling_params import (
     SamplingError,
     SamplingParams,
 )
-from bitserve.repository.repository import ModelNotFound, ModelUnavailable
 from bitserve.repository.version import ModelVersion
-
-
-class APIError(Exception):
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        kind: str,
-        param: str | None = None,
-        code: str | None = None,
-        headers: dict | None = None,
-    ):
-        super().__init__(message)
-        self.status, self.kind, self.param, self.code, self.headers = (
-            status,
-            kind,
-            param,
-            code,
-            headers,
-        )
-
+from bitserve.server.errors import APIError
 
 # ------------------------------------------------------------------- schemas
 
@@ -378,31 +354,8 @@ def _sampling(req: Any, max_tokens: int, logprobs: int | None, choice: int) -> S
         raise APIError(400, str(e), "invalid_request_error", e.field) from None
 
 
-def translate(e: BaseException) -> APIError:
-    if isinstance(e, Overloaded | QueueFull):
-        return APIError(
-            429,
-            str(e),
-            "rate_limit_error",
-            code="queue_full",
-            headers={"Retry-After": str(e.retry_after)},
-        )
-    if isinstance(e, PromptTooLong):
-        return APIError(400, str(e), "invalid_request_error", "messages", "context_length_exceeded")
-    if isinstance(e, SamplingError):
-        return APIError(400, str(e), "invalid_request_error", e.field)
-    if isinstance(e, NoChatTemplate | ValueError):
-        return APIError(400, str(e), "invalid_request_error")
-    if isinstance(e, ModelUnavailable | EngineDead):
-        retry = {"Retry-After": str(e.retry_after)}
-        return APIError(503, str(e), "service_unavailable", headers=retry)
-    if isinstance(e, ModelNotFound):
-        return APIError(404, str(e), "invalid_request_error", "model", "model_not_found")
-    return APIError(500, f"{type(e).__name__}: {e}", "internal_error")
-
-
-def embedding_requests(version: ModelVersion, texts: list[str]) -> Iterator[BatchRequest]:
-    """Texts as batcher requests of at most max_batch_size rows (online and offline)."""
+def embedding_requests(version: ModelVersion, texts: list[str]) -> Iterator[InferRequest]:
+    """Texts as requests of at most max_batch_size rows (online and offline)."""
     config = version.config
     name = config.input[0].name
     limit = max(config.max_batch_size, 1)
@@ -411,5 +364,4 @@ def embedding_requests(version: ModelVersion, texts: list[str]) -> Iterator[Batc
         array = np.empty((len(chunk), 1), dtype=object)
         array[:, 0] = [t.encode() for t in chunk]
         inputs = {name: array}
-        now = asyncio.get_running_loop().time()
-        yield BatchRequest(inputs, len(chunk), now, shape_key=shape_key(config, inputs))
+        yield InferRequest(inputs, len(chunk), shape_key(config, inputs))

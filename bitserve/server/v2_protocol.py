@@ -4,39 +4,23 @@ binary tensor extension.
 A request body is JSON, or JSON followed by raw tensor bytes when the header
 `Inference-Header-Content-Length` gives the JSON's length; each input with a
 `binary_data_size` parameter takes its bytes from there, in input order. Every problem
-becomes an `InvalidRequest` whose message names the field, which the app turns into a
-400 `{"error": ...}`.
+becomes an `InvalidRequest` whose message names the field (a 400 `{"error": ...}`).
+The handlers are in v2.py; the request they hand a model is `bitserve.inference`'s.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import orjson
 
 from bitserve.batching.collate import shape_key
+from bitserve.inference import InferRequest, InvalidRequest
 from bitserve.repository.config import ModelConfig, TensorSpec
 from bitserve.tensors import DATATYPES, TensorError, from_binary, from_json, to_binary, to_json
 
 HEADER_LENGTH = "inference-header-content-length"
-
-
-class InvalidRequest(ValueError):
-    """The caller's mistake (HTTP 400)."""
-
-
-@dataclass
-class InferRequest:
-    inputs: dict[str, np.ndarray]
-    rows: int
-    shape_key: tuple
-    id: str | None = None
-    outputs: list[str] = field(default_factory=list)  # requested names, in order
-    binary: dict[str, bool] = field(default_factory=dict)  # per-output binary choice
-    priority: int = 0
-    timeout_us: int = 0
 
 
 def parse_infer(config: ModelConfig, body: bytes, header_length: int | None) -> InferRequest:

@@ -109,7 +109,7 @@ async def test_a_batch_not_started_on_a_dead_replica_runs_on_another(monkeypatch
 
 
 async def test_a_batch_running_on_a_replica_that_dies_fails_with_503(monkeypatch):
-    from bitserve.server.app import errors, status_of
+    from bitserve.server.errors import handle, status_of
 
     version = served_version(monkeypatch)
     version.instances[0].doom = True
@@ -117,7 +117,7 @@ async def test_a_batch_running_on_a_replica_that_dies_fails_with_503(monkeypatch
     with pytest.raises(ReplicaLost) as caught:
         await asyncio.wait_for(first, 2)
     assert status_of(caught.value) == 503 and "retry" in str(caught.value)
-    response = await errors(_raise(caught.value))(None)
+    response = await handle(_raise(caught.value))(None)
     assert response.status_code == 503 and response.headers["Retry-After"] == "1"
     assert version.ready  # degraded: one replica left
     answer = await asyncio.wait_for(version.submit(request(2.0)), 2)

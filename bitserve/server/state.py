@@ -1,0 +1,83 @@
+"""What every protocol front-end shares: the repository, the options, the metrics, the
+traffic policies, and the drain. Each handler module takes this in `routes(state)`;
+none imports another handler module or the app that assembles them."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import TextIO
+
+from bitserve import coldstart
+from bitserve.metrics import Metrics
+from bitserve.repository.repository import Repository
+from bitserve.repository.version import ModelVersion
+from bitserve.rollout.state import Rollouts
+from bitserve.rollout.state import Route as RolloutRoute
+from bitserve.server.errors import Draining
+
+log = logging.getLogger("bitserve.server")
+
+DEFAULT_MAX_BODY = 64 * 1024 * 1024  # Triton's --http-max-input-size
+
+
+@dataclass
+class ServerOptions:
+    max_body: int = DEFAULT_MAX_BODY
+    admin_token: str | None = None  # repository management is off without one
+    model_control: str = "none"  # none | explicit | poll
+    startup_models: list[str] | None = None  # explicit: what to load at start (None: all)
+    poll_seconds: float = 15.0
+    access_log: TextIO | None = None
+    lazy_load: bool = False  # load each model on its first request (scale to zero)
+    process_started: float = field(default_factory=coldstart.process_start_time)
+    imported: float = field(default_factory=time.time)  # when serving code was importable
+
+
+class ServerState:
+    """The server's shared state. `drain` is what SIGTERM calls."""
+
+    def __init__(self, repository: Repository, options: ServerOptions, metrics: Metrics):
+        self.repository = repository
+        self.options = options
+        self.metrics = metrics
+        self.rollout = Rollouts(repository, metrics)  # canary and shadow traffic
+        self.draining = False
+        self.inflight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    def route_model(
+        self, model: str, pinned: str | None = None
+    ) -> tuple[ModelVersion, RolloutRoute | None]:
+        """The version that answers: a pinned one as asked, else the model's traffic
+        policy's choice, else the highest ready version."""
+        route = self.rollout.route(model) if pinned is None else None
+        if route is not None:
+            return route.version, route
+        return self.repository.get(model, pinned), None
+
+    def enter(self) -> None:
+        """A request starts (the drain waits for it); refused while draining."""
+        if self.draining:
+            raise Draining("server is draining; send requests elsewhere")
+        self.inflight += 1
+        self._idle.clear()
+
+    def leave(self) -> None:
+        self.inflight -= 1
+        if not self.inflight:
+            self._idle.set()
+
+    async def drain(self, timeout: float) -> bool:
+        """Turn unready, refuse new requests, wait for in-flight ones (False on timeout)."""
+        self.draining = True
+        log.info("draining: waiting up to %.0f s for %d request(s)", timeout, self.inflight)
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+            return True
+        except TimeoutError:
+            log.error("drain timed out with %d request(s) in flight", self.inflight)
+            return False

@@ -1,0 +1,262 @@
+"""The v2 protocol's routes: server and model metadata, model readiness, config and
+statistics, infer, and the rollout report. The wire format is in v2_protocol.py.
+
+Infer reads the body (capped, gzip/deflate), picks the version (a pinned one, or the
+traffic policy's), parses the request against the model's config, and hands it to the
+version (`ModelVersion.start`): a batched model or an LLM alike. A client that
+disconnects while its request is still queued takes it out of the queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import zlib
+from typing import Any, TextIO
+
+import orjson
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from bitserve import __version__
+from bitserve.inference import ClientGone, InvalidRequest
+from bitserve.repository.repository import ModelNotFound, ModelUnavailable
+from bitserve.repository.version import ModelVersion, Ticket
+from bitserve.rollout.policy import VERSION_HEADER
+from bitserve.server.errors import BodyTooLarge, handle, reason_of, status_of
+from bitserve.server.http import json_response, until_disconnect
+from bitserve.server.state import ServerState
+from bitserve.server.v2_protocol import HEADER_LENGTH, encode_response, parse_infer
+
+EXTENSIONS = ["binary_tensor_data", "model_configuration", "statistics", "model_repository"]
+
+
+def routes(state: ServerState) -> list[Route]:
+    v2 = V2(state)
+    m, mv = "/v2/models/{model}", "/v2/models/{model}/versions/{version}"
+    found = [
+        # infer first: the router tries routes in order
+        Route(m + "/infer", handle(v2.infer), methods=["POST"]),
+        Route(mv + "/infer", handle(v2.infer), methods=["POST"]),
+        Route("/v2", v2.server_metadata),
+        Route("/openapi.json", v2.openapi),
+        Route("/v2/models/stats", handle(v2.model_stats)),
+        Route(m + "/rollout", handle(v2.rollout_report)),
+    ]
+    for prefix in (m, mv):
+        found += [
+            Route(prefix, handle(v2.model_metadata)),
+            Route(prefix + "/ready", v2.model_ready),
+            Route(prefix + "/config", handle(v2.model_config)),
+            Route(prefix + "/stats", handle(v2.model_stats)),
+        ]
+    return found
+
+
+class V2:
+    def __init__(self, state: ServerState):
+        self.state = state
+        self.repository = state.repository
+
+    # -------------------------------------------------------------- metadata
+
+    async def server_metadata(self, request: Request) -> Response:
+        return json_response({"name": "bitserve", "version": __version__, "extensions": EXTENSIONS})
+
+    async def openapi(self, request: Request) -> Response:
+        from bitserve.server.openapi import document
+
+        models = self.repository.models.items()
+        return json_response(document({n: e.config.backend for n, e in models if e.config}))
+
+    def _lookup(self, request: Request) -> ModelVersion:
+        params = request.path_params
+        return self.repository.get(params["model"], params.get("version"))
+
+    async def model_ready(self, request: Request) -> Response:
+        try:
+            self._lookup(request)
+        except ModelNotFound:
+            return Response(status_code=404)
+        except ModelUnavailable:
+            return Response(status_code=503)
+        return Response(status_code=503 if self.state.draining else 200)
+
+    async def model_metadata(self, request: Request) -> Response:
+        version = self._lookup(request)
+        config = version.config
+        entry = self.repository.entry(config.name)
+        return json_response(
+            {
+                "name": config.name,
+                "versions": [str(v) for v, mv in sorted(entry.versions.items()) if mv.ready],
+                "platform": version.platform,
+                "inputs": [
+                    {"name": t.name, "datatype": t.datatype, "shape": config.full_shape(t)}
+                    for t in config.input
+                ],
+                "outputs": [
+                    {"name": t.name, "datatype": t.datatype, "shape": config.full_shape(t)}
+                    for t in config.output
+                ],
+            }
+        )
+
+    async def model_config(self, request: Request) -> Response:
+        return json_response(self._lookup(request).config.model_dump(mode="json"))
+
+    async def model_stats(self, request: Request) -> Response:
+        wanted = request.path_params.get("model")
+        if wanted is not None:
+            self.repository.entry(wanted)
+        stats = []
+        for name, entry in sorted(self.repository.models.items()):
+            if wanted is not None and name != wanted:
+                continue
+            for number, version in sorted(entry.versions.items()):
+                if version.batcher is not None:
+                    stats.append(_stats(name, number, version))
+        return json_response({"model_stats": stats})
+
+    async def rollout_report(self, request: Request) -> Response:
+        """The canary and shadow verdict (`bitserve rollout report`)."""
+        entry = self.repository.entry(request.path_params["model"])
+        rollout = self.state.rollout.get(entry)
+        if rollout is None:
+            raise ModelNotFound(f"model '{entry.name}' has no traffic policy")
+        from bitserve.rollout import verdict
+
+        # bootstraps and scipy's import take tens of ms: off the loop, on a copy
+        return json_response(await asyncio.to_thread(verdict.report, rollout.snapshot()))
+
+    # ----------------------------------------------------------------- infer
+
+    async def infer(self, request: Request) -> Response:
+        self.state.enter()
+        try:
+            body = await self._read_body(request)
+            await self.repository.ensure_loaded(request.path_params["model"])
+            # Choose the version only now: from here to its queue nothing awaits, so a
+            # version swapped out meanwhile cannot be drained between the two.
+            pinned = request.path_params.get("version") or request.headers.get(VERSION_HEADER)
+            version, route = self.state.route_model(request.path_params["model"], pinned)
+            return await self._infer(request, version, body, route)
+        finally:
+            self.state.leave()
+
+    async def _infer(
+        self, http: Request, version: ModelVersion, body: bytes, route: Any
+    ) -> Response:
+        labels = (version.config.name, str(version.version))
+        inflight = version.m["inflight"]
+        inflight.inc()
+        started = time.perf_counter()
+        ticket: Ticket | None = None
+        status = 500
+        parsed = outputs = None
+        try:
+            header_length = http.headers.get(HEADER_LENGTH)
+            if header_length is not None and not header_length.isdigit():
+                raise InvalidRequest("header Inference-Header-Content-Length must be an integer")
+            length = int(header_length) if header_length is not None else None
+            parsed = parse_infer(version.config, body, length)
+            ticket = version.start(parsed)
+            gone = ClientGone("client disconnected")
+            outputs = await until_disconnect(http, ticket.result, lambda: ticket.cancel(gone))
+            payload, json_length = encode_response(
+                version.config.name, version.version, parsed, outputs
+            )
+            status = 200
+        except asyncio.CancelledError:  # the client left while an LLM generated for it
+            status = 499
+            raise
+        except Exception as exc:
+            status = status_of(exc)
+            self.state.metrics.failure.labels(*labels, reason_of(exc)).inc()
+            raise
+        finally:
+            inflight.dec()
+            seconds = time.perf_counter() - started
+            version.m["duration"].observe(seconds)
+            if self.state.options.access_log is not None:
+                job = ticket.job if ticket is not None else None
+                _access_log(self.state.options.access_log, labels, status, seconds, job)
+            if route is not None:
+                route.finish(status, seconds, parsed, outputs)
+        version.m["success"].inc()
+        if json_length is None:
+            return Response(payload, media_type="application/json")
+        return Response(
+            payload,
+            media_type="application/octet-stream",
+            headers={"Inference-Header-Content-Length": str(json_length)},
+        )
+
+    async def _read_body(self, request: Request) -> bytes:
+        limit = self.state.options.max_body
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > limit:
+            raise BodyTooLarge(f"request body of {length} bytes exceeds {limit}")
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise BodyTooLarge(f"request body exceeds {limit} bytes")
+            chunks.append(chunk)
+        body = b"".join(chunks)
+        encoding = request.headers.get("content-encoding", "").lower()
+        if encoding in ("gzip", "deflate"):
+            body = _decompress(body, encoding, limit)
+        elif encoding not in ("", "identity"):
+            raise InvalidRequest(f"unsupported Content-Encoding {encoding!r}")
+        return body
+
+
+def _stats(name: str, number: int, version: ModelVersion) -> dict:
+    assert version.batcher is not None
+    s = version.batcher.stats
+    return {
+        "name": name,
+        "version": str(number),
+        "state": version.state,
+        "inference_count": s.inference_count,
+        "execution_count": s.execution_count,
+        "batch_stats": [
+            {"batch_size": size, "count": count} for size, count in sorted(s.batch_sizes.items())
+        ],
+        "queue_seconds": s.queue_seconds,
+        "queue_depth": version.batcher.queued,
+        "rejected_queue_full": s.rejected_full,
+        "rejected_timeout": s.rejected_timeout,
+        "cancelled": s.cancelled,
+    }
+
+
+def _access_log(out: TextIO, labels: tuple, status: int, seconds: float, job: Any) -> None:
+    """One JSON line per infer request, for `bitserve plan fit` and friends."""
+    record = {
+        "time": time.time(),
+        "model": labels[0],
+        "version": labels[1],
+        "status": status,
+        "duration_ms": round(seconds * 1000, 3),
+        "queue_ms": round(job.queue_seconds * 1000, 3) if job else None,
+        "compute_ms": round(job.compute_seconds * 1000, 3) if job else None,
+        "batch_size": job.batch_rows if job else None,
+        "rows": job.rows if job else None,
+    }
+    out.write(orjson.dumps(record).decode() + "\n")
+    out.flush()
+
+
+def _decompress(body: bytes, encoding: str, limit: int) -> bytes:
+    wbits = 16 + zlib.MAX_WBITS if encoding == "gzip" else zlib.MAX_WBITS
+    inflater = zlib.decompressobj(wbits)
+    try:
+        out = inflater.decompress(body, limit + 1)
+    except zlib.error as e:
+        raise InvalidRequest(f"body is not valid {encoding} data: {e}") from None
+    if len(out) > limit:
+        raise BodyTooLarge(f"decompressed request body exceeds {limit} bytes")
+    return out
