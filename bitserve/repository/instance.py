@@ -23,11 +23,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bitserve.backends import Model, backend_class
+from bitserve.backends import Model
 from bitserve.backends.base import LoadError
 from bitserve.batching.batcher import Request
-from bitserve.batching.collate import dummy_inputs, merge, split
+from bitserve.batching.collate import merge, split
 from bitserve.repository.config import ModelConfig
+from bitserve.repository.loading import build_model
 from bitserve.tensors import coerce
 
 log = logging.getLogger("bitserve.repository")
@@ -81,32 +82,6 @@ class Worker:
                 self.loop.call_soon_threadsafe(done, result, error)
             except RuntimeError:  # the loop closed during shutdown
                 return
-
-
-def build_model(config: ModelConfig, version_dir: Path, device: str) -> Model:
-    """Load the backend and run the config's warmup requests through the batch path.
-
-    Versions load in parallel, each on its own worker thread. That is safe because the
-    version imports the heavy libraries on one thread first (backends.preimport):
-    torch imports parts of itself lazily, and two threads doing so at once race."""
-    model = backend_class(config.backend)(config, version_dir, device)
-    started = time.perf_counter()
-    model.load()
-    model.load_only_seconds = time.perf_counter() - started
-    started = time.perf_counter()
-    for warmup in config.model_warmup:
-        request = Request(
-            dummy_inputs(config, warmup.batch_size, warmup.inputs), warmup.batch_size, 0.0
-        )
-        for _ in range(warmup.count):
-            try:
-                split(config, [request], model.predict(merge(config, [request])))
-            except Exception as e:
-                raise LoadError(
-                    f"{version_dir}: warmup '{warmup.name}' failed: {type(e).__name__}: {e}"
-                ) from e
-    model.warmup_seconds = time.perf_counter() - started
-    return model
 
 
 class Instance:

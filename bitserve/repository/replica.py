@@ -64,15 +64,14 @@ class ReplicaActor:
     """The actor: one model instance, built with the same code as an in-process one."""
 
     def __init__(self, config_doc: dict, version_dir: str, kind: str, threads: int):
-        from bitserve.repository.instance import build_model
-        from bitserve.repository.version import _device
+        from bitserve.repository.loading import build_model, device_for
 
         config = ModelConfig.model_validate(config_doc)
         if threads > 0 and config.backend in ("torch", "hf", "llm"):
             import torch
 
             torch.set_num_threads(threads)
-        self.model = build_model(config, Path(version_dir), _device(kind))
+        self.model = build_model(config, Path(version_dir), device_for(kind))
         self.declared = {spec.name: spec.datatype for spec in config.output}
 
     def info(self) -> dict:
