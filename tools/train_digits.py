@@ -102,7 +102,7 @@ def lr_at(step: int, args: argparse.Namespace) -> float:
 
 def train_denoiser(args: argparse.Namespace, data: dict) -> dict:
     torch.manual_seed(args.seed)
-    config = UNetConfig()
+    config = UNetConfig(channels=tuple(args.channels), depth=args.depth, skip=args.skip)
     schedule = Schedule()
     model = Denoiser(config)
     ema = Denoiser(config)
@@ -244,7 +244,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="models/digits")
     parser.add_argument("--work", default="build/digits", help="checkpoints (not shipped)")
-    parser.add_argument("--steps", type=int, default=3000)
+    parser.add_argument(
+        "--channels",
+        type=lambda v: [int(c) for c in v.split(",")],
+        default=[16, 32],
+        help="UNet widths per level",
+    )
+    parser.add_argument("--depth", type=int, default=2, help="ResBlocks per down level")
+    parser.add_argument("--skip", choices=["concat", "add"], default="concat")
+    parser.add_argument("--steps", type=int, default=4000)
     parser.add_argument("--batch", type=int, default=128)
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--ema", type=float, default=0.999)

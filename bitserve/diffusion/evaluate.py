@@ -98,14 +98,21 @@ def diversity(feats: np.ndarray, labels: np.ndarray) -> float:
 
 
 def frechet(a: np.ndarray, b: np.ndarray) -> float:
-    """||mu_a - mu_b||^2 + Tr(C_a + C_b - 2 (C_a C_b)^(1/2))."""
-    from scipy import linalg
+    """||mu_a - mu_b||^2 + Tr(C_a + C_b - 2 (C_a C_b)^(1/2)).
 
+    Tr (C_a C_b)^(1/2) = Tr (C_a^(1/2) C_b C_a^(1/2))^(1/2), a symmetric PSD matrix, so
+    both roots come from eigh: stable even when few samples make a covariance singular."""
     mu_a, mu_b = a.mean(0), b.mean(0)
     ca, cb = np.cov(a, rowvar=False), np.cov(b, rowvar=False)
-    root, _ = linalg.sqrtm(ca @ cb, disp=False)
-    root = root.real
-    return float(((mu_a - mu_b) ** 2).sum() + np.trace(ca + cb - 2 * root))
+    root_a = _psd_sqrt(ca)
+    inner = np.linalg.eigvalsh(root_a @ cb @ root_a)
+    trace_root = np.sqrt(np.clip(inner, 0, None)).sum()
+    return float(((mu_a - mu_b) ** 2).sum() + np.trace(ca) + np.trace(cb) - 2 * trace_root)
+
+
+def _psd_sqrt(matrix: np.ndarray) -> np.ndarray:
+    values, vectors = np.linalg.eigh(matrix)
+    return (vectors * np.sqrt(np.clip(values, 0, None))) @ vectors.T
 
 
 def evaluate(

@@ -38,6 +38,9 @@ class UNetConfig:
     embed: int = 64  # width of the time + label embedding
     groups: int = 8  # GroupNorm groups
     depth: int = 2  # ResBlocks per level on the (label-free) down path
+    # How the up path takes each level's skip: "concat" (channels add up) or "add"
+    # (after a 1x1 projection): a lighter decoder, the part a guided row runs twice.
+    skip: str = "concat"
 
     @property
     def null_label(self) -> int:
@@ -99,9 +102,14 @@ class Denoiser(nn.Module):
                 self.pool.append(nn.Conv2d(ch, ch, 3, stride=2, padding=1))
         self.mid = ResBlock(c.channels[-1], c.channels[-1], e, g)
         self.up = nn.ModuleList()
+        self.proj = nn.ModuleList()  # skip = "add": the path from below to this width
         for i in reversed(range(len(c.channels))):
             below = c.channels[i + 1] if i + 1 < len(c.channels) else c.channels[-1]
-            self.up.append(ResBlock(below + c.channels[i], c.channels[i], e, g))
+            if c.skip == "add":
+                self.proj.append(nn.Conv2d(below, c.channels[i], 1))
+                self.up.append(ResBlock(c.channels[i], c.channels[i], e, g))
+            else:
+                self.up.append(ResBlock(below + c.channels[i], c.channels[i], e, g))
         self.out_norm = nn.GroupNorm(g, c.channels[0])
         self.out = nn.Conv2d(c.channels[0], 1, 3, padding=1)
 
@@ -144,10 +152,13 @@ class Denoiser(nn.Module):
     ) -> torch.Tensor:
         emb = F.silu(time + self.label(label))
         h = self.mid(h, emb)
-        for block, skip in zip(self.up, reversed(skips), strict=True):
+        for i, (block, skip) in enumerate(zip(self.up, reversed(skips), strict=True)):
             if h.shape[-1] != skip.shape[-1]:
                 h = F.interpolate(h, size=skip.shape[-2:], mode="nearest")
-            h = block(torch.cat([h, skip], dim=1), emb)
+            if self.proj:
+                h = block(self.proj[i](h) + skip, emb)
+            else:
+                h = block(torch.cat([h, skip], dim=1), emb)
         return self.out(F.silu(self.out_norm(h)))
 
 

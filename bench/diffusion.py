@@ -1,0 +1,257 @@
+"""Diffusion benchmark: classifier-free guidance batched, and step-level batching
+against one request at a time, on the same CPU, in one run.
+
+    .venv/bin/python bench/diffusion.py [--clients 16] [--requests 4] [--steps 30]
+        [--rows 1,4,8,16,32] [--threads 1]
+
+(a) CFG cost, in process: at R rows, one guided step (the conditional and unconditional
+    halves as one batch sharing one encoder pass: Denoiser.guided) against two separate
+    passes (conditional, then unconditional) and against one unguided pass.
+(b) Serving, over HTTP (v2 infer, one keep-alive connection per client): a real
+    `bitserve serve` with two copies of models/digits: `digits` (step-level batching,
+    every request's rows in each step) and `digits_serial` (the same engine with
+    max_rows = 1: one request runs its steps to the end before the next starts, as a
+    diffusers pipeline behind a lock does; its CFG halves are still one batch).
+    N clients, each sending its next request when the previous one answers.
+
+Prints a table and a final JSON line, also written to bench/results/diffusion.json.
+A benchmark, not a test: it asserts nothing; the ratios are against the baseline
+measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bitserve.diffusion.evaluate import weights_path  # noqa: E402
+from bitserve.diffusion.unet import load_denoiser  # noqa: E402
+
+RESULTS = ROOT / "bench" / "results" / "diffusion.json"
+
+
+# ------------------------------------------------------------------- (a) CFG cost
+
+
+def timed(fn, repeat: int) -> float:
+    """Median seconds of `fn` over `repeat` runs (after two warm-up runs)."""
+    fn()
+    fn()
+    samples = []
+    for _ in range(repeat):
+        started = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - started)
+    return statistics.median(samples)
+
+
+@torch.inference_mode()
+def cfg_cost(model_dir: Path, rows: list[int], repeat: int) -> list[dict]:
+    model, _ = load_denoiser(weights_path(model_dir))
+    null = model.config.null_label
+    out = []
+    for r in rows:
+        g = torch.Generator().manual_seed(r)
+        x = torch.randn(r, 1, 16, 16, generator=g)
+        t = torch.randint(0, 1000, (r,), generator=g)
+        label = torch.randint(0, 10, (r,), generator=g)
+        both = torch.ones(r, dtype=torch.bool)
+        nulls = torch.full_like(label, null)
+        plain = timed(lambda: model(x, t, label), repeat)  # noqa: B023
+        two = timed(lambda: (model(x, t, label), model(x, t, nulls)), repeat)  # noqa: B023
+        batched = timed(lambda: model.guided(x, t, label, both), repeat)  # noqa: B023
+        out.append(
+            {
+                "rows": r,
+                "unguided_ms": plain * 1e3,
+                "two_passes_ms": two * 1e3,
+                "batched_cfg_ms": batched * 1e3,
+                "cfg_vs_unguided": batched / plain,
+                "cfg_vs_two_passes": batched / two,
+            }
+        )
+    return out
+
+
+# ---------------------------------------------------------------- (b) serving
+
+
+def repository(model_dir: Path, into: Path) -> Path:
+    """models/digits twice: batched as committed, and serial (max_rows = 1)."""
+    repo = into / "models"
+    text = (model_dir / "config.toml").read_text()
+    for name, config in (
+        ("digits", text),
+        ("digits_serial", text.replace("max_rows = 64", "max_rows = 1")),
+    ):
+        assert name == "digits" or config != text, "config.toml has no max_rows = 64 line"
+        (repo / name / "1").mkdir(parents=True)
+        (repo / name / "config.toml").write_text(config)
+        shutil.copy(weights_path(model_dir), repo / name / "1" / "model.safetensors")
+    return repo
+
+
+def serve(repo: Path, port: int, threads: int) -> subprocess.Popen:
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1")
+    command = [sys.executable, "-m", "bitserve.cli", "serve", "--repository", str(repo)]
+    command += ["--port", str(port), "--threads", str(threads)]
+    process = subprocess.Popen(
+        command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env
+    )
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=1)
+            conn.request("GET", "/v2/health/ready")
+            if conn.getresponse().status == 200:
+                return process
+        except OSError:
+            pass
+        time.sleep(0.2)
+    process.kill()
+    raise RuntimeError("server not ready in 120 s")
+
+
+def infer_body(label: int, seed: int, steps: int, scale: float) -> bytes:
+    def tensor(name, datatype, value):
+        return {"name": name, "datatype": datatype, "shape": [1, 1], "data": [value]}
+
+    inputs = [
+        tensor("label", "INT32", label),
+        tensor("seed", "INT64", seed),
+        tensor("steps", "INT32", steps),
+        tensor("guidance_scale", "FP32", scale),
+    ]
+    return json.dumps({"inputs": inputs}).encode()
+
+
+def load(port: int, model: str, clients: int, requests: int, steps: int, scale: float) -> dict:
+    """Closed loop: each client sends `requests` one after another; all start together."""
+    latencies: list[float] = []
+    errors: list[str] = []
+    lock = threading.Lock()
+    start = threading.Barrier(clients + 1)
+
+    def client(c: int) -> None:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+        start.wait()
+        for k in range(requests):
+            body = infer_body((c + k) % 10, 1000 * c + k, steps, scale)
+            sent = time.perf_counter()
+            conn.request("POST", f"/v2/models/{model}/infer", body)
+            answer = conn.getresponse()
+            payload = answer.read()
+            with lock:
+                if answer.status == 200:
+                    latencies.append(time.perf_counter() - sent)
+                else:
+                    errors.append(payload.decode()[:200])
+
+    threads = [threading.Thread(target=client, args=(c,)) for c in range(clients)]
+    for t in threads:
+        t.start()
+    start.wait()
+    began = time.perf_counter()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - began
+    latencies.sort()
+    return {
+        "model": model,
+        "images": len(latencies),
+        "errors": len(errors),
+        "seconds": wall,
+        "images_per_s": len(latencies) / wall,
+        "p50_s": latencies[len(latencies) // 2],
+        "p99_s": latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))],
+    }
+
+
+def serving(args: argparse.Namespace) -> list[dict]:
+    with tempfile.TemporaryDirectory() as tmp:
+        repo = repository(args.model, Path(tmp))
+        port = args.port
+        process = serve(repo, port, args.threads)
+        try:
+            out = []
+            for model in ("digits_serial", "digits"):
+                load(port, model, 2, 1, 5, args.scale)  # warm the HTTP path
+                out.append(load(port, model, args.clients, args.requests, args.steps, args.scale))
+                print(f"  {model}: {out[-1]['images_per_s']:.2f} images/s", flush=True)
+            return out
+        finally:
+            process.terminate()
+            process.wait(10)
+
+
+# ------------------------------------------------------------------------ main
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", type=Path, default=ROOT / "models" / "digits")
+    parser.add_argument("--rows", default="1,4,8,16,32")
+    parser.add_argument("--repeat", type=int, default=30)
+    parser.add_argument("--clients", type=int, default=16)
+    parser.add_argument("--requests", type=int, default=4, help="per client")
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--scale", type=float, default=3.0)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads, here and served")
+    parser.add_argument("--port", type=int, default=8797)
+    parser.add_argument("--skip-serving", action="store_true")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+
+    print("(a) one CFG step at R rows: batched halves vs two passes vs one unguided pass")
+    cfg = cfg_cost(args.model, [int(r) for r in args.rows.split(",")], args.repeat)
+    print(f"{'rows':>5} {'unguided ms':>12} {'two passes':>11} {'batched CFG':>12} "
+          f"{'CFG/unguided':>13} {'CFG/two':>8}")  # fmt: skip
+    for r in cfg:
+        print(
+            f"{r['rows']:>5} {r['unguided_ms']:>12.2f} {r['two_passes_ms']:>11.2f} "
+            f"{r['batched_cfg_ms']:>12.2f} {r['cfg_vs_unguided']:>13.2f} "
+            f"{r['cfg_vs_two_passes']:>8.2f}"
+        )
+    result: dict = {"threads": args.threads, "cfg": cfg}
+    if not args.skip_serving:
+        print(
+            f"\n(b) {args.clients} clients x {args.requests} requests, {args.steps} steps, "
+            f"s = {args.scale}, over HTTP"
+        )
+        rows = serving(args)
+        serial, batched = rows
+        print(f"{'server':>14} {'images/s':>9} {'p50 s':>7} {'p99 s':>7} {'errors':>7}")
+        for r in rows:
+            print(
+                f"{r['model']:>14} {r['images_per_s']:>9.2f} {r['p50_s']:>7.2f} "
+                f"{r['p99_s']:>7.2f} {r['errors']:>7}"
+            )
+        result["serving"] = rows
+        result["throughput_ratio"] = batched["images_per_s"] / serial["images_per_s"]
+        result["p99_ratio"] = batched["p99_s"] / serial["p99_s"]
+        print(
+            f"step-level batching: {result['throughput_ratio']:.2f}x the images/s, "
+            f"p99 {result['p99_ratio']:.2f}x the one-at-a-time loop's"
+        )
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
