@@ -1,8 +1,8 @@
 """Diffusion benchmark: classifier-free guidance batched, and step-level batching
 against one request at a time, on the same CPU, in one run.
 
-    .venv/bin/python bench/diffusion.py [--clients 16] [--requests 4] [--steps 30]
-        [--rows 1,4,8,16,32] [--threads 1]
+    .venv/bin/python bench/diffusion.py [--clients 16] [--requests 2] [--rounds 3]
+        [--steps 30] [--rows 1,4,8,16,32] [--threads 1]
 
 (a) CFG cost, in process: at R rows, one guided step (the conditional and unconditional
     halves as one batch sharing one encoder pass: Denoiser.guided) against two separate
@@ -12,7 +12,8 @@ against one request at a time, on the same CPU, in one run.
     every request's rows in each step) and `digits_serial` (the same engine with
     max_rows = 1: one request runs its steps to the end before the next starts, as a
     diffusers pipeline behind a lock does; its CFG halves are still one batch).
-    N clients, each sending its next request when the previous one answers.
+    N clients, each sending its next request when the previous one answers; rounds
+    alternate the two models.
 
 Prints a table and a final JSON line, also written to bench/results/diffusion.json.
 A benchmark, not a test: it asserts nothing; the ratios are against the baseline
@@ -48,16 +49,25 @@ RESULTS = ROOT / "bench" / "results" / "diffusion.json"
 # ------------------------------------------------------------------- (a) CFG cost
 
 
-def timed(fn, repeat: int) -> float:
-    """Median seconds of `fn` over `repeat` runs (after two warm-up runs)."""
-    fn()
-    fn()
-    samples = []
-    for _ in range(repeat):
-        started = time.perf_counter()
+def interleaved(fns: dict, repeat: int) -> dict[str, list[float]]:
+    """Seconds of each function, run in turn within every repetition: on a shared
+    machine a burst of load then falls on all of them alike, and per-repetition ratios
+    cancel it."""
+    for fn in fns.values():
         fn()
-        samples.append(time.perf_counter() - started)
-    return statistics.median(samples)
+        fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeat):
+        for name, fn in fns.items():
+            started = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - started)
+    return times
+
+
+def ratio(times: dict, a: str, b: str) -> float:
+    """The median over repetitions of a's time over b's."""
+    return statistics.median(x / y for x, y in zip(times[a], times[b], strict=True))
 
 
 @torch.inference_mode()
@@ -72,17 +82,22 @@ def cfg_cost(model_dir: Path, rows: list[int], repeat: int) -> list[dict]:
         label = torch.randint(0, 10, (r,), generator=g)
         both = torch.ones(r, dtype=torch.bool)
         nulls = torch.full_like(label, null)
-        plain = timed(lambda: model(x, t, label), repeat)  # noqa: B023
-        two = timed(lambda: (model(x, t, label), model(x, t, nulls)), repeat)  # noqa: B023
-        batched = timed(lambda: model.guided(x, t, label, both), repeat)  # noqa: B023
+        times = interleaved(
+            {
+                "unguided": lambda: model(x, t, label),  # noqa: B023
+                "two": lambda: (model(x, t, label), model(x, t, nulls)),  # noqa: B023
+                "batched": lambda: model.guided(x, t, label, both),  # noqa: B023
+            },
+            repeat,
+        )
         out.append(
             {
                 "rows": r,
-                "unguided_ms": plain * 1e3,
-                "two_passes_ms": two * 1e3,
-                "batched_cfg_ms": batched * 1e3,
-                "cfg_vs_unguided": batched / plain,
-                "cfg_vs_two_passes": batched / two,
+                "unguided_ms": statistics.median(times["unguided"]) * 1e3,
+                "two_passes_ms": statistics.median(times["two"]) * 1e3,
+                "batched_cfg_ms": statistics.median(times["batched"]) * 1e3,
+                "cfg_vs_unguided": ratio(times, "batched", "unguided"),
+                "cfg_vs_two_passes": ratio(times, "batched", "two"),
             }
         )
     return out
@@ -141,7 +156,8 @@ def infer_body(label: int, seed: int, steps: int, scale: float) -> bytes:
 
 
 def load(port: int, model: str, clients: int, requests: int, steps: int, scale: float) -> dict:
-    """Closed loop: each client sends `requests` one after another; all start together."""
+    """Closed loop: each client sends `requests` one after another; all start together.
+    Returns the latencies and the wall time."""
     latencies: list[float] = []
     errors: list[str] = []
     lock = threading.Lock()
@@ -169,34 +185,44 @@ def load(port: int, model: str, clients: int, requests: int, steps: int, scale: 
     began = time.perf_counter()
     for t in threads:
         t.join()
-    wall = time.perf_counter() - began
-    latencies.sort()
+    return {"latencies": latencies, "errors": errors, "seconds": time.perf_counter() - began}
+
+
+def summary(model: str, runs: list[dict]) -> dict:
+    latencies = sorted(x for r in runs for x in r["latencies"])
+    seconds = sum(r["seconds"] for r in runs)
     return {
         "model": model,
         "images": len(latencies),
-        "errors": len(errors),
-        "seconds": wall,
-        "images_per_s": len(latencies) / wall,
+        "errors": sum(len(r["errors"]) for r in runs),
+        "seconds": seconds,
+        "images_per_s": len(latencies) / seconds,
         "p50_s": latencies[len(latencies) // 2],
         "p99_s": latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))],
     }
 
 
 def serving(args: argparse.Namespace) -> list[dict]:
+    """Rounds alternate the two models, so that load from elsewhere on a shared
+    machine falls on both alike."""
     with tempfile.TemporaryDirectory() as tmp:
         repo = repository(args.model, Path(tmp))
-        port = args.port
-        process = serve(repo, port, args.threads)
+        process = serve(repo, args.port, args.threads)
+        runs: dict[str, list[dict]] = {"digits_serial": [], "digits": []}
         try:
-            out = []
-            for model in ("digits_serial", "digits"):
-                load(port, model, 2, 1, 5, args.scale)  # warm the HTTP path
-                out.append(load(port, model, args.clients, args.requests, args.steps, args.scale))
-                print(f"  {model}: {out[-1]['images_per_s']:.2f} images/s", flush=True)
-            return out
+            for model in runs:
+                load(args.port, model, 2, 1, 5, args.scale)  # warm the HTTP path
+            for round_ in range(args.rounds):
+                for model, done in runs.items():
+                    done.append(
+                        load(args.port, model, args.clients, args.requests, args.steps, args.scale)
+                    )
+                    rate = len(done[-1]["latencies"]) / done[-1]["seconds"]
+                    print(f"  round {round_ + 1} {model}: {rate:.2f} images/s", flush=True)
         finally:
             process.terminate()
             process.wait(10)
+        return [summary(model, done) for model, done in runs.items()]
 
 
 # ------------------------------------------------------------------------ main
@@ -208,7 +234,8 @@ def main() -> None:
     parser.add_argument("--rows", default="1,4,8,16,32")
     parser.add_argument("--repeat", type=int, default=30)
     parser.add_argument("--clients", type=int, default=16)
-    parser.add_argument("--requests", type=int, default=4, help="per client")
+    parser.add_argument("--requests", type=int, default=2, help="per client per round")
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--scale", type=float, default=3.0)
     parser.add_argument("--threads", type=int, default=1, help="torch threads, here and served")
@@ -230,8 +257,8 @@ def main() -> None:
     result: dict = {"threads": args.threads, "cfg": cfg}
     if not args.skip_serving:
         print(
-            f"\n(b) {args.clients} clients x {args.requests} requests, {args.steps} steps, "
-            f"s = {args.scale}, over HTTP"
+            f"\n(b) {args.clients} clients x {args.requests} requests x {args.rounds} rounds, "
+            f"{args.steps} steps, s = {args.scale}, over HTTP"
         )
         rows = serving(args)
         serial, batched = rows
