@@ -18,6 +18,7 @@ ready again. `restarts` counts it for the metrics.
     max_queued_tokens = 65536      # their prompt tokens
     stall_timeout_s = 60           # a step loop silent this long with work = not live
     restart_backoff_s = 0          # pause before restarting a dead engine (doubles, 30 s max)
+    guided_max_string = 64         # structured outputs: cap free JSON strings (weak models)
     system_prompt = "You are a helpful assistant."
     few_shot = [{ role = "user", content = "Hi" }, { role = "assistant", content = "Hello!" }]
 """
@@ -45,6 +46,7 @@ from bitserve.llm.async_engine import AsyncLLMEngine, EngineDead
 from bitserve.llm.config import EngineConfig
 from bitserve.llm.outputs import RequestOutput
 from bitserve.llm.sampling_params import SamplingError, SamplingParams
+from bitserve.llm.structured import GUIDED_FIELDS, GuideError, guide_from
 from bitserve.repository.config import ModelConfig
 
 log = logging.getLogger("bitserve.llm")
@@ -56,9 +58,10 @@ SERVICE_KEYS = {
     "system_prompt",
     "few_shot",
     "restart_backoff_s",
+    "guided_max_string",
 }
 ENGINE_KEYS = {f.name for f in dataclasses.fields(EngineConfig)} - {"model", "hf_config"}
-SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
+SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)} - {"guide"}
 # Tests inject faults inside steps with "module:function" (engine.FaultHook); unset in use.
 FAULT_HOOK_ENV = "BITSERVE_LLM_FAULT_HOOK"
 MAX_RESTART_BACKOFF_S = 30.0
@@ -96,6 +99,8 @@ class LLMService:
         self.max_queued_tokens = int(params.get("max_queued_tokens", 1 << 20))
         self.stall_timeout = float(params.get("stall_timeout_s", 60.0))
         self.restart_backoff = float(params.get("restart_backoff_s", 0.0))
+        max_string = params.get("guided_max_string")
+        self.guided_max_string = int(max_string) if max_string is not None else None
         self.system_prompt: str | None = params.get("system_prompt")
         self.few_shot: list[dict] = list(params.get("few_shot", []))
         self.engine: AsyncLLMEngine | None = None
@@ -131,6 +136,7 @@ class LLMService:
         loop = asyncio.get_running_loop()
         self.engine.on_death = lambda _: loop.call_soon_threadsafe(self._died.set)
         self.engine.engine.fault_hook = _fault_hook()
+        self.engine.engine.guided_max_string = self.guided_max_string
 
     async def _warm_up(self) -> float:
         assert self.engine is not None
@@ -201,6 +207,12 @@ class LLMService:
             raise EngineDead(f"model '{self.config.name}': {self.restarting}")
         if self.engine is not None and self.engine.dead is not None:
             raise EngineDead(f"model '{self.config.name}': engine loop died; restarting")
+
+    def check_guide(self, params: SamplingParams) -> None:
+        """Compile (and cache) a structured-output guide now: a bad schema, regex or
+        grammar is a 400 before a stream starts, not an error event after."""
+        if params.guide is not None and self.engine is not None:
+            self.engine.engine.grammars().matcher(params.guide)
 
     # ------------------------------------------------------------ prompts
 
@@ -306,14 +318,16 @@ def sampling(parameters: Any) -> SamplingParams:
     """The engine's sampling parameters from a JSON object, strictly (sampling_params)."""
     if not isinstance(parameters, dict):
         raise InvalidRequest("'parameters' must be a JSON object")
-    unknown = set(parameters) - SAMPLING_FIELDS - {"stream"}
+    unknown = set(parameters) - SAMPLING_FIELDS - {"stream", "guide", *GUIDED_FIELDS}
     if unknown:
         raise InvalidRequest(f"unknown sampling parameters {sorted(unknown)}")
     if "stream" in parameters and not isinstance(parameters["stream"], bool):
         raise InvalidRequest("parameters.stream: must be a bool")
     try:
-        return SamplingParams(**{k: v for k, v in parameters.items() if k in SAMPLING_FIELDS})
-    except SamplingError as e:
+        guide = guide_from(parameters)
+        fields = {k: v for k, v in parameters.items() if k in SAMPLING_FIELDS}
+        return SamplingParams(**fields, guide=guide)
+    except (SamplingError, GuideError) as e:
         raise InvalidRequest(f"parameters.{e}") from None
 
 

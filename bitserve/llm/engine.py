@@ -21,6 +21,7 @@ import json
 import logging
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,6 +39,7 @@ from bitserve.llm.sampler import Sampler, SamplingFailed
 from bitserve.llm.sampling_params import SamplingParams
 from bitserve.llm.scheduler import Scheduler, SchedulerOutput
 from bitserve.llm.sequence import Sequence, SequenceStatus
+from bitserve.llm.structured import Grammars, GuideError, mask_rows
 from bitserve.llm.workers import WorkerDied, Workers
 
 Prompt = str | list[int]
@@ -104,6 +106,9 @@ class LLMEngine:
         self.requests_failed_total = 0
         self._ids = itertools.count()
         self.fault_hook: FaultHook | None = None
+        self._grammars: Grammars | None = None
+        self.guided_max_string: int | None = None  # set by the server from the model config
+        self._masker = ThreadPoolExecutor(1, thread_name_prefix="bitserve-grammar")
 
     def reset(self) -> None:
         """Forget every request and block, keep the weights: a warm restart after the
@@ -135,6 +140,8 @@ class LLMEngine:
         if vocab:
             params.check_vocab(vocab)
         seq = Sequence(request_id, token_ids, params, priority=priority, device=self.config.device)
+        if params.guide is not None:
+            seq.matcher = self.grammars().matcher(params.guide)  # GuideError: a 400
         self.scheduler.add(seq)
         detok = None
         if self.tokenizer is not None:
@@ -142,6 +149,15 @@ class LLMEngine:
         self.requests[request_id] = RequestState(seq, text, detok, stream=stream)
         self.prompt_tokens_total += len(token_ids)
         return request_id
+
+    def grammars(self) -> Grammars:
+        """The structured-output grammars for this model's tokenizer (built on first use)."""
+        if self._grammars is None:
+            if self.tokenizer is None:
+                raise GuideError("response_format", "this model folder has no tokenizer")
+            vocab = int(self.config.hf_config.get("vocab_size") or len(self.tokenizer))
+            self._grammars = Grammars(self.tokenizer, vocab, self.guided_max_string)
+        return self._grammars
 
     def encode(self, prompt: Prompt) -> list[int]:
         if not isinstance(prompt, str):
@@ -171,6 +187,7 @@ class LLMEngine:
                 output = self.runner.execute(batch)
             return self.update(batch, output)
         failed: list[RequestOutput] = []
+        masks = self.start_masks(batch)
         try:
             output = self.execute(batch)
         except Exception as error:
@@ -178,7 +195,25 @@ class LLMEngine:
                 "a step of %d request(s) failed (%r): isolating", len(batch.scheduled), error
             )
             batch, output = self.isolate(batch, failed)
-        return failed + self.update(batch, output)
+        return failed + self.update(batch, output, masks)
+
+    def start_masks(self, batch: SchedulerOutput) -> Future | None:
+        """Structured outputs: the grammar masks of the rows this step samples, computed
+        on another thread while the forward pass runs (llguidance releases the GIL)."""
+        guided = [
+            seq
+            for seq, n in batch.scheduled
+            if seq.matcher is not None and seq.num_computed_tokens + n == seq.num_tokens
+        ]
+        if not guided:
+            return None
+        vocab = self.grammars().vocab_size
+
+        def compute() -> tuple[dict[int, int], torch.Tensor]:
+            bitmask = mask_rows([seq.matcher for seq in guided], vocab)
+            return {id(seq): row for row, seq in enumerate(guided)}, bitmask
+
+        return self._masker.submit(compute)
 
     def execute(self, batch: SchedulerOutput) -> ModelOutput:
         if self.fault_hook is not None:
@@ -229,14 +264,17 @@ class LLMEngine:
         else:
             self.workers.kill()
 
-    def update(self, batch: SchedulerOutput, output: ModelOutput) -> list[RequestOutput]:
+    def update(
+        self, batch: SchedulerOutput, output: ModelOutput, masks: Future | None = None
+    ) -> list[RequestOutput]:
         for seq, num_new in batch.scheduled:
             seq.num_computed_tokens += num_new
         for request_id, (first, logits) in output.prompt_logits.items():
             self.sampler.prompt_logprobs(self.requests[request_id].seq, first, logits)
         if not output.sample_seqs:
             return []
-        tokens = self.sampler(output.logits, output.sample_seqs, self.eos_token_ids)
+        ready = masks.result() if masks is not None else None
+        tokens = self.sampler(output.logits, output.sample_seqs, self.eos_token_ids, ready)
         results = []
         now = time.monotonic()
         for seq, token in zip(output.sample_seqs, tokens, strict=True):
@@ -256,6 +294,8 @@ class LLMEngine:
         state.first_token_time = state.first_token_time or now
         seq.append_token(token)
         self.generation_tokens_total += 1
+        if seq.matcher is not None and not seq.matcher.consume_token(token):
+            raise SamplingFailed(f"the grammar refused token {token}: {seq.matcher.get_error()}")
         status = self.check_stop(state, token)
         if status is not None:
             self.scheduler.finish(seq, status)
@@ -277,6 +317,8 @@ class LLMEngine:
             return SequenceStatus.FINISHED_STOPPED
         if stop_string is not None:
             state.stop_reason = stop_string
+            return SequenceStatus.FINISHED_STOPPED
+        if seq.matcher is not None and seq.matcher.is_stopped():  # the grammar is complete
             return SequenceStatus.FINISHED_STOPPED
         if (
             seq.num_output_tokens >= params.max_tokens

@@ -17,6 +17,7 @@ import torch
 
 from bitserve.llm.sampling_params import SamplingParams
 from bitserve.llm.sequence import Sequence
+from bitserve.llm.structured import apply_masks, mask_rows
 
 
 def apply_penalties(logits: torch.Tensor, seq: Sequence, params: SamplingParams) -> torch.Tensor:
@@ -68,7 +69,7 @@ def suppress_stops(logits: torch.Tensor, seq: Sequence, eos_token_ids) -> torch.
 
 def sample_one(logits: torch.Tensor, seq: Sequence, eos_token_ids=()) -> int:
     params = seq.sampling_params
-    if seq.num_output_tokens < params.min_tokens:
+    if seq.num_output_tokens < params.min_tokens and seq.matcher is None:  # the grammar ends it
         logits = suppress_stops(logits, seq, eos_token_ids)
     if params.needs_penalties:
         logits = apply_penalties(logits, seq, params)
@@ -93,7 +94,10 @@ def top_logprobs(logprobs: torch.Tensor, token_id: int, n: int) -> dict[int, flo
 def is_plain_greedy(seq: Sequence) -> bool:
     params = seq.sampling_params
     return (
-        params.greedy and not params.needs_penalties and seq.num_output_tokens >= params.min_tokens
+        params.greedy
+        and not params.needs_penalties
+        and seq.num_output_tokens >= params.min_tokens
+        and seq.matcher is None
     )
 
 
@@ -110,11 +114,18 @@ def checked(probs: torch.Tensor) -> torch.Tensor:
 
 class Sampler:
     def __call__(
-        self, logits: torch.Tensor, seqs: list[Sequence], eos_token_ids=()
+        self,
+        logits: torch.Tensor,
+        seqs: list[Sequence],
+        eos_token_ids=(),
+        masks: tuple[dict[int, int], torch.Tensor] | None = None,
     ) -> list[int | SamplingFailed]:
         """One next token per row of `logits` (or why that row failed), and logprobs
         appended to the seqs that ask."""
         tokens: list[int | SamplingFailed] = [0] * len(seqs)
+        guided = [i for i, s in enumerate(seqs) if s.matcher is not None]
+        if guided:
+            self.constrain(logits, [seqs[i] for i in guided], guided, masks)
         # one reduction finds the rows holding NaN (or both infinities) in any column
         broken = set(logits.sum(-1).isnan().nonzero().flatten().tolist())
         for i in broken:
@@ -136,6 +147,22 @@ class Sampler:
                 logprobs = torch.log_softmax(logits[i], dim=-1)
                 seq.logprobs.append(top_logprobs(logprobs, tokens[i], n))
         return tokens
+
+    @staticmethod
+    def constrain(
+        logits: torch.Tensor,
+        seqs: list[Sequence],
+        rows: list[int],
+        masks: tuple[dict[int, int], torch.Tensor] | None,
+    ) -> None:
+        """Structured outputs: what each guided row's grammar refuses becomes -inf.
+        `masks` were computed during the forward pass ({id(seq): mask row}, bitmask);
+        a row they miss is computed now."""
+        index, bitmask = masks if masks is not None else ({}, None)
+        if bitmask is None or any(id(s) not in index for s in seqs):
+            bitmask = mask_rows([s.matcher for s in seqs], logits.shape[-1])
+            index = {id(s): i for i, s in enumerate(seqs)}
+        apply_masks(logits, rows, bitmask[[index[id(s)] for s in seqs]])
 
     @staticmethod
     def prompt_logprobs(seq: Sequence, first: int, logits: torch.Tensor) -> None:

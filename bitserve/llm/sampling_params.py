@@ -12,6 +12,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, fields
 
+from bitserve.llm.structured import Guide
+
 # Below this a temperature is greedy (vLLM's _SAMPLING_EPS); up to MIN_TEMPERATURE it is
 # raised to MIN_TEMPERATURE (vLLM's _MAX_TEMP clamp): logits / 1e-300 overflow to inf.
 SAMPLING_EPS = 1e-5
@@ -72,6 +74,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    guide: Guide | None = None  # structured output: a JSON schema, regex, choice or grammar
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -125,6 +128,8 @@ def _check_type(name: str, annotation: str, value: object) -> None:
     options = [a.strip() for a in annotation.split("|")]
     for option in options:
         if option == "None" and value is None:
+            return
+        if option == "Guide" and isinstance(value, Guide):
             return
         if option.startswith("list[") and isinstance(value, list):
             inner = _KINDS[option[5:-1]]

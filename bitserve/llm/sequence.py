@@ -12,6 +12,7 @@ import enum
 import itertools
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -62,6 +63,7 @@ class Sequence:
     prompt_logprobs: list[dict[int, float] | None] = field(default_factory=list)
     order: int = field(default_factory=lambda: next(_arrival_counter))
     device: str = field(default="cpu", repr=False)  # where the seeded generator draws
+    matcher: Any = field(default=None, repr=False)  # the structured-output grammar's state
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

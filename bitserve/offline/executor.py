@@ -97,6 +97,7 @@ class Executor:
         encoded = [llm.encode(p) for p, _, _ in jobs]
         for ids, (_, _, params) in zip(encoded, jobs, strict=True):
             llm.check_length(ids, params.max_tokens)
+            llm.check_guide(params)
 
         async def run() -> dict:
             responses = api.Responses(llm, req, jobs, chat)

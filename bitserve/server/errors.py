@@ -117,7 +117,7 @@ def to_openai(exc: BaseException) -> APIError:
         return exc
     status = status_of(exc)
     param = code = None
-    if isinstance(exc, SamplingError):
+    if getattr(exc, "field", None):  # SamplingError, GuideError
         param = exc.field
     elif isinstance(exc, PromptTooLong):
         param, code = "messages", "context_length_exceeded"

@@ -67,6 +67,7 @@ def routes(state: ServerState) -> list[Route]:
         assert version.llm is not None
         version.llm.check_serving()  # a 503 now, not a stream that starts and breaks
         version.llm.check_length(version.llm.encode(prompt), params.max_tokens)
+        version.llm.check_guide(params)
         lease = version.begin()  # no await since the lookup: a drain cannot miss it
 
         async def events() -> AsyncIterator[bytes]:

@@ -138,6 +138,7 @@ class OpenAI:
         for ids, (_, _, sp) in zip(encoded, jobs, strict=True):
             llm.check_length(ids, sp.max_tokens)
         llm.check_serving()
+        llm.check_guide(jobs[0][2])
         llm.admit(max(len(ids) for ids in encoded), count=len(jobs))
         # held now, with no await since the lookup: a drain cannot miss it
         stream = _Streams(self.state, version, llm, req, jobs, encoded, chat)

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from typing import Annotated, Any, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from bitserve.backends.llm import LLMService
 from bitserve.batching.collate import shape_key
@@ -30,6 +30,7 @@ from bitserve.llm.sampling_params import (
     SamplingError,
     SamplingParams,
 )
+from bitserve.llm.structured import GUIDED_FIELDS, Guide, GuideError, guide_from
 from bitserve.repository.version import ModelVersion
 from bitserve.server.errors import APIError
 
@@ -47,6 +48,26 @@ def _limit(name: str) -> Any:
 
 
 TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
+
+
+class JSONSchemaFormat(BaseModel):
+    model_config = STRICT
+    name: Annotated[str, Field(min_length=1, max_length=64)]
+    description: str | None = None
+    schema_: dict | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = STRICT
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("type 'json_schema' needs a 'json_schema' object")
+        return self
 
 
 class _Request(BaseModel):
@@ -73,6 +94,18 @@ class _Request(BaseModel):
     priority: Annotated[int, Field(ge=-(2**31), le=2**31 - 1)] = 0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # structured outputs: OpenAI's response_format, or vLLM's guided_* (one of them)
+    response_format: ResponseFormat | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: Annotated[list[str], Field(min_length=1, max_length=1024)] | None = None
+    guided_grammar: str | None = None
+
+    def guide(self) -> Guide | None:
+        fields = {name: getattr(self, name) for name in GUIDED_FIELDS}
+        if self.response_format is not None:
+            fields["response_format"] = self.response_format.model_dump(by_alias=True)
+        return guide_from(fields)
 
 
 class CompletionRequest(_Request):
@@ -349,8 +382,9 @@ def _sampling(req: Any, max_tokens: int, logprobs: int | None, choice: int) -> S
             include_stop_str_in_output=req.include_stop_str_in_output,
             logprobs=logprobs,
             skip_special_tokens=req.skip_special_tokens,
+            guide=req.guide(),
         )
-    except SamplingError as e:
+    except (SamplingError, GuideError) as e:
         raise APIError(400, str(e), "invalid_request_error", e.field) from None
 
 
