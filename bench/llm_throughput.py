@@ -20,8 +20,9 @@ JSON line.
 
 `--architectures`: each dense family the engine serves (Llama, Qwen3, Gemma 2,
 Gemma 3, Phi-3) at Llama's shape above (untied head, head_dim 64), batch-1 decode
-ms/step and batched decode tok/s (32 requests, 64 in, 64 out), and throughput per
-parameter (tok/s x parameters) against Llama's. `--moe`: a Mixtral whose experts
+ms/step and batch-32 decode tok/s (64-token prompts), and throughput per parameter
+(tok/s x parameters) against Llama's; the five engines step in turn, one decode step
+each, and each reports its median step. `--moe`: a Mixtral whose experts
 (400 MB fp32) exceed the caches, batch-1 decode fp32 against int8 and int4 experts.
 """
 
@@ -35,6 +36,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from statistics import median
 
 import torch
 
@@ -288,36 +290,40 @@ def build_family(folder: Path, family: str) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def batched_decode(folder: Path, requests: int = 32, prompt: int = 64, out: int = 64) -> float:
-    """Output tok/s of `requests` prompts decoded together (prefill excluded)."""
-    engine = LLMEngine(folder, num_kv_blocks=requests * 10, max_model_len=1024)
-    params = SamplingParams(temperature=0, max_tokens=out, ignore_eos=True)
-    for i in range(requests):
-        engine.add_request(str(i), list(range(3 + i, 3 + i + prompt)), params)
-    engine.step()  # every prefill in one step
-    produced, start = 0, time.perf_counter()
-    while engine.has_unfinished_requests():
-        produced += len(engine.step())
-    return produced / (time.perf_counter() - start)
+def interleaved_steps(folders: dict[str, Path], batch: int, steps: int) -> dict[str, float]:
+    """Median seconds per decode step of each model at `batch` sequences, the models
+    stepping in turn (one step each, round after round): on a shared machine a burst
+    of load then hits every model alike instead of deciding the comparison."""
+    engines = {}
+    for family, folder in folders.items():
+        engine = LLMEngine(folder, num_kv_blocks=batch * 16, max_model_len=1024)
+        params = SamplingParams(temperature=0, max_tokens=steps + 2, ignore_eos=True)
+        for i in range(batch):
+            engine.add_request(str(i), list(range(3 + i, 3 + i + 64)), params)
+        engine.step()  # every prefill in one step
+        engine.step()  # and a first decode, off the clock
+        engines[family] = engine
+    times: dict[str, list[float]] = {family: [] for family in engines}
+    for _ in range(steps):
+        for family, engine in engines.items():
+            start = time.perf_counter()
+            engine.step()
+            times[family].append(time.perf_counter() - start)
+    return {family: median(t) for family, t in times.items()}
 
 
-def architectures(quick: bool, rounds: int = 4) -> None:
-    """Every family measured in turn, `rounds` times, the order reversed every round
-    (a machine that gets busier or quieter favours no family); each keeps its best
-    round (on a shared machine one slow moment must not decide a comparison)."""
-    rows = []
+def architectures(quick: bool) -> None:
+    """Batch-1 ms/step and batch-32 decode tok/s of each family at the same shape,
+    measured interleaved (`interleaved_steps`)."""
     with tempfile.TemporaryDirectory() as tmp:
         folders = {family: Path(tmp) / family for family in FAMILIES}
-        for family, folder in folders.items():
-            rows.append(dict(family=family, params=build_family(folder, family)))
-            rows[-1].update(step_ms=float("inf"), tok_s=0.0)
-        for r in range(rounds):
-            for row in rows if r % 2 == 0 else reversed(rows):
-                folder = folders[row["family"]]
-                step = decode_step_time(folder, 16 if quick else 64) * 1e3
-                tok_s = batched_decode(folder, 8 if quick else 32, 64, 16 if quick else 64)
-                row.update(step_ms=min(row["step_ms"], step), tok_s=max(row["tok_s"], tok_s))
-                print(f"  {row['family']}: {step:.2f} ms/step, {tok_s:.0f} tok/s", file=sys.stderr)
+        params = {family: build_family(folder, family) for family, folder in folders.items()}
+        one = interleaved_steps(folders, 1, 32 if quick else 128)
+        many = interleaved_steps(folders, 8 if quick else 32, 16 if quick else 64)
+    rows = [
+        dict(family=f, params=params[f], step_ms=one[f] * 1e3, tok_s=(8 if quick else 32) / many[f])
+        for f in FAMILIES
+    ]
     base = rows[0]
     print(f"{'family':<8} {'params M':>9} {'b1 ms/step':>11} {'b1 vs llama':>12} "
           f"{'b32 tok/s':>10} {'b32 vs llama':>13}")  # fmt: skip

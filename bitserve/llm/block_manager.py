@@ -65,6 +65,15 @@ class BlockManager:
     def num_free_blocks(self) -> int:
         return len(self.free_queue)
 
+    def blocks_needed(self, num_tokens: int, chunk: int) -> int:
+        """The most blocks a sequence of `num_tokens` ever holds at once, computing at
+        most `chunk` tokens a step: all of them, or under a sliding window those its
+        window spans plus the step's chunk (admission: Scheduler.check_fits)."""
+        full = cdiv(num_tokens, self.block_size)
+        if self.window is None:
+            return full
+        return min(full, cdiv(self.window - 1 + chunk, self.block_size) + 1)
+
     # -- prefix caching -------------------------------------------------------------
     def block_hashes(self, seq: Sequence, num_full_blocks: int) -> list[int]:
         """Chained hashes of `seq`'s first full blocks, computed once and kept on the seq."""

@@ -224,8 +224,11 @@ static void paged_decode(const float *q, long ldq, float *out, long ldo, const i
                     sb[j] = dot(qh, kb + j * D, D) * scale;
                 }
             }
-            if (softcap > 0.f)
-                for (long t = lo; t < len; t++) scores[t] = tanhf(scores[t] / softcap) * softcap;
+            if (softcap > 0.f) {
+                float inv_cap = 1.f / softcap;
+#pragma omp simd
+                for (long t = lo; t < len; t++) scores[t] = tanhf(scores[t] * inv_cap) * softcap;
+            }
             for (long t = lo; t < len; t++) mx = scores[t] > mx ? scores[t] : mx;
             float total = 0.f;
 #pragma omp simd reduction(+ : total)

@@ -216,6 +216,16 @@ def test_a_long_generation_under_a_sliding_window_holds_a_bounded_number_of_bloc
     assert tokens == reference(folder, MIXED[1], 200)
 
 
+def test_blocks_needed_is_what_a_windowed_sequence_ever_holds(arch_dirs):
+    """What admission may ask for (Scheduler.check_fits): the long generation above
+    never held more than this, with a 16-token step budget."""
+    bm = make_engine(arch_dirs["mistral_window"], num_kv_blocks=8).block_manager
+    assert bm.blocks_needed(217, chunk=16) == cdiv(WINDOW - 1 + 16, 16) + 1 == 4
+    assert bm.blocks_needed(20, chunk=16) == 2  # shorter than the window: all its blocks
+    bm.window = None
+    assert bm.blocks_needed(217, chunk=16) == 14
+
+
 def test_global_layers_keep_every_block(arch_dirs):
     """Gemma's global layers see the whole context: nothing is freed early."""
     assert make_engine(arch_dirs["gemma2"], num_kv_blocks=8).block_manager.window is None

@@ -353,8 +353,8 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden)
-        if self.final_softcap is not None:  # Gemma 2, in transformers' order
-            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
+        if self.final_softcap is not None:  # Gemma 2, in transformers' order, in place
+            logits = logits.div_(self.final_softcap).tanh_().mul_(self.final_softcap)
         return logits
 
     def parameter_for(self, name: str) -> tuple[str, int | None]:
