@@ -98,9 +98,11 @@ def guide_from(fields: dict[str, Any]) -> Guide | None:
 
 
 def bounded(schema: Any, max_string: int) -> Any:
-    """The schema with every free string at most `max_string` characters: a model that
-    never writes a closing quote (tinylm learned from a text without one) would fill a
-    string up to max_tokens and leave JSON that does not parse. Outputs stay valid."""
+    """The schema with every free string at most `max_string` characters and no keys
+    beyond the named properties (llguidance cannot bound a free key's length): a model
+    that never writes a closing quote (tinylm learned from a text without one) would
+    fill a string up to max_tokens and leave JSON that does not parse. Every output
+    still validates against the original schema."""
     if isinstance(schema, list):
         return [bounded(item, max_string) for item in schema]
     if not isinstance(schema, dict):
@@ -109,6 +111,8 @@ def bounded(schema: Any, max_string: int) -> Any:
     free = not {"enum", "const", "pattern", "format", "maxLength"} & set(out)
     if out.get("type") == "string" and free:
         out["maxLength"] = max(max_string, out.get("minLength", 0))
+    if out.get("type") == "object" or "properties" in out:  # no free (unbounded) key names
+        out["additionalProperties"] = False
     return out
 
 
