@@ -19,6 +19,7 @@ ready again. `restarts` counts it for the metrics.
     stall_timeout_s = 60           # a step loop silent this long with work = not live
     restart_backoff_s = 0          # pause before restarting a dead engine (doubles, 30 s max)
     guided_max_string = 64         # structured outputs: cap free JSON strings (weak models)
+    tool_parser = "hermes"         # the model's tool-call syntax: hermes, llama3_json, mistral
     system_prompt = "You are a helpful assistant."
     few_shot = [{ role = "user", content = "Hi" }, { role = "assistant", content = "Hello!" }]
 """
@@ -47,6 +48,7 @@ from bitserve.llm.config import EngineConfig
 from bitserve.llm.outputs import RequestOutput
 from bitserve.llm.sampling_params import SamplingError, SamplingParams
 from bitserve.llm.structured import GUIDED_FIELDS, GuideError, guide_from
+from bitserve.llm.tools import SYNTAXES, instructions
 from bitserve.repository.config import ModelConfig
 
 log = logging.getLogger("bitserve.llm")
@@ -59,6 +61,7 @@ SERVICE_KEYS = {
     "few_shot",
     "restart_backoff_s",
     "guided_max_string",
+    "tool_parser",
 }
 ENGINE_KEYS = {f.name for f in dataclasses.fields(EngineConfig)} - {"model", "hf_config"}
 SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)} - {"guide"}
@@ -101,6 +104,9 @@ class LLMService:
         self.restart_backoff = float(params.get("restart_backoff_s", 0.0))
         max_string = params.get("guided_max_string")
         self.guided_max_string = int(max_string) if max_string is not None else None
+        self.tool_parser = str(params.get("tool_parser", "hermes"))
+        if self.tool_parser not in SYNTAXES:
+            raise LoadError(f"tool_parser {self.tool_parser!r} is not one of {sorted(SYNTAXES)}")
         self.system_prompt: str | None = params.get("system_prompt")
         self.few_shot: list[dict] = list(params.get("few_shot", []))
         self.engine: AsyncLLMEngine | None = None
@@ -216,8 +222,12 @@ class LLMService:
 
     # ------------------------------------------------------------ prompts
 
-    def chat_prompt(self, messages: list[dict], few_shot: bool = True) -> list[int]:
-        """Render messages (after the configured system prompt and few-shot turns)."""
+    def chat_prompt(
+        self, messages: list[dict], few_shot: bool = True, tools: list[dict] | None = None
+    ) -> list[int]:
+        """Render messages (after the configured system prompt and few-shot turns). Tools
+        go to the template as transformers passes them; a template that knows no tools
+        (or no "tool" role) gets them as a system prompt and results as user turns."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise NoChatTemplate(
                 f"model '{self.config.name}' has no chat template in tokenizer_config.json; "
@@ -228,8 +238,14 @@ class LLMService:
             if self.system_prompt and not (messages and messages[0]["role"] == "system"):
                 prefix.append({"role": "system", "content": self.system_prompt})
             prefix.extend(self.few_shot)
+        template = self.tokenizer.chat_template
+        if tools and "tools" not in template:
+            prefix.insert(0, {"role": "system", "content": instructions(tools, self.tool_parser)})
+            tools = None
+        if "tool" not in template.replace("tools", ""):
+            messages = [_plain(m) for m in messages]
         rendered = self.tokenizer.apply_chat_template(
-            prefix + messages, add_generation_prompt=True, tokenize=False
+            prefix + messages, tools=tools, add_generation_prompt=True, tokenize=False
         )
         return self.tokenizer.encode(rendered, add_special_tokens=False)
 
@@ -312,6 +328,16 @@ class LLMService:
 
     def decode_token(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
+
+
+def _plain(message: dict) -> dict:
+    """A tool result as a user turn, for templates with no "tool" role."""
+    if message["role"] != "tool":
+        return message
+    return {
+        "role": "user",
+        "content": f"Result of {message.get('tool_call_id')}: {message['content']}",
+    }
 
 
 def sampling(parameters: Any) -> SamplingParams:

@@ -24,7 +24,7 @@ from typing import Any, Literal
 
 import torch
 
-KINDS = ("json", "regex", "choice", "grammar")
+KINDS = ("json", "regex", "choice", "grammar", "lark")
 CACHE_SIZE = 256
 COMPACT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
@@ -43,7 +43,7 @@ class Guide:
     any JSON object), a regex, a JSON list of choices, or a Lark or GBNF grammar.
     `field` names where it came from (for errors): response_format, guided_regex, ..."""
 
-    kind: Literal["json", "regex", "choice", "grammar"]
+    kind: Literal["json", "regex", "choice", "grammar", "lark"]
     spec: str
     field: str = "response_format"
 
@@ -142,6 +142,8 @@ def grammar_text(guide: Guide, max_string: int | None = None) -> str:
         return LLMatcher.grammar_from_json_schema(schema, overrides=COMPACT)
     if guide.kind == "regex":
         return LLMatcher.grammar_from_regex(guide.spec)
+    if guide.kind == "lark":  # written by bitserve itself (tool calls)
+        return LLMatcher.grammar_from_lark(guide.spec)
     if guide.kind == "choice":
         options = " | ".join(json.dumps(o) for o in json.loads(guide.spec))
         return LLMatcher.grammar_from_lark(f"start: {options}")

@@ -21,6 +21,7 @@ from starlette.routing import Route
 
 from bitserve.backends.llm import LLMService
 from bitserve.inference import ClientGone
+from bitserve.llm import tools
 from bitserve.llm.outputs import RequestOutput
 from bitserve.repository.repository import ModelNotFound
 from bitserve.repository.version import ModelVersion
@@ -264,6 +265,9 @@ class _Streams(Responses):
     async def sse(self) -> AsyncIterator[bytes]:
         sent = [0] * len(self.jobs)  # tokens already sent per choice
         finals: dict[int, RequestOutput] = {}
+        calls = None
+        if self.chat and self.req.calls_tools():
+            calls = [tools.ToolStream(self.llm.tool_parser) for _ in self.jobs]
         try:
             if self.chat:
                 for i in range(len(self.jobs)):
@@ -282,7 +286,10 @@ class _Streams(Responses):
                 sent[index] = len(completion.token_ids)
                 if out.finished:
                     finals[index] = out
-                if completion.delta_text or out.finished or logprobs:
+                if calls is not None:  # content and tool-call deltas, as OpenAI streams them
+                    for chunk in self._tool_chunks(calls[index], index, completion, out.finished):
+                        yield chunk
+                elif completion.delta_text or out.finished or logprobs:
                     delta = (
                         {"content": completion.delta_text} if self.chat else (completion.delta_text)
                     )
@@ -296,6 +303,16 @@ class _Streams(Responses):
             doc = {"error": {"message": str(error), "type": error.kind, "code": error.code}}
             yield b"data: " + orjson.dumps(doc) + b"\n\n"
         yield b"data: [DONE]\n\n"
+
+    def _tool_chunks(
+        self, stream: tools.ToolStream, index: int, completion: Any, finished: bool
+    ) -> list[bytes]:
+        deltas = stream.feed(completion.delta_text, finished)
+        chunks = [self._chunk(index, delta, None, None) for delta in deltas]
+        if finished:
+            finish = "tool_calls" if stream.index >= 0 else completion.finish_reason
+            chunks.append(self._chunk(index, {}, None, finish))
+        return chunks
 
     def _chunk_object(self) -> str:
         return "chat.completion.chunk" if self.chat else "text_completion"

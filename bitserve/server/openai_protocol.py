@@ -9,6 +9,7 @@ beyond OpenAI's (`top_k`, `min_p`, `repetition_penalty`, `ignore_eos`, `min_toke
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import time
 import uuid
@@ -21,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from bitserve.backends.llm import LLMService
 from bitserve.batching.collate import shape_key
 from bitserve.inference import InferRequest
+from bitserve.llm import tools
 from bitserve.llm.outputs import RequestOutput
 from bitserve.llm.sampling_params import (
     LIMITS,
@@ -122,15 +124,60 @@ class TextPart(BaseModel):
     text: str
 
 
+class FunctionCall(BaseModel):
+    model_config = STRICT
+    name: str
+    arguments: str
+
+
+class MessageToolCall(BaseModel):
+    model_config = STRICT
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class Message(BaseModel):
     model_config = STRICT
-    role: Literal["system", "user", "assistant"]
-    content: str | list[TextPart]
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    tool_calls: list[MessageToolCall] | None = None
+    tool_call_id: str | None = None
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)
+
+
+FunctionName = Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
+
+
+class Function(BaseModel):
+    model_config = STRICT
+    name: FunctionName
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = STRICT
+    type: Literal["function"]
+    function: Function
+
+
+class NamedFunction(BaseModel):
+    model_config = STRICT
+    name: FunctionName
+
+
+class NamedTool(BaseModel):
+    model_config = STRICT
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatRequest(_Request):
@@ -140,6 +187,29 @@ class ChatRequest(_Request):
     logprobs: bool = False
     top_logprobs: Annotated[int, _limit("logprobs")] | None = None
     few_shot: bool = True  # bitserve: prepend the model's system prompt and examples
+    tools: Annotated[list[Tool], Field(max_length=128)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedTool | None = None
+    parallel_tool_calls: bool | None = None
+
+    def tool_dicts(self) -> list[dict]:
+        return [t.model_dump(exclude_none=True) for t in self.tools or []]
+
+    def calls_tools(self) -> bool:
+        """Whether the output is parsed for tool calls (tools given, choice not none)."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+    def forced_tool(self) -> tuple[bool, str | None]:
+        """(a call is required, the one function it must be)."""
+        if not self.tools or self.tool_choice in (None, "none", "auto"):
+            return False, None
+        if isinstance(self.tool_choice, NamedTool):
+            name = self.tool_choice.function.name
+            if name not in {t.function.name for t in self.tools}:
+                raise APIError(
+                    400, f"tool_choice names '{name}', not among the tools", param="tool_choice"
+                )
+            return True, name
+        return True, None
 
 
 class EmbeddingRequest(BaseModel):
@@ -211,11 +281,19 @@ class Responses:
                 logprobs = {
                     "content": self._chat_logprobs(completion.token_ids, completion.logprobs)
                 }
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            finish = completion.finish_reason
+            if self.req.calls_tools():
+                content, calls = tools.parse(text, self.llm.tool_parser)
+                if calls:
+                    message = {"role": "assistant", "content": content}
+                    message["tool_calls"] = [call.as_openai() for call in calls]
+                    finish = "tool_calls"
             return {
                 "index": index,
-                "message": {"role": "assistant", "content": text},
+                "message": message,
                 "logprobs": logprobs,
-                "finish_reason": completion.finish_reason,
+                "finish_reason": finish,
             }
         if self.req.echo:
             prompt = self.jobs[index][0]
@@ -316,15 +394,38 @@ def completion_jobs(req: CompletionRequest) -> list[tuple[Any, int, SamplingPara
 
 
 def chat_jobs(req: ChatRequest, llm: LLMService) -> list[tuple[Any, int, SamplingParams]]:
-    """The rendered chat prompt (template, system prompt, few-shot turns) per choice."""
-    messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-    prompt = llm.chat_prompt(messages, few_shot=req.few_shot)
+    """The rendered chat prompt (template, system prompt, few-shot turns, tools) per
+    choice; a required or named tool call is enforced by a grammar."""
+    messages = [_message(m, llm) for m in req.messages]
+    prompt = llm.chat_prompt(messages, few_shot=req.few_shot, tools=req.tool_dicts() or None)
     max_tokens = req.max_completion_tokens or req.max_tokens
     if max_tokens is None:
         max_tokens = max(1, llm.max_model_len - len(prompt))
     top = (req.top_logprobs or 0) if req.logprobs else None
     params = [_sampling(req, max_tokens, top, i) for i in range(req.n)]
+    required, only = req.forced_tool()
+    if required:
+        if req.guide() is not None:
+            raise APIError(
+                400, "give tool_choice or response_format, not both", param="tool_choice"
+            )
+        call = tools.guide(req.tool_dicts(), only, llm.tool_parser, llm.guided_max_string)
+        params = [dataclasses.replace(sp, guide=call) for sp in params]
     return [(prompt, i, sp) for i, sp in enumerate(params)]
+
+
+def _message(message: Message, llm: LLMService) -> dict:
+    """A message as the chat template takes it; past tool calls in the model's syntax."""
+    doc: dict[str, Any] = {"role": message.role, "content": message.text()}
+    if message.tool_calls:
+        calls = [
+            tools.call_text(c.function.name, c.function.arguments, llm.tool_parser)
+            for c in message.tool_calls
+        ]
+        doc["content"] = doc["content"] + "".join(calls)
+    if message.tool_call_id is not None:
+        doc["tool_call_id"] = message.tool_call_id
+    return doc
 
 
 def embedding_texts(req: EmbeddingRequest) -> list[str]:

@@ -234,3 +234,117 @@ def test_v2_generate_takes_guided_parameters(server):
         json={"text_input": "x", "parameters": {"guided_regex": "(a"}},
     )
     assert answer.status_code == 400 and "guided_regex" in answer.json()["error"]
+
+
+# ------------------------------------------------------------------ tool calls
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "weather",
+        "description": "The weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string"},
+                "days": {"type": "integer", "minimum": 1, "maximum": 7},
+            },
+            "required": ["city"],
+        },
+    },
+}
+PSALM = {
+    "type": "function",
+    "function": {
+        "name": "psalm",
+        "parameters": {
+            "type": "object",
+            "properties": {"n": {"type": "integer", "minimum": 1, "maximum": 150}},
+            "required": ["n"],
+        },
+    },
+}
+TOOLS = [WEATHER, PSALM]
+PARAMETERS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+ASK = [{"role": "user", "content": "Weather in Ur?"}]
+SHORT = {"few_shot": False}  # tinylm's 256-token context: no system prompt
+
+
+def _call(client, choice, seed, stream=False):
+    return client.chat.completions.create(
+        model="tinylm",
+        messages=ASK,
+        tools=TOOLS,
+        tool_choice=choice,
+        max_tokens=60,
+        seed=seed,
+        stream=stream,
+        extra_body=SHORT,
+    )
+
+
+@pytest.mark.parametrize(
+    "choice", ["required", {"type": "function", "function": {"name": "psalm"}}]
+)
+def test_forced_tool_calls_always_have_valid_arguments(client, choice):
+    for seed in range(5):
+        reply = _call(client, choice, seed).choices[0]
+        assert reply.finish_reason == "tool_calls"
+        (call,) = reply.message.tool_calls
+        if isinstance(choice, dict):
+            assert call.function.name == "psalm"
+        jsonschema.validate(json.loads(call.function.arguments), PARAMETERS[call.function.name])
+
+
+def test_streamed_tool_call_reassembles_into_the_plain_one(client):
+    for seed in range(3):
+        plain = _call(client, "required", seed).choices[0].message.tool_calls[0]
+        name, arguments, finish = None, "", None
+        for chunk in _call(client, "required", seed, stream=True):
+            if not chunk.choices:
+                continue
+            for delta in chunk.choices[0].delta.tool_calls or []:
+                name = delta.function.name or name
+                arguments += delta.function.arguments or ""
+            finish = chunk.choices[0].finish_reason or finish
+        assert (name, arguments, finish) == (
+            plain.function.name,
+            plain.function.arguments,
+            "tool_calls",
+        )
+
+
+def test_tool_results_in_the_history_and_auto(client):
+    call = {
+        "id": "call_1",
+        "type": "function",
+        "function": {"name": "weather", "arguments": '{"city": "Ur"}'},
+    }
+    history = [*ASK, {"role": "assistant", "content": None, "tool_calls": [call]}]
+    history.append({"role": "tool", "tool_call_id": "call_1", "content": "sunny"})
+    reply = client.chat.completions.create(
+        model="tinylm", messages=history, tools=TOOLS, max_tokens=10, extra_body=SHORT
+    )
+    assert reply.choices[0].finish_reason in ("stop", "length", "tool_calls")
+
+
+BAD_TOOLS = [
+    ({"tools": [{"type": "function", "function": {"parameters": {}}}]}, "tools.0.function.name"),
+    (
+        {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+        "tool_choice",
+    ),
+    (
+        {"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}},
+        "tool_choice",
+    ),
+    ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice"),
+]
+
+
+@pytest.mark.parametrize("fields, param", BAD_TOOLS)
+def test_bad_tools_are_400_naming_the_param(server, fields, param):
+    body = {"model": "tinylm", "messages": ASK, "max_tokens": 4, **fields}
+    answer = httpx.post(server.url + "/v1/chat/completions", json=body)
+    assert answer.status_code == 400, answer.text
+    assert answer.json()["error"]["param"] == param
