@@ -28,6 +28,7 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -95,9 +96,10 @@ def companion_folder(file: Path) -> Path:
     reader = open_reader(file)
     (tmp / "config.json").write_text(json.dumps(hf_config(file, reader), indent=2))
     save_tokenizer(file, tmp)
-    if folder.exists():  # another process won the race
-        return folder
-    os.replace(tmp, folder)
+    try:
+        os.replace(tmp, folder)
+    except OSError:  # another process wrote it first (os.replace onto a full folder)
+        shutil.rmtree(tmp, ignore_errors=True)
     return folder
 
 
