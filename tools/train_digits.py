@@ -250,8 +250,8 @@ def main() -> None:
         default=[16, 32],
         help="UNet widths per level",
     )
-    parser.add_argument("--depth", type=int, default=2, help="ResBlocks per down level")
-    parser.add_argument("--skip", choices=["concat", "add"], default="concat")
+    parser.add_argument("--depth", type=int, default=3, help="ResBlocks per down level")
+    parser.add_argument("--skip", choices=["concat", "add"], default="add")
     parser.add_argument("--steps", type=int, default=4000)
     parser.add_argument("--batch", type=int, default=128)
     parser.add_argument("--lr", type=float, default=2e-3)
