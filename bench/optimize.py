@@ -10,8 +10,10 @@ in one run, then the variants served through v2.
    with int8 and 96 px. All timing is on one thread, variants interleaved round by
    round; ratios are against the teacher's ONNX graph measured in the same run.
 2. Serves the copy (every version) with `bitserve serve` and checks each version
-   answers with the same output shapes through tritonclient, then measures the
-   teacher's served throughput at concurrency 1 and 16 (the dynamic batcher's gain).
+   answers with the same output shapes through tritonclient, then measures served
+   throughput at concurrency 1 and 16 for the teacher and the best variant (the
+   dynamic batcher's gain; the config gives the detector two onnxruntime threads,
+   which a batch can use and a single image mostly cannot).
 
 Goals (issue 19): teacher mAP@.5 >= 0.9; int8 >= 2x batch-1 at <= 1 mAP point lost;
 student >= 2x at <= 3 points; resolution 96 >= 1.5x; the best combination >= 4x at

@@ -43,7 +43,7 @@ def detector_repository(tmp_path_factory, detector_graphs) -> Path:
         shutil.copyfile(detector_graphs[name], folder / str(version) / "model.onnx")
     config = folder / "config.toml"
     config.write_text(
-        config.read_text()
+        config.read_text().replace("threads = 2", "threads = 1")  # tests: one thread
         + "\n[version_policy]\nall = true\n"
         + "\n[traffic]\nstable = 1\nshadow = 2\nshadow_percent = 100\nmin_agreement = 0.8\n"
     )
