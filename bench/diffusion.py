@@ -219,10 +219,32 @@ def serving(args: argparse.Namespace) -> list[dict]:
                     )
                     rate = len(done[-1]["latencies"]) / done[-1]["seconds"]
                     print(f"  round {round_ + 1} {model}: {rate:.2f} images/s", flush=True)
+            engines = {model: engine_metrics(args.port, model) for model in runs}
         finally:
             process.terminate()
             process.wait(10)
-        return [summary(model, done) for model, done in runs.items()]
+        return [{**summary(model, done), **engines[model]} for model, done in runs.items()]
+
+
+def engine_metrics(port: int, model: str) -> dict:
+    """The server's own view of its step loop, from /metrics (warm-up included)."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    conn.request("GET", "/metrics")
+    values = {}
+    for line in conn.getresponse().read().decode().splitlines():
+        if line.startswith("bitserve_diffusion_") and f'model="{model}"' in line:
+            name = line.split("{", 1)[0]
+            if name.endswith("_bucket"):
+                continue
+            values[name.removeprefix("bitserve_diffusion_")] = float(line.rsplit(" ", 1)[1])
+    steps = values.get("steps_total", 0.0)
+    return {
+        "steps": steps,
+        "steps_per_busy_s": values.get("steps_per_second", 0.0),
+        "rows_per_step": values.get("rows_per_step_sum", 0.0) / max(steps, 1.0),
+        "queue_mean_s": values.get("queue_seconds_sum", 0.0)
+        / max(values.get("queue_seconds_count", 0.0), 1.0),
+    }
 
 
 # ------------------------------------------------------------------------ main
@@ -262,11 +284,15 @@ def main() -> None:
         )
         rows = serving(args)
         serial, batched = rows
-        print(f"{'server':>14} {'images/s':>9} {'p50 s':>7} {'p99 s':>7} {'errors':>7}")
+        print(
+            f"{'server':>14} {'images/s':>9} {'p50 s':>7} {'p99 s':>7} {'errors':>7} "
+            f"{'steps/s':>8} {'rows/step':>10} {'queue s':>8}"
+        )
         for r in rows:
             print(
                 f"{r['model']:>14} {r['images_per_s']:>9.2f} {r['p50_s']:>7.2f} "
-                f"{r['p99_s']:>7.2f} {r['errors']:>7}"
+                f"{r['p99_s']:>7.2f} {r['errors']:>7} {r['steps_per_busy_s']:>8.1f} "
+                f"{r['rows_per_step']:>10.2f} {r['queue_mean_s']:>8.3f}"
             )
         result["serving"] = rows
         result["throughput_ratio"] = batched["images_per_s"] / serial["images_per_s"]
