@@ -14,7 +14,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from bitserve.llm.block_manager import BlockManager, cdiv
+from bitserve.llm.block_manager import BlockManager
 from bitserve.llm.config import EngineConfig
 from bitserve.llm.sequence import Sequence, SequenceStatus
 
@@ -93,7 +93,8 @@ class Scheduler:
                 f"({seq.sampling_params.max_tokens}) = {total} exceeds max_model_len "
                 f"({self.config.max_model_len})"
             )
-        num_blocks = cdiv(total, self.config.block_size)
+        # under a sliding window the blocks behind it are freed: the window bounds it
+        num_blocks = self.block_manager.blocks_needed(total, self.config.max_num_batched_tokens)
         if num_blocks > self.block_manager.num_blocks:
             raise RequestTooLong(
                 f"the request needs {num_blocks} KV blocks ({total} tokens) but the pool "

@@ -290,3 +290,16 @@ def test_small_decode_steps_take_the_fused_c_layer(arch_dirs, name):
         pytest.skip("no C compiler: decode runs in torch")
     assert make_engine(arch_dirs[name], num_kv_blocks=8).runner.model.fusable()
     assert not make_engine(arch_dirs["phi4_mini"], num_kv_blocks=8).runner.model.fusable()
+
+
+def test_admission_counts_only_the_window(arch_dirs):
+    """A generation longer than the pool is admitted when the window bounds what it holds
+    (Scheduler.check_fits asks blocks_needed), and matches transformers."""
+    folder = arch_dirs["mistral_window"]
+    engine = make_engine(folder, num_kv_blocks=6, max_num_batched_tokens=16)
+    params = SamplingParams(temperature=0, max_tokens=120, ignore_eos=True)
+    engine.add_request("long", MIXED[1], params)  # 137 tokens: 9 blocks without the window
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens = out.outputs[0].token_ids
+    assert tokens == reference(folder, MIXED[1], 120)
