@@ -6,6 +6,7 @@ import csv
 import json
 
 import httpx
+import jsonschema
 import numpy as np
 import pytest
 
@@ -24,11 +25,23 @@ def good_lines() -> list[tuple[str, str, dict]]:
         messages = [{"role": "user", "content": text}]
         body = {"model": "chat", "messages": messages, "max_tokens": 10, "temperature": 0}
         lines.append((f"chat-{i}", "/v1/chat/completions", body))
+    for i, prompt in enumerate(PROMPTS[:3]):  # structured outputs ride in batch files too
+        fmt = {"type": "json_schema", "json_schema": {"name": "v", "schema": VERDICT}}
+        body = {"model": "chat", "prompt": prompt, "max_tokens": 40, "response_format": fmt}
+        lines.append((f"json-{i}", "/v1/completions", {**body, "temperature": 0}))
+        choice = {"model": "chat", "prompt": prompt, "guided_choice": ["yes", "no"]}
+        lines.append((f"choice-{i}", "/v1/completions", {**choice, "temperature": 0}))
     lines.append(("emb-0", "/v1/embeddings", {"model": "minilm", "input": PROMPTS}))
     lines.append(("emb-1", "/v1/embeddings", {"model": "minilm", "input": "one sentence"}))
     return lines
 
 
+VERDICT = {
+    "type": "object",
+    "properties": {"ok": {"type": "boolean"}, "mood": {"enum": ["calm", "wild"]}},
+    "required": ["ok", "mood"],
+    "additionalProperties": False,
+}
 BAD = [
     "{not json",
     openai_line("unknown", "/v1/completions", {"model": "nope", "prompt": "hi"}),
@@ -78,6 +91,10 @@ def test_output_equals_online_server_and_bad_lines_become_errors(batch_repo, onl
             assert answer["usage"] == got["response"]["body"]["usage"]
         else:
             assert strip(got["response"]["body"]) == strip(answer), custom_id
+        if custom_id.startswith("json-"):
+            jsonschema.validate(json.loads(answer["choices"][0]["text"]), VERDICT)
+        if custom_id.startswith("choice-"):
+            assert answer["choices"][0]["text"] in ("yes", "no")
     no_id = f"line:{len(good) + 6}"  # the line without a custom_id: keyed by its number
     for name, code in {**BAD_CODES, no_id: "invalid_request"}.items():
         error = by_key[name]["error"]
