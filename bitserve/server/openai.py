@@ -97,7 +97,7 @@ class OpenAI:
         data = []
         for name, entry in sorted(self.state.repository.models.items()):
             for number, version in sorted(entry.versions.items()):
-                if version.ready and version.config.backend in ("llm", "hf"):
+                if version.ready and version.config.backend in ("llm", "hf", "diffusion"):
                     data.append(
                         {
                             "id": name,
