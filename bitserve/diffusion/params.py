@@ -11,6 +11,8 @@ import math
 import re
 from dataclasses import dataclass
 
+from bitserve.inference import InvalidRequest
+
 MAX_STEPS = 1000  # the training timesteps T; a sampler cannot take more
 MAX_GUIDANCE = 100.0
 MAX_SEED = 2**63 - 1
@@ -24,8 +26,13 @@ DIGIT_WORDS = {
 NULL_WORDS = {"", "none", "null", "any", "unconditional", "a digit", "digit"}
 
 
-class InvalidParams(ValueError):
-    """A caller's mistake; the message names the field."""
+class InvalidParams(InvalidRequest):
+    """A caller's mistake; the message names the field ("field 'steps': ...")."""
+
+    @property
+    def field(self) -> str | None:
+        message = str(self)
+        return message.split("'")[1] if message.startswith("field '") else None
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ from starlette.responses import Response
 
 from bitserve.backends.llm import NoChatTemplate, Overloaded, PromptTooLong
 from bitserve.batching.batcher import QueueFull, QueueTimeout
+from bitserve.diffusion.engine import Overloaded as ImagesOverloaded
 from bitserve.inference import ClientGone, InvalidRequest
 from bitserve.llm.async_engine import EngineDead, RequestFailed
 from bitserve.llm.sampling_params import SamplingError
@@ -76,6 +77,7 @@ STATUS: list[tuple[type[BaseException], int, str]] = [
     (BodyTooLarge, 413, "invalid"),
     (QueueFull, 429, "rejected"),
     (Overloaded, 429, "rejected"),
+    (ImagesOverloaded, 429, "rejected"),
     (ClientGone, 499, "cancelled"),
     (ExecutionError, 500, "backend"),
     (RequestFailed, 500, "backend"),
@@ -90,7 +92,7 @@ EXPECTED = (ExecutionError, RequestFailed)  # 500s that were already logged wher
 OPENAI_TYPES = {400: "invalid_request_error", 404: "invalid_request_error"}
 OPENAI_TYPES.update({401: "authentication_error", 403: "permission_error"})
 OPENAI_TYPES.update({413: "invalid_request_error", 429: "rate_limit_error"})
-OPENAI_TYPES.update({503: "service_unavailable", 504: "timeout"})
+OPENAI_TYPES.update({499: "cancelled", 503: "service_unavailable", 504: "timeout"})
 
 
 def status_of(exc: BaseException) -> int:

@@ -38,27 +38,17 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from bitserve.backends.diffusion import defaults, to_uint8
-from bitserve.diffusion.engine import Cancelled, DiffusionEngine, Overloaded
+from bitserve.diffusion.engine import DiffusionEngine
 from bitserve.diffusion.params import GenerationParams, InvalidParams, parse_label
-from bitserve.repository.repository import ModelNotFound, ModelUnavailable
+from bitserve.repository.repository import ModelNotFound
 from bitserve.repository.version import ModelVersion
+from bitserve.server.errors import APIError, Draining, handle
 from bitserve.server.http import until_disconnect
 
 if TYPE_CHECKING:
     from bitserve.server.state import ServerState as Server
 
 MAX_IMAGES = 16  # n per request
-
-
-class ImageError(Exception):
-    def __init__(self, status: int, message: str, kind: str, param: str | None = None):
-        super().__init__(message)
-        self.status, self.kind, self.param = status, kind, param
-
-    def response(self, headers: dict | None = None) -> Response:
-        body = {"error": {"message": str(self), "type": self.kind, "param": self.param}}
-        body["error"]["code"] = None
-        return Response(orjson.dumps(body), self.status, headers, "application/json")
 
 
 @dataclass
@@ -175,17 +165,17 @@ class Images:
 
     async def _engine(self, name: str) -> tuple[ModelVersion, DiffusionEngine]:
         if self.server.draining:
-            raise ImageError(503, "server is draining", "service_unavailable")
+            raise Draining("server is draining")
         try:
             await self.server.repository.ensure_loaded(name)
             version = self.server.route_model(name)[0]
         except ModelNotFound:
-            raise ImageError(
+            raise APIError(
                 404, f"the model '{name}' does not exist", "invalid_request_error", "model"
             ) from None
         engine = engine_of(version)
         if engine is None:
-            raise ImageError(
+            raise APIError(
                 400,
                 f"model '{name}' is not a diffusion model served in this process",
                 "invalid_request_error",
@@ -198,39 +188,12 @@ def _revised(req: ImagesRequest) -> str:
     return "any digit" if req.label is None else str(req.label)
 
 
-def errors(handler: Any) -> Any:
-    @functools.wraps(handler)
-    async def wrapped(request: Request) -> Response:
-        try:
-            return await handler(request)
-        except ImageError as e:
-            return e.response()
-        except InvalidParams as e:
-            return ImageError(400, str(e), "invalid_request_error", _field(str(e))).response()
-        except Overloaded as e:
-            return ImageError(429, str(e), "rate_limit_error").response(
-                {"Retry-After": str(e.retry_after)}
-            )
-        except Cancelled as e:
-            return ImageError(499, str(e), "cancelled").response()
-        except ModelUnavailable as e:
-            return ImageError(503, str(e), "service_unavailable").response()
-
-    return wrapped
-
-
-def _field(message: str) -> str | None:
-    """The field an InvalidParams message names ("field 'steps': ...")."""
-    if message.startswith("field '"):
-        return message.split("'")[1]
-    return None
-
-
 def routes(server: Server) -> list[Route]:
     """The image route, and the engines' metrics on the server's registry."""
     server.metrics.add_collector(functools.partial(collect, server))
     images = Images(server)
-    return [Route("/v1/images/generations", errors(images.generations), methods=["POST"])]
+    generations = handle(images.generations, "openai")
+    return [Route("/v1/images/generations", generations, methods=["POST"])]
 
 
 # ------------------------------------------------------------------------ metrics
