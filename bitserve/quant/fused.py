@@ -17,7 +17,7 @@ from torch import nn
 from bitserve.llm import kernels as llm_kernels
 from bitserve.llm.attention import AttentionMetadata
 from bitserve.quant import kernels as qkernels
-from bitserve.quant.linear import SMALL_M, Int4Linear, Int8Linear, QuantLinear
+from bitserve.quant.linear import SMALL_M, Int4Linear, Int8Linear, QuantLinear, qweight
 
 # int4 decode stays in C at any batch the scheduler makes: its int8-activation kernel
 # beats bf16 matmul to 256 rows, and fused layers measured 1.06-1.15x unfused at 32-64
@@ -112,10 +112,10 @@ class FusedDecode:
         params = qkernels.QLayerParams(
             ln1=self.input_layernorm.weight.data_ptr(),
             ln2=self.post_attention_layernorm.weight.data_ptr(),
-            qkv=qkernels.qweight(attn.qkv_proj),
-            o=qkernels.qweight(attn.o_proj),
-            gu=qkernels.qweight(mlp.gate_up_proj),
-            down=qkernels.qweight(mlp.down_proj),
+            qkv=qweight(attn.qkv_proj),
+            o=qweight(attn.o_proj),
+            gu=qweight(mlp.gate_up_proj),
+            down=qweight(mlp.down_proj),
             kpool=k_pool.data_ptr(),
             vpool=v_pool.data_ptr(),
             cos=rotary.cos.data_ptr(),

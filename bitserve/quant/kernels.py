@@ -417,24 +417,6 @@ def source() -> str:
     return llm_kernels.SOURCE + Q_SOURCE
 
 
-def qweight(layer, bias: bool = True) -> QWeight:
-    """The C view of an Int8Linear or Int4Linear (pointers into its buffers, which must
-    stay alive as long as the view)."""
-    from bitserve.quant.linear import Int4Linear
-
-    w = QWeight(N=layer.out_features, K=layer.in_features, q=layer.qweight.data_ptr())
-    w.bias = llm_kernels.ptr(layer.bias) if bias else None
-    if isinstance(layer, Int4Linear):
-        codes, scales_zeros = layer.tiled()
-        w.kind, w.q, w.s4 = 2, codes.data_ptr(), scales_zeros.data_ptr()
-        w.Kp, w.group = layer.padded_in, layer.group_size
-    else:
-        w.kind, w.scale = 1, layer.scales.data_ptr()
-        if getattr(layer, "row_sums", None) is not None:  # int8 activations above a8_rows
-            w.wsum, w.a8_rows = layer.row_sums.data_ptr(), layer.a8_rows
-    return w
-
-
 class QuantKernels:
     def __init__(self, path: Path):
         lib = ctypes.CDLL(str(path))

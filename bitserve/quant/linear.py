@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from bitserve.llm.kernels import ptr
 from bitserve.quant import kernels as qkernels
 
 log = logging.getLogger("bitserve.quant")
@@ -91,7 +92,7 @@ class QuantLinear(nn.Module):
         """The C GEMV view of this layer (bitserve/quant/kernels.py), or None."""
         self.c_weight = None
         if self.device.type == "cpu" and (k := qkernels.get()) is not None:
-            self.c_weight = qkernels.qweight(self, bias=False)
+            self.c_weight = qweight(self, bias=False)
             self.c_kernels = k
 
     def c_matmul(self, x: torch.Tensor) -> torch.Tensor | None:
@@ -413,3 +414,19 @@ def tied_head(embedding: Int8Embedding, int8_activations: bool = True) -> Int8Li
 
 
 QUANT_MODULES = (QuantLinear, Int8Embedding)
+
+
+def qweight(layer, bias: bool = True) -> qkernels.QWeight:
+    """The C view of an Int8Linear or Int4Linear (pointers into its buffers, which must
+    stay alive as long as the view)."""
+    w = qkernels.QWeight(N=layer.out_features, K=layer.in_features, q=layer.qweight.data_ptr())
+    w.bias = ptr(layer.bias) if bias else None
+    if isinstance(layer, Int4Linear):
+        codes, scales_zeros = layer.tiled()
+        w.kind, w.q, w.s4 = 2, codes.data_ptr(), scales_zeros.data_ptr()
+        w.Kp, w.group = layer.padded_in, layer.group_size
+    else:
+        w.kind, w.scale = 1, layer.scales.data_ptr()
+        if getattr(layer, "row_sums", None) is not None:  # int8 activations above a8_rows
+            w.wsum, w.a8_rows = layer.row_sums.data_ptr(), layer.a8_rows
+    return w

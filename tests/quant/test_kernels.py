@@ -10,7 +10,7 @@ from torch import nn
 
 from bitserve.llm import LLM, SamplingParams
 from bitserve.quant import fused, kernels
-from bitserve.quant.linear import Int4Linear, Int8Linear
+from bitserve.quant.linear import Int4Linear, Int8Linear, qweight
 
 pytestmark = pytest.mark.skipif(kernels.get() is None, reason="no C compiler")
 
@@ -23,7 +23,7 @@ def test_int8_gemv_is_the_dequantized_matmul_in_fp32(k, n, rows) -> None:
     layer = Int8Linear.from_float(linear)
     x = torch.randn(rows, 2 * k)[:, :k]  # a row stride that is not the width
     want = F.linear(x, layer.dequantize(), linear.bias)
-    got = kernels.get().linear(kernels.qweight(layer), x)
+    got = kernels.get().linear(qweight(layer), x)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
@@ -45,7 +45,7 @@ def test_int4_gemv_is_the_dequantized_matmul_on_blockwise_int8_x(k, n, rows, gro
     layer = Int4Linear.from_float(linear, group)
     x = torch.randn(rows, 2 * k)[:, :k]
     weight = layer.dequantize()[:, :k]
-    got = kernels.get().linear(kernels.qweight(layer), x)
+    got = kernels.get().linear(qweight(layer), x)
     # exactly the dequantized weights times x quantized as llama.cpp's q8_0 does ...
     want = F.linear(blockwise_int8(x), weight, linear.bias)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
