@@ -24,7 +24,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from bitserve.llm.config import EngineConfig, kv_window
-from bitserve.llm.sequence import Sequence
+from bitserve.llm.sequence import Sequence, SequenceStatus
 
 NO_PARENT = 0x5EED  # the parent hash of a sequence's first block
 FREED = -1  # a block-table entry whose block was freed behind a sliding window
@@ -100,7 +100,7 @@ class BlockManager:
             if block_id is None or self.blocks[block_id].token_ids != tokens:
                 break
             hits.append(block_id)
-        if seq.num_preemptions == 0:
+        if seq.status != SequenceStatus.PREEMPTED:  # a recompute is not a new query
             self.prefix_cache_queries += seq.num_tokens
             self.prefix_cache_hits += len(hits) * self.block_size
         return hits
@@ -127,7 +127,8 @@ class BlockManager:
         """Give `seq` the blocks it needs for `num_new_tokens` more tokens; False if short.
 
         `computed_blocks` (a prefix-cache hit, only on a request's first allocation) are
-        taken with their K/V; the request's computed tokens jump past them.
+        taken with their K/V; the scheduler then moves the request's computed tokens
+        past them (it alone writes a request's state).
         """
         num_tokens = seq.num_computed_tokens + len(computed_blocks) * self.block_size
         if self.window is not None and not computed_blocks:
@@ -141,8 +142,6 @@ class BlockManager:
             self._touch(block_id)
             seq.block_table.append(block_id)
         if computed_blocks:
-            seq.num_computed_tokens = num_tokens
-            seq.num_cached_tokens = num_tokens
             seq.num_registered_blocks = len(computed_blocks)
         for _ in range(num_new_blocks):
             seq.block_table.append(self._pop_free_block())

@@ -267,8 +267,7 @@ class LLMEngine:
     def update(
         self, batch: SchedulerOutput, output: ModelOutput, masks: Future | None = None
     ) -> list[RequestOutput]:
-        for seq, num_new in batch.scheduled:
-            seq.num_computed_tokens += num_new
+        self.scheduler.update_from_output(batch)
         for request_id, (first, logits) in output.prompt_logits.items():
             self.sampler.prompt_logprobs(self.requests[request_id].seq, first, logits)
         if not output.sample_seqs:

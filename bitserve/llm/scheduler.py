@@ -5,6 +5,10 @@ each `min(num_tokens - num_computed_tokens, budget left)` tokens. A decode gets 
 token; a long prompt gets a chunk (chunked prefill) and decodes share the step with it.
 When the block pool runs dry, the newest running request (lowest priority under the
 priority policy) is preempted: its blocks are freed and it will be recomputed.
+
+The scheduler is the one owner of a request's state: its status (WAITING, RUNNING,
+PREEMPTED, finished) and how many of its tokens are computed. The block manager only
+hands out blocks; the engine only appends the tokens it samples.
 """
 
 from __future__ import annotations
@@ -145,6 +149,8 @@ class Scheduler:
             if not self.block_manager.allocate_slots(seq, num_new, hits):
                 break
             self.waiting.pop()
+            if hits:  # the prefix cache's tokens are computed already
+                seq.num_computed_tokens = seq.num_cached_tokens = num_computed
             seq.first_scheduled_time = seq.first_scheduled_time or time.monotonic()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
@@ -160,17 +166,23 @@ class Scheduler:
         """Preemption by recompute: drop the KV, go back to waiting, start over later."""
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
-        seq.status = SequenceStatus.WAITING
+        seq.status = SequenceStatus.PREEMPTED
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.add(seq, front=True)
 
     # -- after the model ran --------------------------------------------------------------
+    def update_from_output(self, batch: SchedulerOutput) -> None:
+        """The step ran: each scheduled request's KV now covers its new tokens (vLLM v1's
+        update_from_output; the engine then appends sampled tokens and checks stops)."""
+        for seq, num_new in batch.scheduled:
+            seq.num_computed_tokens += num_new
+
     def finish(self, seq: Sequence, status: SequenceStatus) -> None:
         """End a request (finished or aborted) and free its blocks now."""
         if seq.status == SequenceStatus.RUNNING:
             self.running.remove(seq)
-        elif seq.status == SequenceStatus.WAITING:
+        elif seq.status in (SequenceStatus.WAITING, SequenceStatus.PREEMPTED):
             self.waiting.remove(seq)
         seq.status = status
         self.block_manager.free(seq)

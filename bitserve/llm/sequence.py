@@ -24,6 +24,7 @@ _arrival_counter = itertools.count()
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    PREEMPTED = "preempted"  # back in the waiting queue, its KV dropped; recomputed later
     FINISHED_STOPPED = "stop"  # eos, a stop token id or a stop string
     FINISHED_LENGTH = "length"  # max_tokens or max_model_len
     FINISHED_ABORTED = "abort"

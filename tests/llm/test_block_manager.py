@@ -20,8 +20,10 @@ def seq(tokens, name="r") -> Sequence:
 
 
 def admit(bm: BlockManager, s: Sequence) -> list[int]:
+    """As the scheduler admits a request (it, not the block manager, writes its state)."""
     hits = bm.get_computed_blocks(s)
     assert bm.allocate_slots(s, s.num_tokens - len(hits) * BS, hits)
+    s.num_cached_tokens = len(hits) * BS
     s.num_computed_tokens = s.num_tokens
     return hits
 

@@ -27,8 +27,8 @@ def request(name, n, max_tokens=8, priority=0) -> Sequence:
 def run_step(s: Scheduler):
     """Schedule, then pretend the model ran: advance computed tokens, sample token 7."""
     out = s.schedule()
-    for seq, n in out.scheduled:
-        seq.num_computed_tokens += n
+    s.update_from_output(out)
+    for seq, _ in out.scheduled:
         if seq.num_computed_tokens == seq.num_tokens:
             seq.append_token(7)
     return {seq.request_id: n for seq, n in out.scheduled}, [p.request_id for p in out.preempted]
@@ -70,7 +70,7 @@ def test_preemption_takes_the_newest_request_first_and_recomputes_it():
     assert scheduled == {"a": 1, "b": 1}
     c = s.waiting.peek()
     assert c.request_id == "c" and c.num_computed_tokens == 0 and c.block_table == []
-    assert c.status == SequenceStatus.WAITING and s.num_preemptions == 1
+    assert c.status == SequenceStatus.PREEMPTED and s.num_preemptions == 1
     drain(s)
 
 
