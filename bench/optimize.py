@@ -2,6 +2,7 @@
 in one run, then the variants served through v2.
 
     .venv/bin/python bench/optimize.py [--quick] [--report models/detector/report]
+    .venv/bin/python bench/optimize.py --served-only --report models/detector/report
 
 1. Copies models/detector (config and teacher.safetensors) into build/optimize-bench,
    exports the teacher as version 1, and runs `bitserve optimize`'s own `optimize()`:
@@ -186,6 +187,16 @@ def _raw_request(image: np.ndarray, version: int) -> bytes:
     return head.encode() + body
 
 
+def serving_checks(serving: dict) -> list[tuple[str, bool, str]]:
+    print(f"served batch sizes (size: count) per version: {serving['batch_stats']}")
+    checks = [("every version serves with the same output shapes", serving["same_shapes"], "")]
+    for name, rates in serving["req_per_s"].items():
+        ratio = rates[16] / rates[1]
+        figure = f"{rates[1]:.0f} -> {rates[16]:.0f} req/s, {ratio:.2f}x"
+        checks.append((f"served {name}: throughput c=16 >= 2x c=1", ratio >= 2, figure))
+    return checks
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="short training, few rounds")
@@ -193,7 +204,20 @@ def main() -> None:
     parser.add_argument("--work", type=Path, default=ROOT / "build/optimize-bench")
     parser.add_argument("--prune-steps", type=int, default=600)
     parser.add_argument("--distill-steps", type=int, default=2000)
+    parser.add_argument(
+        "--served-only",
+        action="store_true",
+        help="only the serving checks, on the versions and report of the last full run",
+    )
     args = parser.parse_args()
+    if args.served_only:
+        last = json.loads((args.report / "report.json").read_text())
+        folder = args.work / "models" / "detector"
+        serving = served(folder.parent, last["versions"], last["best"], 12)
+        for goal, ok, figure in serving_checks(serving):
+            print(f"[{'PASS' if ok else 'FAIL'}] {goal}  {figure}")
+        print(json.dumps({"bench": "optimize-served", "served_req_per_s": serving["req_per_s"]}))
+        return
     import torch
 
     torch.set_num_threads(1)
@@ -209,17 +233,7 @@ def main() -> None:
     print(f"\nbest combination: {result['best']}  (batching: {result['batching']})")
     checks = goals(result)
     serving = served(folder.parent, result["versions"], result["best"], 4 if args.quick else 12)
-    checks.append(("every version serves with the same output shapes", serving["same_shapes"], ""))
-    for name, rates in serving["req_per_s"].items():
-        ratio = rates[16] / rates[1]
-        checks.append(
-            (
-                f"served {name}: throughput c=16 >= 2x c=1",
-                ratio >= 2,
-                f"{rates[1]:.0f} -> {rates[16]:.0f} req/s, {ratio:.2f}x",
-            )
-        )
-    print(f"served batch sizes (size: count) per version: {serving['batch_stats']}")
+    checks += serving_checks(serving)
     print()
     for goal, ok, figure in checks:
         print(f"[{'PASS' if ok else 'FAIL'}] {goal}  {figure}")
