@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 
 from bitserve.repository.repository import Repository
-from tests.conftest import ROOT, Server, write_model
+from tests.conftest import ROOT, XY_CONFIG, Server, write_model
 
 ALL_VERSIONS = "\n[version_policy]\nall = true\n"
 CANARY = "\n[traffic]\nstable = 1\ncanary = 2\ncanary_weight = 50\n"
@@ -25,18 +25,7 @@ class Model:
     def predict(self, inputs):
         return {"y": inputs["x"] * 2}
 """
-PYTHON = """
-backend = "python"
-max_batch_size = 8
-[[input]]
-name = "x"
-datatype = "FP32"
-dims = [1]
-[[output]]
-name = "y"
-datatype = "FP32"
-dims = [1]
-"""
+PYTHON = XY_CONFIG
 
 
 def two_versions(repo: Path, names: list[str], extra: dict[str, str] | None = None) -> None:

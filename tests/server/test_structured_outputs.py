@@ -136,46 +136,22 @@ def test_json_object_mode(client):
         assert isinstance(json.loads(reply.choices[0].message.content), dict)
 
 
+def _guided(client, seed: int, **extra) -> str:
+    reply = client.completions.create(
+        model="tinylm", prompt="Answer:", max_tokens=30, seed=seed, extra_body=extra
+    )
+    return reply.choices[0].text
+
+
 def test_guided_choice_regex_and_grammar(client):
     choices = ["Moses", "Aaron", "Miriam"]
+    pattern = r"[A-Z][a-z]{1,6} [0-9]{1,3}:[0-9]{1,3}"
+    grammar = 'root ::= "amen" | "selah" | [0-9] [0-9]'
     for seed in range(6):
-        text = (
-            client.completions.create(
-                model="tinylm",
-                prompt="Who led them?",
-                max_tokens=10,
-                seed=seed,
-                extra_body={"guided_choice": choices},
-            )
-            .choices[0]
-            .text
-        )
-        assert text in choices
-        pattern = r"[A-Z][a-z]{1,6} [0-9]{1,3}:[0-9]{1,3}"
-        text = (
-            client.completions.create(
-                model="tinylm",
-                prompt="Cite:",
-                max_tokens=30,
-                seed=seed,
-                extra_body={"guided_regex": pattern},
-            )
-            .choices[0]
-            .text
-        )
+        assert _guided(client, seed, guided_choice=choices) in choices
+        text = _guided(client, seed, guided_regex=pattern)
         assert re.fullmatch(pattern, text), text
-        grammar = 'root ::= "amen" | "selah" | [0-9] [0-9]'
-        text = (
-            client.completions.create(
-                model="tinylm",
-                prompt="End:",
-                max_tokens=10,
-                seed=seed,
-                extra_body={"guided_grammar": grammar},
-            )
-            .choices[0]
-            .text
-        )
+        text = _guided(client, seed, guided_grammar=grammar)
         assert text in ("amen", "selah") or re.fullmatch(r"[0-9]{2}", text), text
 
 
