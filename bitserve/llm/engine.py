@@ -255,8 +255,10 @@ class LLMEngine:
         return self.make_output(state)
 
     def shutdown(self, wait: bool = True) -> None:
-        """Stop the worker processes of tensor/pipeline parallelism (nothing without).
-        `wait=False`: kill them at once (a step is stuck on them in another thread)."""
+        """Stop the grammar-mask thread and the worker processes of tensor/pipeline
+        parallelism. `wait=False`: kill the workers at once (a step is stuck on them in
+        another thread)."""
+        self._masker.shutdown(wait=False)
         if self.workers is None:
             return
         if wait:
