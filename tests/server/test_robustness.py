@@ -21,8 +21,11 @@ from tests.conftest import ROOT, Server
 
 KILL = [7, 7, 7, 7]  # prompts starting with these kill the step loop (the hook below)
 BREAK = [8, 8, 8, 8]  # these fail inside the forward pass (an Exception: isolated)
+SLOW = [9, 9, 9, 9]  # these make every step take 20 ms: still in flight when the loop dies
 HOOK = f"""
-KILL, BREAK = {KILL}, {BREAK}
+import time
+
+KILL, BREAK, SLOW = {KILL}, {BREAK}, {SLOW}
 
 def hook(seqs):
     for seq in seqs:
@@ -30,6 +33,8 @@ def hook(seqs):
             raise SystemExit("killed by the test hook")
         if seq.prompt_token_ids[:4] == BREAK:
             raise RuntimeError("this request breaks the forward pass")
+    if any(seq.prompt_token_ids[:4] == SLOW for seq in seqs):
+        time.sleep(0.02)
 """
 
 
@@ -187,13 +192,17 @@ def _metrics(server) -> dict[str, float]:
 
 def test_a_killed_engine_is_not_ready_then_serves_again(server):
     client = httpx.Client(base_url=server.url, timeout=60.0)
-    long = {"model": "tinylm", "prompt": "And", "max_tokens": 200, "ignore_eos": True}
+    long = {"model": "tinylm", "prompt": SLOW, "max_tokens": 200, "ignore_eos": True}
     stream_events: list[str] = []
     inflight: dict[str, httpx.Response] = {}
+    generating = threading.Event()
 
     def stream():
         with client.stream("POST", "/v1/completions", json={**long, "stream": True}) as r:
-            stream_events.extend(line for line in r.iter_lines() if line.startswith("data: "))
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    stream_events.append(line)
+                    generating.set()
 
     def blocking():
         inflight["answer"] = client.post("/v1/completions", json=long)
@@ -201,7 +210,8 @@ def test_a_killed_engine_is_not_ready_then_serves_again(server):
     workers = [threading.Thread(target=stream), threading.Thread(target=blocking)]
     for w in workers:
         w.start()
-    time.sleep(0.5)  # both are generating
+    assert generating.wait(30)  # 200 steps of 20 ms: both are still generating
+    time.sleep(0.2)
     killed = client.post("/v1/completions", json={"model": "tinylm", "prompt": KILL})
     died = time.monotonic()
     assert killed.status_code == 503 and killed.headers["Retry-After"]
