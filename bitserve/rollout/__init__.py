@@ -11,5 +11,6 @@
     command.py  `bitserve rollout report|set|promote|rollback`
 
 The policy is a model's `[traffic]` table (bitserve/repository/config.py); the server
-routes v2 infer through `Server.route` and records each request in `state.py`.
+routes v2 infer through `ServerState.route_model` (server/state.py) and records each request
+in `state.py`.
 """
