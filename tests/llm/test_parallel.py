@@ -392,7 +392,8 @@ async def test_shutdown_with_a_step_stuck_on_a_hung_worker_kills_the_workers(lla
 @pytest.mark.timeout(120)
 async def test_config_toml_parameters_split_a_served_model(llama_dir):
     """`tensor_parallel_size` in a model's config.toml reaches the engine; a lost
-    worker turns the service not-live; a split the model cannot take fails the load."""
+    worker turns the service not-live until the supervisor has rebuilt the engine with new
+    workers; a split the model cannot take fails the load."""
     from bitserve.backends.base import LoadError
     from bitserve.backends.llm import LLMService
     from bitserve.repository.config import ModelConfig
@@ -414,6 +415,14 @@ async def test_config_toml_parameters_split_a_served_model(llama_dir):
             params = SamplingParams(temperature=0, max_tokens=4)
             await asyncio.wait_for(collect_all(svc.generate([5, 6, 7], params)), timeout=30)
         assert "died" in svc.healthy()
+        # the supervisor rebuilds the whole engine (new workers) and serves again
+        for _ in range(600):
+            if svc.restarting is None and svc.engine.dead is None:
+                break
+            await asyncio.sleep(0.1)
+        assert svc.healthy() is None and svc.restarts == 1
+        outs = await asyncio.wait_for(collect_all(svc.generate([5, 6, 7], params)), timeout=60)
+        assert len(outs[-1].outputs[0].token_ids) == 4
     finally:
         await svc.stop()
 
