@@ -170,7 +170,7 @@ class DiffusionEngine:
                 if row.state == "cancelled":
                     self._end(row, Cancelled("request cancelled"))
                     continue
-                row.state, row.started = "running", now
+                row.state = "running"
                 self.stats.queue.observe(now - row.arrival)
                 self.running.append(row)
             return list(self.running)
@@ -185,7 +185,7 @@ class DiffusionEngine:
             self.last_progress = time.monotonic()
             for row in rows:
                 if row.done and row.state == "running":
-                    row.state, row.finished = "done", time.perf_counter()
+                    row.state = "done"
                     self.stats.images += 1
                     row.future.set_result(row.image())
             # rows cancelled during this step stay until _schedule ends them

@@ -40,9 +40,7 @@ class Row:
     future: Future = field(default_factory=Future)  # the [H, W] image, or the error
     index: int = 0  # position in `timesteps`: the step this row takes next
     state: str = "waiting"  # waiting -> running -> done | cancelled
-    arrival: float = field(default_factory=time.perf_counter)
-    started: float = 0.0  # when it joined a step (queue time = started - arrival)
-    finished: float = 0.0
+    arrival: float = field(default_factory=time.perf_counter)  # queue time counts from here
 
     @property
     def t(self) -> int:
