@@ -148,9 +148,7 @@ def train_denoiser(args: argparse.Namespace, data: dict) -> dict:
             row = {"step": step, "loss": float(np.mean(window)), "lr": lr_at(step - 1, args)}
             log_rows.append(row)
             window = []
-            rate = (time.perf_counter() - started) / max(1, len(log_rows))
             print(f"denoiser step {step}/{args.steps} loss {row['loss']:.4f}", flush=True)
-            del rate
         if step % args.checkpoint_every == 0 or step == args.steps:
             state = {
                 "model": model.state_dict(),
