@@ -95,12 +95,10 @@ class LLMEngine:
             if self.workers is not None:
                 self.workers.fail(error)
             raise
-        self.block_manager = BlockManager(self.config, self.runner.num_blocks)
-        self.scheduler = Scheduler(self.config, self.block_manager)
+        self.reset()
         self.sampler = Sampler()
         self.tokenizer = load_tokenizer(self.config.model)
         self.eos_token_ids = eos_token_ids(self.config.model, self.config.hf_config)
-        self.requests: dict[str, RequestState] = {}
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.requests_failed_total = 0
@@ -111,12 +109,12 @@ class LLMEngine:
         self._masker = ThreadPoolExecutor(1, thread_name_prefix="bitserve-grammar")
 
     def reset(self) -> None:
-        """Forget every request and block, keep the weights: a warm restart after the
-        step loop died. The KV cache's contents need no clearing (blocks are rewritten
-        before they are read)."""
+        """No request and every block free, over the loaded weights: the start, and a
+        warm restart after the step loop died. The KV cache's contents need no clearing
+        (blocks are rewritten before they are read)."""
         self.block_manager = BlockManager(self.config, self.runner.num_blocks)
         self.scheduler = Scheduler(self.config, self.block_manager)
-        self.requests.clear()
+        self.requests: dict[str, RequestState] = {}
 
     # -- requests ---------------------------------------------------------------------
     def add_request(
@@ -182,12 +180,12 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch:
             return []
+        masks = self.start_masks(batch)
         if self.workers is not None:  # a failure here is the workers': not attributable
             with self.workers.collective():
                 output = self.runner.execute(batch)
-            return self.update(batch, output)
+            return self.update(batch, output, masks)
         failed: list[RequestOutput] = []
-        masks = self.start_masks(batch)
         try:
             output = self.execute(batch)
         except Exception as error:

@@ -7,6 +7,8 @@ Logprobs are those of the model's raw distribution (vLLM's default).
 No row can take the step down: a row whose logits hold NaN, or whose filtered
 distribution is not a distribution (inf, NaN, nothing left), is not sampled; the
 sampler answers a `SamplingFailed` for it, and the engine fails that request alone.
+The checks ride on reductions the sampler makes anyway (the greedy max, the sum of
+the probabilities), so a healthy step pays nothing for them.
 """
 
 from __future__ import annotations
@@ -74,7 +76,10 @@ def sample_one(logits: torch.Tensor, seq: Sequence, eos_token_ids=()) -> int:
     if params.needs_penalties:
         logits = apply_penalties(logits, seq, params)
     if params.greedy:
-        return int(logits.argmax())
+        value, token = logits.max(-1)
+        if value.isnan():  # max propagates NaN: the row's logits hold one
+            raise SamplingFailed(NAN)
+        return int(token)
     probs = torch.softmax(logits / params.temperature, dim=-1)
     probs = checked(filter_probs(probs, params))
     return int(torch.multinomial(probs, 1, generator=seq.generator))
@@ -101,13 +106,36 @@ def is_plain_greedy(seq: Sequence) -> bool:
     )
 
 
+def constrain(
+    logits: torch.Tensor,
+    seqs: list[Sequence],
+    rows: list[int],
+    masks: tuple[dict[int, int], torch.Tensor] | None,
+) -> None:
+    """Structured outputs: what each guided row's grammar refuses becomes -inf. `masks`
+    ({id(seq): mask row}, bitmask) were computed during the forward pass (engine.step);
+    without them (the sampler on its own) they are computed now."""
+    if masks is None:
+        masks = (
+            {id(s): i for i, s in enumerate(seqs)},
+            mask_rows([s.matcher for s in seqs], logits.shape[-1]),
+        )
+    index, bitmask = masks
+    apply_masks(logits, rows, bitmask[[index[id(s)] for s in seqs]])
+
+
+NAN = "the model's logits for this request hold NaN"
+
+
 class SamplingFailed(RuntimeError):
     """This row's numbers cannot be sampled from; its request fails, the batch goes on."""
 
 
 def checked(probs: torch.Tensor) -> torch.Tensor:
+    """A softmax is never negative: its sum is NaN for NaN logits and 0 when everything
+    was masked or filtered away, and either is not a distribution."""
     total = float(probs.sum())
-    if not math.isfinite(total) or total <= 0.0 or bool((probs < 0).any()):
+    if not math.isfinite(total) or total <= 0.0:
         raise SamplingFailed(f"the next-token distribution is invalid (sum {total})")
     return probs
 
@@ -125,16 +153,14 @@ class Sampler:
         tokens: list[int | SamplingFailed] = [0] * len(seqs)
         guided = [i for i, s in enumerate(seqs) if s.matcher is not None]
         if guided:
-            self.constrain(logits, [seqs[i] for i in guided], guided, masks)
-        # one reduction finds the rows holding NaN (or both infinities) in any column
-        broken = set(logits.sum(-1).isnan().nonzero().flatten().tolist())
-        for i in broken:
-            tokens[i] = SamplingFailed("the model's logits for this request hold NaN")
-        simple = [i for i, s in enumerate(seqs) if is_plain_greedy(s) and i not in broken]
-        if simple:
-            for i, token in zip(simple, logits[simple].argmax(-1).tolist(), strict=True):
-                tokens[i] = token
-        done = broken | set(simple)
+            constrain(logits, [seqs[i] for i in guided], guided, masks)
+        simple = [i for i, s in enumerate(seqs) if is_plain_greedy(s)]
+        if simple:  # one batched max; it propagates NaN, so it also finds broken rows
+            values, picked = logits[simple].max(-1)
+            nan = values.isnan().tolist()
+            for i, token, bad in zip(simple, picked.tolist(), nan, strict=True):
+                tokens[i] = SamplingFailed(NAN) if bad else token
+        done = set(simple)
         for i, seq in enumerate(seqs):
             if i not in done:
                 try:
@@ -147,22 +173,6 @@ class Sampler:
                 logprobs = torch.log_softmax(logits[i], dim=-1)
                 seq.logprobs.append(top_logprobs(logprobs, tokens[i], n))
         return tokens
-
-    @staticmethod
-    def constrain(
-        logits: torch.Tensor,
-        seqs: list[Sequence],
-        rows: list[int],
-        masks: tuple[dict[int, int], torch.Tensor] | None,
-    ) -> None:
-        """Structured outputs: what each guided row's grammar refuses becomes -inf.
-        `masks` were computed during the forward pass ({id(seq): mask row}, bitmask);
-        a row they miss is computed now."""
-        index, bitmask = masks if masks is not None else ({}, None)
-        if bitmask is None or any(id(s) not in index for s in seqs):
-            bitmask = mask_rows([s.matcher for s in seqs], logits.shape[-1])
-            index = {id(s): i for i, s in enumerate(seqs)}
-        apply_masks(logits, rows, bitmask[[index[id(s)] for s in seqs]])
 
     @staticmethod
     def prompt_logprobs(seq: Sequence, first: int, logits: torch.Tensor) -> None:
