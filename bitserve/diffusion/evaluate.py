@@ -31,6 +31,7 @@ from bitserve.diffusion.judge import Judge
 from bitserve.diffusion.params import GenerationParams
 from bitserve.diffusion.unet import load_denoiser
 from bitserve.repository.config import load_config
+from bitserve.repository.repository import version_numbers
 
 SCALES = (0.0, 1.0, 3.0, 5.0)
 
@@ -45,7 +46,7 @@ class Samples:
 def weights_path(model_dir: Path) -> Path:
     """The latest version's weights of a repository model folder."""
     config = load_config(model_dir / "config.toml")
-    versions = sorted(int(p.name) for p in model_dir.iterdir() if p.name.isdigit())
+    versions = version_numbers(model_dir)
     if not versions:
         raise FileNotFoundError(f"{model_dir}: no version folder")
     return model_dir / str(versions[-1]) / config.parameters.get("weights", "model.safetensors")
