@@ -26,6 +26,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 
+from bitserve.backends.diffusion import to_uint8
 from bitserve.diffusion.engine import DiffusionEngine
 from bitserve.diffusion.judge import Judge
 from bitserve.diffusion.params import GenerationParams
@@ -180,7 +181,7 @@ def grid(drawn: Samples, scales: tuple, path: Path, per_cell: int = 4, zoom: int
     width = left + len(scales) * (cell_w + pad)
     canvas = Image.new("L", (width, top + classes * (size + pad)), 255)
     draw = ImageDraw.Draw(canvas)
-    pixels = drawn.images.mul(255).round().clamp(0, 255).to(torch.uint8).numpy()
+    pixels = to_uint8(drawn.images)
     for j, scale in enumerate(scales):
         x0 = left + j * (cell_w + pad)
         draw.text((x0, 3), f"s = {scale:g}", fill=0)
