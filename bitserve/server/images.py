@@ -136,9 +136,10 @@ class Images:
         version, engine = await self._engine(req.model)
         params = image_params(req, defaults(version.config), engine)
         lease = version.begin()  # no await since the lookup: a drain cannot miss it
-        rows = []
+        rows = []  # filled as submitted: an Overloaded midway still cancels the earlier ones
         try:
-            rows = [engine.submit(p) for p in params]
+            for p in params:
+                rows.append(engine.submit(p))
             images = await until_disconnect(
                 request,
                 asyncio.gather(*(asyncio.wrap_future(r.future) for r in rows)),
