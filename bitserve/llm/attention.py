@@ -164,7 +164,7 @@ def paged_attention(
             window=window or 0,
             softcap=softcap or 0.0,
         )
-    flash = meta.flash if window is None and softcap is None else None
+    flash = meta.flash  # windowed and soft-capped layers never reach it
     for s in meta.seqs:
         qs = q[s.start : s.end]
         if window is not None or softcap is not None:
@@ -205,16 +205,7 @@ def windowed_attention(q, k, v, cache, meta, s: SeqSlice, scale, window, softcap
         mask &= k_pos > q_pos - window
     if softcap is not None:
         return eager_attention(q, keys, values, scale, mask, softcap)
-    qh = q.transpose(0, 1).unsqueeze(0).to(keys.dtype)
-    o = F.scaled_dot_product_attention(
-        qh,
-        keys.unsqueeze(0).to(qh.dtype),
-        values.unsqueeze(0).to(qh.dtype),
-        attn_mask=mask,
-        scale=scale,
-        enable_gqa=qh.shape[1] != keys.shape[0],
-    )
-    return o[0].transpose(0, 1).to(q.dtype)
+    return masked_attention(q, keys, values, scale, mask)
 
 
 def eager_attention(q, keys, values, scale, mask, softcap) -> torch.Tensor:
@@ -274,6 +265,12 @@ def chunk_attention(q, keys, values, scale: float, flash=None) -> torch.Tensor:
     """A prefill chunk after cached tokens: query i sees context up to L - n + i."""
     n, context = q.shape[0], keys.shape[1]
     mask = torch.ones(n, context, dtype=torch.bool, device=q.device).tril(diagonal=context - n)
+    return masked_attention(q, keys, values, scale, mask)
+
+
+def masked_attention(q, keys, values, scale: float, mask) -> torch.Tensor:
+    """q [n, Hq, D] against keys and values [Hkv, S, D] through SDPA; mask [n, S] bool
+    (True: attend)."""
     qh = q.transpose(0, 1).unsqueeze(0).to(keys.dtype)
     o = F.scaled_dot_product_attention(
         qh,
