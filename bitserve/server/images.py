@@ -43,7 +43,7 @@ from bitserve.diffusion.params import GenerationParams, InvalidParams, parse_lab
 from bitserve.repository.repository import ModelNotFound
 from bitserve.repository.version import ModelVersion
 from bitserve.server.errors import APIError, Draining, handle
-from bitserve.server.http import until_disconnect
+from bitserve.server.http import json_response, until_disconnect
 
 if TYPE_CHECKING:
     from bitserve.server.state import ServerState as Server
@@ -159,10 +159,7 @@ class Images:
             for p, q in zip(pixels, params, strict=True)
         ]
         version.m["success"].inc()
-        return Response(
-            orjson.dumps({"created": int(time.time()), "data": data}),
-            media_type="application/json",
-        )
+        return json_response({"created": int(time.time()), "data": data})
 
     async def _engine(self, name: str) -> tuple[ModelVersion, DiffusionEngine]:
         if self.server.draining:
