@@ -49,6 +49,8 @@ if TYPE_CHECKING:
     from bitserve.server.state import ServerState as Server
 
 MAX_IMAGES = 16  # n per request
+NUMBER = (int, float)
+OPTIONS = (("guidance_scale", NUMBER), ("steps", int), ("seed", int), ("eta", NUMBER))
 
 
 @dataclass
@@ -78,11 +80,9 @@ def parse_request(body: bytes) -> ImagesRequest:
             "is served (no image URLs)"
         )
     options = {}
-    for name, kind in (("guidance_scale", (int, float)), ("steps", int), ("seed", int)):
+    for name, kind in OPTIONS:
         if doc.get(name) is not None:
             options[name] = _typed(doc[name], name, kind)
-    if doc.get("eta") is not None:
-        options["eta"] = _typed(doc["eta"], "eta", (int, float))
     label = parse_label(doc.get("prompt"))
     return ImagesRequest(doc["model"], doc["prompt"], label, n, options)
 
