@@ -193,32 +193,39 @@ class LLMService:
         self.restarting = None
         log.info("model %s: engine restarted, ready again", self.config.name)
 
-    def healthy(self) -> str | None:
-        """Why the engine loop is not healthy (None when it is)."""
-        if self.engine is None:
-            return None
+    def down(self) -> str | None:
+        """Why the engine cannot take requests now: restarting, or its loop dead."""
         if self.restarting is not None:
             return self.restarting
-        if self.engine.dead is not None:
+        if self.engine is not None and self.engine.dead is not None:
             return f"engine loop died: {self.engine.dead!r}"
+        return None
+
+    def healthy(self) -> str | None:
+        """Why the engine loop is not healthy (None when it is)."""
+        if (why := self.down()) is not None:
+            return why
         silent = time.monotonic() - self.last_progress
         if (self.running or self.waiting) and silent > self.stall_timeout:
             return f"engine loop stalled: no progress for {silent:.0f} s with work queued"
         return None
 
-    def check_serving(self) -> None:
-        """Raise EngineDead (503, retry) while the engine is down or restarting: checked
-        before a stream's headers go out, so a stream never starts on a dead engine."""
-        if self.restarting is not None:
-            raise EngineDead(f"model '{self.config.name}': {self.restarting}")
-        if self.engine is not None and self.engine.dead is not None:
-            raise EngineDead(f"model '{self.config.name}': engine loop died; restarting")
-
-    def check_guide(self, params: SamplingParams) -> None:
-        """Compile (and cache) a structured-output guide now: a bad schema, regex or
-        grammar is a 400 before a stream starts, not an error event after."""
+    def check(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Everything that refuses a request before it is queued, so callers can check
+        before a stream's headers go out: a dead or restarting engine (503, retry), a
+        prompt past the context (400), a guide that cannot compile (400; compiled once
+        per guide and cached for the engine)."""
+        if (why := self.down()) is not None:
+            raise EngineDead(f"model '{self.config.name}': {why}")
+        total = len(prompt_ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise PromptTooLong(
+                f"this model's maximum context length is {self.max_model_len} tokens; the "
+                f"request has {len(prompt_ids)} prompt tokens and max_tokens "
+                f"{params.max_tokens} ({total} in all)"
+            )
         if params.guide is not None and self.engine is not None:
-            self.engine.engine.grammars().matcher(params.guide)
+            self.engine.engine.grammars().template(params.guide)
 
     # ------------------------------------------------------------ prompts
 
@@ -252,15 +259,6 @@ class LLMService:
     def encode(self, prompt: str | list[int]) -> list[int]:
         return list(prompt) if isinstance(prompt, list) else self.tokenizer.encode(prompt)
 
-    def check_length(self, prompt_ids: list[int], max_tokens: int) -> None:
-        total = len(prompt_ids) + max_tokens
-        if total > self.max_model_len:
-            raise PromptTooLong(
-                f"this model's maximum context length is {self.max_model_len} tokens; the "
-                f"request has {len(prompt_ids)} prompt tokens and max_tokens {max_tokens} "
-                f"({total} in all)"
-            )
-
     # ------------------------------------------------------------ generation
 
     def admit(self, prompt_tokens: int, count: int = 1) -> None:
@@ -287,9 +285,8 @@ class LLMService:
     ) -> AsyncIterator[RequestOutput]:
         """Stream outputs; closing the iterator early aborts the request at once."""
         assert self.engine is not None
-        self.check_serving()
         prompt_ids = self.encode(prompt)
-        self.check_length(prompt_ids, params.max_tokens)
+        self.check(prompt_ids, params)
         self.admit(len(prompt_ids))
         self.waiting += 1
         self.waiting_tokens += len(prompt_ids)
@@ -314,12 +311,16 @@ class LLMService:
         prompt = _one(inputs["text_input"], "text_input")
         raw = inputs.get("sampling_parameters")
         params = sampling(_json(_one(raw, "sampling_parameters")) if raw is not None else {})
+        result = np.empty(1, dtype=object)
+        result[0] = (await self.complete(prompt, params)).encode()
+        return {"text_output": result}
+
+    async def complete(self, prompt: str | list[int], params: SamplingParams) -> str:
+        """The finished text of one generation (no stream)."""
         text = ""
         async for out in self.generate(prompt, params):
             text = out.outputs[0].text
-        result = np.empty(1, dtype=object)
-        result[0] = text.encode()
-        return {"text_output": result}
+        return text
 
     def _start_running(self, prompt_tokens: int) -> None:
         self.waiting -= 1

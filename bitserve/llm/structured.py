@@ -167,6 +167,11 @@ class Grammars:
         self._lock = threading.Lock()  # the API checks a guide while the engine steps
 
     def matcher(self, guide: Guide) -> Any:
+        """A fresh matcher for one request: a copy of the cached compiled template."""
+        return self.template(guide).deep_copy()
+
+    def template(self, guide: Guide) -> Any:
+        """The guide compiled, once per guide (a GuideError for one that cannot be)."""
         with self._lock:
             template = self._templates.get(guide)
         if template is None:
@@ -176,7 +181,7 @@ class Grammars:
             self._templates.move_to_end(guide)
             if len(self._templates) > CACHE_SIZE:
                 self._templates.popitem(last=False)
-            return template.deep_copy()
+        return template
 
     def _compile(self, guide: Guide) -> Any:
         from llguidance import LLMatcher

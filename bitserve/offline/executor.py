@@ -96,8 +96,7 @@ class Executor:
         jobs = api.chat_jobs(req, llm) if chat else api.completion_jobs(req)
         encoded = [llm.encode(p) for p, _, _ in jobs]
         for ids, (_, _, params) in zip(encoded, jobs, strict=True):
-            llm.check_length(ids, params.max_tokens)
-            llm.check_guide(params)
+            llm.check(ids, params)
 
         async def run() -> dict:
             responses = api.Responses(llm, req, jobs, chat)

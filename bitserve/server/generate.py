@@ -26,20 +26,8 @@ from bitserve.server.errors import handle
 from bitserve.server.state import ServerState
 
 
-async def _text(version: ModelVersion, prompt: str, params: SamplingParams) -> str:
-    assert version.llm is not None
-    lease = version.begin()
-    try:
-        text = ""
-        async for out in version.llm.generate(prompt, params):
-            text = out.outputs[0].text
-        return text
-    finally:
-        lease.release()
-
-
 def routes(state: ServerState) -> list[Route]:
-    async def body(request: Request) -> tuple[ModelVersion, str, SamplingParams]:
+    async def body(request: Request) -> tuple[ModelVersion, list[int], SamplingParams]:
         try:
             doc = orjson.loads(await request.body())
         except orjson.JSONDecodeError as e:
@@ -55,19 +43,21 @@ def routes(state: ServerState) -> list[Route]:
         if not isinstance(doc, dict) or not isinstance(doc.get("text_input"), str):
             raise InvalidRequest("field 'text_input' must be a string")
         parameters = doc.get("parameters")
-        return version, doc["text_input"], sampling({} if parameters is None else parameters)
+        params = sampling({} if parameters is None else parameters)
+        return version, version.llm.encode(doc["text_input"]), params
 
     async def generate(request: Request) -> Response:
         version, prompt, params = await body(request)
-        text = await _text(version, prompt, params)
+        lease = version.begin()
+        try:
+            text = await version.llm.complete(prompt, params)
+        finally:
+            lease.release()
         return Response(orjson.dumps(_doc(version, text)), media_type="application/json")
 
     async def generate_stream(request: Request) -> Response:
         version, prompt, params = await body(request)
-        assert version.llm is not None
-        version.llm.check_serving()  # a 503 now, not a stream that starts and breaks
-        version.llm.check_length(version.llm.encode(prompt), params.max_tokens)
-        version.llm.check_guide(params)
+        version.llm.check(prompt, params)  # a 4xx/503 now, not a stream that starts and breaks
         lease = version.begin()  # no await since the lookup: a drain cannot miss it
 
         async def events() -> AsyncIterator[bytes]:

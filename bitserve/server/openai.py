@@ -137,9 +137,7 @@ class OpenAI:
     ) -> Response:
         encoded = [llm.encode(p) for p, _, _ in jobs]
         for ids, (_, _, sp) in zip(encoded, jobs, strict=True):
-            llm.check_length(ids, sp.max_tokens)
-        llm.check_serving()
-        llm.check_guide(jobs[0][2])
+            llm.check(ids, sp)
         llm.admit(max(len(ids) for ids in encoded), count=len(jobs))
         # held now, with no await since the lookup: a drain cannot miss it
         stream = _Streams(self.state, version, llm, req, jobs, encoded, chat)
