@@ -103,13 +103,15 @@ def request_params(config: ModelConfig, inputs: dict[str, np.ndarray]) -> list[G
     if labels.shape[1] != 1:
         raise InvalidParams("input 'label' takes one value per row")
     base = defaults(config)
+    columns = {
+        name: (kind, inputs[name].reshape(len(labels), -1)[:, 0])
+        for name, kind in ROW_INPUTS.items()
+        if name in inputs
+    }
     out = []
     for i in range(len(labels)):
         label = int(labels[i, 0])
-        fields: dict[str, Any] = dict(base)
-        for name, kind in ROW_INPUTS.items():
-            if name in inputs:
-                fields[name] = kind(inputs[name].reshape(len(labels), -1)[i, 0])
+        fields = {**base, **{name: kind(column[i]) for name, (kind, column) in columns.items()}}
         params = GenerationParams(label=None if label == -1 else label, **fields)
         out.append(params.check())
     return out
