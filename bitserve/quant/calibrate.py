@@ -66,7 +66,7 @@ def calibrate_folder(
     config = EngineConfig(model=folder, device="cpu", num_kv_blocks=1)
     model = load_model(config)
     window = min(window, config.max_model_len)
-    return model, profile_activations(model, text_token_ids(folder, text), window, max_tokens)
+    return model, profile_activations(model, text_token_ids(config.model, text), window, max_tokens)
 
 
 def report(profiles: dict[str, LayerProfile], threshold: float, top: int = 4) -> str:

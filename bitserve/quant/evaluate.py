@@ -67,7 +67,7 @@ def score_llm(
 
     engine = LLMEngine(folder, device="cpu", num_kv_blocks=64, max_model_len=None)
     model = engine.runner.model
-    ids = text_token_ids(folder, text)
+    ids = text_token_ids(engine.config.model, text)
     window = min(window, engine.config.max_model_len)
     scores = LLMScores(name, weight_bytes=weight_bytes(model))
     length = min(PROMPT_TOKENS, window // 2)

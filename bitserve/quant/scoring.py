@@ -20,11 +20,9 @@ BLOCK = 16
 
 def text_token_ids(folder: Path, text: str) -> list[int]:
     """The whole text, newlines included, as token ids without special tokens (as
-    tools/train_lm.py scores tinylm's held-out perplexity)."""
-    from bitserve.llm.gguf import companion_folder, gguf_file
-
-    file = gguf_file(folder)
-    tokenizer = load_tokenizer(companion_folder(file) if file is not None else folder)
+    tools/train_lm.py scores tinylm's held-out perplexity). `folder`: the engine's
+    (`EngineConfig.model`, a GGUF file's companion folder already)."""
+    tokenizer = load_tokenizer(folder)
     if tokenizer is None:
         raise ValueError(f"{folder}: no tokenizer, cannot tokenize the text")
     tokenizer.model_max_length = 1 << 40  # the text is cut into windows afterwards
