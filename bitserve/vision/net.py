@@ -37,7 +37,6 @@ class CenterNet(nn.Module):
     def __init__(self, widths=TEACHER_WIDTHS, num_classes: int = 10):
         super().__init__()
         w0, w1, w2, wh = widths
-        self.widths = tuple(widths)
         self.stem = nn.Sequential(_cbr(1, w0, 2), _cbr(w0, w0))
         self.stage2 = nn.Sequential(_cbr(w0, w1, 2), _cbr(w1, w1), _cbr(w1, w1))
         self.stage3 = nn.Sequential(_cbr(w1, w2, 2), _cbr(w2, w2), _cbr(w2, w2))
@@ -57,15 +56,15 @@ class CenterNet(nn.Module):
         feature = self.neck(self.lateral(c2) + up)
         return self.heatmap(feature), self.regress(feature)
 
-
-def current_widths(model: CenterNet) -> tuple[int, int, int, int]:
-    """The widths a (possibly pruned) network has now, read from its layers."""
-    return (
-        model.stem[0][0].out_channels,
-        model.stage2[0][0].out_channels,
-        model.stage3[0][0].out_channels,
-        model.neck[0].out_channels,
-    )
+    @property
+    def widths(self) -> tuple[int, int, int, int]:
+        """The widths this (possibly pruned) network has now, read from its layers."""
+        return (
+            self.stem[0][0].out_channels,
+            self.stage2[0][0].out_channels,
+            self.stage3[0][0].out_channels,
+            self.neck[0].out_channels,
+        )
 
 
 def to_input(

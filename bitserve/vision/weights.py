@@ -14,9 +14,11 @@ from bitserve.vision import net
 
 
 def save(model: net.CenterNet, path: Path, **meta) -> None:
-    widths = net.current_widths(model)
     state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
-    metadata = {"widths": json.dumps(list(widths)), **{k: json.dumps(v) for k, v in meta.items()}}
+    metadata = {
+        "widths": json.dumps(list(model.widths)),
+        **{k: json.dumps(v) for k, v in meta.items()},
+    }
     save_file(state, str(path), metadata=metadata)
 
 
