@@ -16,7 +16,6 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import ClassVar
 
-import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -28,6 +27,7 @@ from bitserve.llm.async_engine import EngineDead, RequestFailed
 from bitserve.llm.sampling_params import SamplingError
 from bitserve.repository.repository import ModelNotFound, ModelUnavailable
 from bitserve.repository.version import ExecutionError, ReplicaLost
+from bitserve.server.http import error, json_response
 
 log = logging.getLogger("bitserve.server")
 
@@ -133,13 +133,13 @@ def to_openai(exc: BaseException) -> APIError:
 
 
 def v2_body(exc: BaseException) -> Response:
-    return _json({"error": str(exc) or type(exc).__name__}, status_of(exc), headers_of(exc))
+    return error(status_of(exc), str(exc) or type(exc).__name__, headers_of(exc))
 
 
 def openai_body(exc: BaseException) -> Response:
     e = to_openai(exc)
     body = {"error": {"message": str(e), "type": e.kind, "param": e.param, "code": e.code}}
-    return _json(body, e.status, e.headers)
+    return json_response(body, e.status, e.headers)
 
 
 SHAPES = {"v2": v2_body, "openai": openai_body}
@@ -161,7 +161,3 @@ def handle(
             return body(exc)
 
     return wrapped
-
-
-def _json(doc: dict, status: int, headers: dict | None) -> Response:
-    return Response(orjson.dumps(doc), status, headers, "application/json")

@@ -21,8 +21,8 @@ from bitserve.backends.llm import sampling
 from bitserve.inference import InvalidRequest
 from bitserve.llm.sampling_params import SamplingParams
 from bitserve.repository.version import ModelVersion
-from bitserve.rollout.policy import VERSION_HEADER
 from bitserve.server.errors import handle
+from bitserve.server.http import pinned_version
 from bitserve.server.state import ServerState
 
 
@@ -36,8 +36,7 @@ def routes(state: ServerState) -> list[Route]:
         await state.repository.ensure_loaded(model)
         # looked up after the last await (see v2.infer); a traffic policy's canary split
         # applies (bitserve/rollout), its statistics count v2 infer only
-        pinned = request.path_params.get("version") or request.headers.get(VERSION_HEADER)
-        version, _ = state.route_model(model, pinned)
+        version, _ = state.route_model(model, pinned_version(request))
         if version.llm is None:
             raise InvalidRequest(f"model '{version.config.name}' does not generate text")
         if not isinstance(doc, dict) or not isinstance(doc.get("text_input"), str):

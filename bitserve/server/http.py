@@ -1,5 +1,5 @@
-"""HTTP plumbing every route module shares: JSON responses, v2 errors, and waiting on
-work while watching for the client to leave."""
+"""HTTP plumbing every route module shares: JSON responses, v2 errors, the version a
+request pins, and waiting on work while watching for the client to leave."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ from typing import Any
 import orjson
 from starlette.requests import Request
 from starlette.responses import Response
+
+from bitserve.rollout.policy import VERSION_HEADER
 
 
 def json_response(doc: object, status: int = 200, headers: dict | None = None) -> Response:
@@ -24,6 +26,12 @@ def json_response(doc: object, status: int = 200, headers: dict | None = None) -
 def error(status: int, message: str, headers: dict | None = None) -> Response:
     """The v2 protocol's error body: `{"error": "..."}`."""
     return json_response({"error": message}, status, headers)
+
+
+def pinned_version(request: Request) -> str | None:
+    """The version a v2 request asks for: in its path, or in the rollout header (None:
+    the model's traffic policy or its highest ready version answers)."""
+    return request.path_params.get("version") or request.headers.get(VERSION_HEADER)
 
 
 async def until_disconnect(

@@ -23,9 +23,8 @@ from bitserve import __version__
 from bitserve.inference import ClientGone, InvalidRequest
 from bitserve.repository.repository import ModelNotFound, ModelUnavailable
 from bitserve.repository.version import ModelVersion, Ticket
-from bitserve.rollout.policy import VERSION_HEADER
 from bitserve.server.errors import BodyTooLarge, handle, reason_of, status_of
-from bitserve.server.http import json_response, until_disconnect
+from bitserve.server.http import json_response, pinned_version, until_disconnect
 from bitserve.server.state import ServerState
 from bitserve.server.v2_protocol import HEADER_LENGTH, encode_response, parse_infer
 
@@ -136,11 +135,11 @@ class V2:
         self.state.enter()
         try:
             body = await self._read_body(request)
-            await self.repository.ensure_loaded(request.path_params["model"])
+            model = request.path_params["model"]
+            await self.repository.ensure_loaded(model)
             # Choose the version only now: from here to its queue nothing awaits, so a
             # version swapped out meanwhile cannot be drained between the two.
-            pinned = request.path_params.get("version") or request.headers.get(VERSION_HEADER)
-            version, route = self.state.route_model(request.path_params["model"], pinned)
+            version, route = self.state.route_model(model, pinned_version(request))
             return await self._infer(request, version, body, route)
         finally:
             self.state.leave()
