@@ -16,6 +16,8 @@ RoPE table (`LlamaForCausalLM.fusable`).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from bitserve.llm.models.llama import LlamaForCausalLM, Style
 
 GEMMA = Style(sandwich_norms=True, unit_offset_norms=True, scaled_embeddings=True)
@@ -26,10 +28,4 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
 
 
 class Gemma3ForCausalLM(LlamaForCausalLM):
-    style = Style(
-        sandwich_norms=True,
-        unit_offset_norms=True,
-        scaled_embeddings=True,
-        qk_norm=True,
-        local_rope=True,
-    )
+    style = replace(GEMMA, qk_norm=True, local_rope=True)  # Gemma 2's, plus these
