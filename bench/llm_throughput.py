@@ -55,14 +55,26 @@ SHAPE = dict(
 )
 
 
-def build_model(folder: Path) -> int:
-    from transformers import AutoModelForCausalLM, LlamaConfig
+FAMILIES = {  # same shape as SHAPE; each family's own switches at their defaults
+    "llama": ("LlamaConfig", {}),
+    "qwen3": ("Qwen3Config", dict(head_dim=64)),
+    "gemma2": ("Gemma2Config", dict(head_dim=64, query_pre_attn_scalar=64)),
+    "gemma3": ("Gemma3TextConfig", dict(head_dim=64, query_pre_attn_scalar=64)),
+    "phi3": ("Phi3Config", {}),
+}
 
-    config = LlamaConfig(
-        **SHAPE, max_position_embeddings=1024, bos_token_id=1, eos_token_id=2, pad_token_id=0
-    )
+
+def build_model(folder: Path, family: str = "llama") -> int:
+    """A random-weight model of `family` at SHAPE, saved to `folder`; its parameter count."""
+    import transformers
+
+    name, extra = FAMILIES[family]
+    config = getattr(transformers, name)(
+        **SHAPE, **extra, max_position_embeddings=1024, tie_word_embeddings=False,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )  # fmt: skip
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config)
+    model = transformers.AutoModelForCausalLM.from_config(config)
     model.save_pretrained(folder)
     return sum(p.numel() for p in model.parameters())
 
@@ -267,29 +279,6 @@ def attention_alternatives() -> list[dict]:
     return results
 
 
-FAMILIES = {  # same shape as SHAPE; each family's own switches at their defaults
-    "llama": ("LlamaConfig", {}),
-    "qwen3": ("Qwen3Config", dict(head_dim=64)),
-    "gemma2": ("Gemma2Config", dict(head_dim=64, query_pre_attn_scalar=64)),
-    "gemma3": ("Gemma3TextConfig", dict(head_dim=64, query_pre_attn_scalar=64)),
-    "phi3": ("Phi3Config", {}),
-}
-
-
-def build_family(folder: Path, family: str) -> int:
-    import transformers
-
-    name, extra = FAMILIES[family]
-    config = getattr(transformers, name)(
-        **SHAPE, **extra, max_position_embeddings=1024, tie_word_embeddings=False,
-        bos_token_id=1, eos_token_id=2, pad_token_id=0,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config)
-    model.save_pretrained(folder)
-    return sum(p.numel() for p in model.parameters())
-
-
 def interleaved_steps(folders: dict[str, Path], batch: int, steps: int) -> dict[str, float]:
     """Median seconds per decode step of each model at `batch` sequences, the models
     stepping in turn (one step each, round after round): on a shared machine a burst
@@ -317,7 +306,7 @@ def architectures(quick: bool) -> None:
     measured interleaved (`interleaved_steps`)."""
     with tempfile.TemporaryDirectory() as tmp:
         folders = {family: Path(tmp) / family for family in FAMILIES}
-        params = {family: build_family(folder, family) for family, folder in folders.items()}
+        params = {family: build_model(folder, family) for family, folder in folders.items()}
         one = interleaved_steps(folders, 1, 32 if quick else 128)
         many = interleaved_steps(folders, 8 if quick else 32, 16 if quick else 64)
     rows = [
