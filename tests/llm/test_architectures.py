@@ -28,9 +28,8 @@ from transformers import (
 
 from bitserve.llm import SamplingParams, kernels
 from bitserve.llm.block_manager import cdiv
-from bitserve.llm.engine import LLMEngine
 from bitserve.plan import shape
-from tests.llm.conftest import COMMON, _engines, build_model, make_engine
+from tests.llm.conftest import COMMON, build_model, make_engine
 from tests.llm.test_engine import MIXED, NEW_TOKENS, SHARED, generate
 
 SMALL = dict(
@@ -265,8 +264,7 @@ def test_qwen3_moe_counts_tokens_in_its_expert_layers_only(arch_dirs):
 def test_tensor_parallel_2_matches_transformers(arch_dirs, name):
     """Experts cut like a dense MLP (Qwen3-MoE); Phi-3's fused checkpoint tensors cut
     per part, so each rank holds its own q, k, v heads and gate, up columns."""
-    engine = LLMEngine(arch_dirs[name], tensor_parallel_size=2, num_kv_blocks=12)
-    _engines.append(engine)
+    engine = make_engine(arch_dirs[name], tensor_parallel_size=2, num_kv_blocks=12)
     try:
         assert_parity(arch_dirs[name], MIXED, generate(engine, MIXED))
     finally:
