@@ -26,10 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import shutil
-import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -43,6 +40,7 @@ sys.path.insert(0, str(ROOT / "tools"))
 from bitserve.optimize import report  # noqa: E402
 from bitserve.optimize.run import OptimizeConfig, optimize  # noqa: E402
 from bitserve.vision import data  # noqa: E402
+from tests.conftest import Server  # noqa: E402 - a real `bitserve serve`, as tests start it
 
 
 def prepare(work: Path) -> Path:
@@ -90,37 +88,16 @@ def goals(result: dict) -> list[tuple[str, bool, str]]:
     return out
 
 
-def serve(repository: Path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    command = [sys.executable, "-m", "bitserve.cli", "serve", "--repository", str(repository)]
-    log = (repository.parent / "server.log").open("w")
-    process = subprocess.Popen(
-        [*command, "--port", str(port), "--threads", "1"], stdout=log, stderr=log, env=env
-    )
-    import httpx
-
-    for _ in range(600):
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/v2/health/ready").status_code == 200:
-                return process, f"127.0.0.1:{port}"
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    process.kill()
-    raise RuntimeError("server not ready; see server.log")
-
-
 def served(repository: Path, versions: dict[str, int], best: str, seconds: float) -> dict:
     """Every version's output shapes through tritonclient; then req/s at concurrency 1
     and 16 for the teacher and the best variant, from the repo's raw asyncio client
     (bitserve.bench.client: it costs far less per request than tritonclient, which
     would otherwise be the bottleneck), c=1 and c=16 alternating twice."""
+    import httpx
     import tritonclient.http as triton
 
-    process, url = serve(repository)
+    server = Server(repository)
+    url = server.url.removeprefix("http://")
     images = [c.image[None, ..., None] for c in data.heldout(64)]
     try:
         client = triton.InferenceServerClient(url)
@@ -140,12 +117,9 @@ def served(repository: Path, versions: dict[str, int], best: str, seconds: float
                 rate = asyncio.run(_load(url, number, images, concurrency, seconds / 2))
                 runs[concurrency].append(rate)
             rates[name] = {c: float(np.mean(r)) for c, r in runs.items()}
-        import httpx
-
-        stats = httpx.get(f"http://{url}/v2/models/detector/stats").json()["model_stats"]
+        stats = httpx.get(f"{server.url}/v2/models/detector/stats").json()["model_stats"]
     finally:
-        process.terminate()
-        process.wait(10)
+        server.stop()
     batches = {s["version"]: s["batch_stats"] for s in stats if s["inference_count"]}
     return {"shapes": shapes, "same_shapes": same, "req_per_s": rates, "batch_stats": batches}
 
