@@ -172,16 +172,13 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, hf: dict[str, Any], head_dim: int, max_len: int, layer_type=None):
         super().__init__()
-        self.hf, self.head_dim = hf, head_dim
+        self.head_dim = head_dim
         self.params = rope_parameters(hf, layer_type)
         self.kind = self.params["rope_type"]
         self.inv_freq = inverse_frequencies(self.params, head_dim)
         self.max_len = max_len
+        self.max_positions = int(hf.get("max_position_embeddings", max_len))
         self.reset_buffers()
-
-    @property
-    def max_positions(self) -> int:
-        return int(self.hf.get("max_position_embeddings", self.max_len))
 
     def reset_buffers(self, device: str | torch.device = "cpu") -> None:
         """Same arithmetic as transformers: fp32 position x inv_freq, cos/sin in fp32
