@@ -238,7 +238,8 @@ class LlamaForCausalLM(nn.Module):
         x = self.embed_tokens(input_ids)
         if self.embed_scale is None:
             return x
-        return x * torch.tensor(self.embed_scale).to(device=x.device, dtype=x.dtype)
+        # rounded to x's dtype as transformers does; a CPU scalar, no copy to x's device
+        return x * torch.tensor(self.embed_scale, dtype=x.dtype)
 
     def final_norm(self, x: torch.Tensor) -> torch.Tensor:
         return self.norm(x) if self.norm is not None else x
