@@ -40,9 +40,8 @@ from starlette.routing import Route
 from bitserve.backends.diffusion import defaults, to_uint8
 from bitserve.diffusion.engine import DiffusionEngine
 from bitserve.diffusion.params import GenerationParams, InvalidParams, parse_label
-from bitserve.repository.repository import ModelNotFound
 from bitserve.repository.version import ModelVersion
-from bitserve.server.errors import APIError, Draining, handle
+from bitserve.server.errors import APIError, handle
 from bitserve.server.http import json_response, until_disconnect
 
 if TYPE_CHECKING:
@@ -162,15 +161,8 @@ class Images:
         return json_response({"created": int(time.time()), "data": data})
 
     async def _engine(self, name: str) -> tuple[ModelVersion, DiffusionEngine]:
-        if self.server.draining:
-            raise Draining("server is draining")
-        try:
-            await self.server.repository.ensure_loaded(name)
-            version = self.server.route_model(name)[0]
-        except ModelNotFound:
-            raise APIError(
-                404, f"the model '{name}' does not exist", "invalid_request_error", "model"
-            ) from None
+        await self.server.repository.ensure_loaded(name)
+        version = self.server.serving(name)
         engine = engine_of(version)
         if engine is None:
             raise APIError(

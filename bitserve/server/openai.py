@@ -23,7 +23,6 @@ from bitserve.backends.llm import LLMService
 from bitserve.inference import ClientGone
 from bitserve.llm import tools
 from bitserve.llm.outputs import RequestOutput
-from bitserve.repository.repository import ModelNotFound
 from bitserve.repository.version import ModelVersion
 from bitserve.server.errors import APIError, handle, to_openai
 from bitserve.server.http import until_disconnect
@@ -66,24 +65,8 @@ class OpenAI:
 
     # ---------------------------------------------------------- lookups
 
-    def _version(self, name: str, param: str = "model") -> ModelVersion:
-        if self.state.draining:
-            raise APIError(503, "server is draining", "service_unavailable")
-        try:
-            # a traffic policy's canary split applies here too (bitserve/rollout); the
-            # verdict's statistics count v2 infer requests only
-            return self.state.route_model(name)[0]
-        except ModelNotFound:
-            raise APIError(
-                404,
-                f"the model '{name}' does not exist",
-                "invalid_request_error",
-                param,
-                "model_not_found",
-            ) from None
-
     def _llm(self, name: str) -> tuple[ModelVersion, LLMService]:
-        version = self._version(name)
+        version = self.state.serving(name)
         if version.llm is None:
             raise APIError(
                 400,
@@ -150,7 +133,7 @@ class OpenAI:
     async def embeddings(self, request: Request) -> Response:
         req: EmbeddingRequest = parse(EmbeddingRequest, await request.body())
         await self.state.repository.ensure_loaded(req.model)
-        version = self._version(req.model)
+        version = self.state.serving(req.model)
         if version.config.backend != "hf" or not version.instances:
             raise APIError(
                 400,

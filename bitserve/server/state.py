@@ -59,6 +59,13 @@ class ServerState:
             return route.version, route
         return self.repository.get(model, pinned), None
 
+    def serving(self, model: str) -> ModelVersion:
+        """The version that answers an unpinned request for `model` (the OpenAI-style
+        routes): Draining, ModelNotFound or ModelUnavailable when there is none."""
+        if self.draining:
+            raise Draining("server is draining; send requests elsewhere")
+        return self.route_model(model)[0]
+
     def enter(self) -> None:
         """A request starts (the drain waits for it); refused while draining."""
         if self.draining:
