@@ -24,11 +24,9 @@ student >= 2x at <= 3 points; resolution 96 >= 1.5x; the best combination >= 4x 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import shutil
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -37,6 +35,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tools"))
 
+from bitserve.bench import loadgen  # noqa: E402
+from bitserve.bench.workloads import Request  # noqa: E402
 from bitserve.optimize import report  # noqa: E402
 from bitserve.optimize.run import OptimizeConfig, optimize  # noqa: E402
 from bitserve.vision import data  # noqa: E402
@@ -90,9 +90,10 @@ def goals(result: dict) -> list[tuple[str, bool, str]]:
 
 def served(repository: Path, versions: dict[str, int], best: str, seconds: float) -> dict:
     """Every version's output shapes through tritonclient; then req/s at concurrency 1
-    and 16 for the teacher and the best variant, from the repo's raw asyncio client
-    (bitserve.bench.client: it costs far less per request than tritonclient, which
-    would otherwise be the bottleneck), c=1 and c=16 alternating twice."""
+    and 16 for the teacher and the best variant, from the repo's load generator
+    (bitserve.bench.loadgen on its raw asyncio client: it costs far less per request
+    than tritonclient, which would otherwise be the bottleneck), c=1 and c=16
+    alternating twice."""
     import httpx
     import tritonclient.http as triton
 
@@ -114,7 +115,7 @@ def served(repository: Path, versions: dict[str, int], best: str, seconds: float
             number = 1 if name == "teacher" else versions[name]
             runs = {1: [], 16: []}
             for concurrency in (1, 16, 1, 16):
-                rate = asyncio.run(_load(url, number, images, concurrency, seconds / 2))
+                rate = _rate(server.url, number, images, concurrency, seconds / 2)
                 runs[concurrency].append(rate)
             rates[name] = {c: float(np.mean(r)) for c, r in runs.items()}
         stats = httpx.get(f"{server.url}/v2/models/detector/stats").json()["model_stats"]
@@ -124,27 +125,14 @@ def served(repository: Path, versions: dict[str, int], best: str, seconds: float
     return {"shapes": shapes, "same_shapes": same, "req_per_s": rates, "batch_stats": batches}
 
 
-async def _load(url: str, version: int, images, concurrency: int, seconds: float) -> float:
-    """Closed loop: `concurrency` keep-alive connections, each sending its next request
-    as soon as its answer arrives; requests/s over `seconds`."""
-    from bitserve.bench.client import connect
-
-    host, port = url.split(":")
-    raws = [_raw_request(image, version) for image in images]
-    connections = [await connect(host, int(port)) for _ in range(concurrency)]
-    done, start = 0, time.perf_counter()
-
-    async def worker(connection, index: int) -> None:
-        nonlocal done
-        while time.perf_counter() - start < seconds:
-            status, _ = await connection.request(raws[index % len(raws)])
-            assert status == 200, status
-            done, index = done + 1, index + concurrency
-
-    await asyncio.gather(*(worker(c, i) for i, c in enumerate(connections)))
-    for connection in connections:
-        connection.close()
-    return done / (time.perf_counter() - start)
+def _rate(url: str, version: int, images, concurrency: int, seconds: float) -> float:
+    """Closed loop (bitserve.bench.loadgen): `concurrency` keep-alive connections, each
+    sending its next request as soon as its answer arrives; requests/s over `seconds`."""
+    requests = [Request(_raw_request(image, version)) for image in images]
+    run = loadgen.run(url, requests, loadgen.Load(concurrency=concurrency, duration=seconds))
+    errors = [r.error for r in run.results if r.error]
+    assert not errors, errors
+    return len(run.results) / run.duration
 
 
 def _raw_request(image: np.ndarray, version: int) -> bytes:
