@@ -377,6 +377,7 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions,
             prompt_tokens_total=self.prompt_tokens_total,
             generation_tokens_total=self.generation_tokens_total,
+            requests_failed_total=self.requests_failed_total,
             tokens_per_expert=self.tokens_per_expert(),
         )
 

@@ -24,6 +24,7 @@ class EngineMetrics:
     num_preemptions: int = 0
     prompt_tokens_total: int = 0
     generation_tokens_total: int = 0
+    requests_failed_total: int = 0  # requests that failed alone inside a step
     tokens_per_expert: list[int] = field(default_factory=list)
 
     def as_dict(self) -> dict:

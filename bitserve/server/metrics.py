@@ -96,6 +96,11 @@ def _engine_metrics(server: ServerState) -> Iterator[Metric]:
         "num_preemptions": CounterMetricFamily(
             "bitserve_llm_num_preemptions", "Requests preempted (recomputed).", labels=labels
         ),
+        "requests_failed_total": CounterMetricFamily(
+            "bitserve_llm_requests_failed",
+            "Requests that failed alone inside a step (the engine went on).",
+            labels=labels,
+        ),
     }
     experts = CounterMetricFamily(
         "bitserve_llm_expert_tokens",
@@ -107,22 +112,14 @@ def _engine_metrics(server: ServerState) -> Iterator[Metric]:
         "Times the engine's step loop died and was restarted by its supervisor.",
         labels=labels,
     )
-    failed = CounterMetricFamily(
-        "bitserve_llm_requests_failed",
-        "Requests that failed alone inside a step (the engine went on).",
-        labels=labels,
-    )
     for name, entry in server.repository.models.items():
         for number, version in entry.versions.items():
             if version.llm is None or version.llm.engine is None or version.state != "ready":
                 continue
             restarts.add_metric([name, str(number)], float(version.llm.restarts))
-            failed.add_metric(
-                [name, str(number)], float(version.llm.engine.engine.requests_failed_total)
-            )
             snapshot = version.llm.engine.metrics().as_dict()
             for key, family in families.items():
                 family.add_metric([name, str(number)], float(snapshot[key]))
             for expert, count in enumerate(snapshot["tokens_per_expert"]):
                 experts.add_metric([name, str(number), str(expert)], float(count))
-    yield from (*families.values(), experts, restarts, failed)
+    yield from (*families.values(), experts, restarts)
