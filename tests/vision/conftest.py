@@ -3,15 +3,13 @@ version 1 and its int8 quantization as version 2 (seconds, no training)."""
 
 from __future__ import annotations
 
-import os
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
 
-os.environ.setdefault("OMP_NUM_THREADS", "1")
-ROOT = Path(__file__).resolve().parents[2]
+from tests.conftest import ROOT  # tests/conftest.py also pins OMP_NUM_THREADS to 1
+
 DETECTOR = ROOT / "models" / "detector"
 
 
@@ -34,7 +32,6 @@ def detector_graphs(tmp_path_factory) -> dict[str, Path]:
 @pytest.fixture(scope="session")
 def detector_repository(tmp_path_factory, detector_graphs) -> Path:
     """models/detector with version 1 (teacher) and 2 (int8) served, 2 shadowing 1."""
-    sys.path.insert(0, str(ROOT / "tools"))
     repository = tmp_path_factory.mktemp("repo") / "models"
     folder = repository / "detector"
     shutil.copytree(DETECTOR, folder, ignore=shutil.ignore_patterns("optimize", "[0-9]*"))
