@@ -92,8 +92,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=96)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    engine = LLMEngine(ROOT / "models" / "tinylm" / "1")
-    engine.guided_max_string = 32
+    engine = LLMEngine(ROOT / "models" / "tinylm" / "1", guided_max_string=32)
     variants = {
         "free x16": [False] * 16,
         "json x16": [True] * 16,

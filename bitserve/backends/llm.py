@@ -60,7 +60,6 @@ SERVICE_KEYS = {
     "system_prompt",
     "few_shot",
     "restart_backoff_s",
-    "guided_max_string",
     "tool_parser",
 }
 ENGINE_KEYS = {f.name for f in dataclasses.fields(EngineConfig)} - {"model", "hf_config"}
@@ -102,8 +101,6 @@ class LLMService:
         self.max_queued_tokens = int(params.get("max_queued_tokens", 1 << 20))
         self.stall_timeout = float(params.get("stall_timeout_s", 60.0))
         self.restart_backoff = float(params.get("restart_backoff_s", 0.0))
-        max_string = params.get("guided_max_string")
-        self.guided_max_string = int(max_string) if max_string is not None else None
         self.tool_parser = str(params.get("tool_parser", "hermes"))
         if self.tool_parser not in SYNTAXES:
             raise LoadError(f"tool_parser {self.tool_parser!r} is not one of {sorted(SYNTAXES)}")
@@ -142,7 +139,6 @@ class LLMService:
         loop = asyncio.get_running_loop()
         self.engine.on_death = lambda _: loop.call_soon_threadsafe(self._died.set)
         self.engine.engine.fault_hook = _fault_hook()
-        self.engine.engine.guided_max_string = self.guided_max_string
 
     async def _warm_up(self) -> float:
         assert self.engine is not None
@@ -192,6 +188,11 @@ class LLMService:
             break
         self.restarting = None
         log.info("model %s: engine restarted, ready again", self.config.name)
+
+    @property
+    def guided_max_string(self) -> int | None:
+        assert self.engine is not None
+        return self.engine.engine.config.guided_max_string
 
     def down(self) -> str | None:
         """Why the engine cannot take requests now: restarting, or its loop dead."""

@@ -129,6 +129,9 @@ class EngineConfig:
     distributed_executor: str = "mp"  # "mp": local processes; "ray": Ray actors
     placement_strategy: str = "PACK"  # the Ray placement group's strategy for the workers
     distributed_timeout_s: float = 120.0  # a collective waiting longer fails the step
+    # structured outputs (structured.py): free JSON strings at most this long, and no
+    # free keys; for models that never close a string on their own (None: unbounded)
+    guided_max_string: int | None = None
 
     @property
     def startup_timeout_s(self) -> float:

@@ -105,7 +105,6 @@ class LLMEngine:
         self._ids = itertools.count()
         self.fault_hook: FaultHook | None = None
         self._grammars: Grammars | None = None
-        self.guided_max_string: int | None = None  # set by the server from the model config
         self._masker = ThreadPoolExecutor(1, thread_name_prefix="bitserve-grammar")
 
     def reset(self) -> None:
@@ -154,7 +153,7 @@ class LLMEngine:
             if self.tokenizer is None:
                 raise GuideError("response_format", "this model folder has no tokenizer")
             vocab = int(self.config.hf_config.get("vocab_size") or len(self.tokenizer))
-            self._grammars = Grammars(self.tokenizer, vocab, self.guided_max_string)
+            self._grammars = Grammars(self.tokenizer, vocab, self.config.guided_max_string)
         return self._grammars
 
     def encode(self, prompt: Prompt) -> list[int]:
