@@ -115,7 +115,7 @@ def parse(text: str, parser: str) -> tuple[str | None, list[ToolCall]]:
     """(the text before any call, the calls) of a finished output."""
     syntax = SYNTAXES[parser]
     calls: list[ToolCall] = []
-    start = text.find(syntax.opening) if syntax.opening else _first_brace(text)
+    start = _call_start(text, syntax)
     if start < 0:
         return text, []
     content = text[:start].strip() or None
@@ -130,6 +130,12 @@ def parse(text: str, parser: str) -> tuple[str | None, list[ToolCall]]:
     if not calls:
         return text, []
     return content, calls
+
+
+def _call_start(text: str, syntax: Syntax) -> int:
+    """Where the first call starts (-1: none yet): its opening text, or for Llama 3's
+    bare JSON an output that begins with "{"."""
+    return text.find(syntax.opening) if syntax.opening else _first_brace(text)
 
 
 def _first_brace(text: str) -> int:
@@ -179,7 +185,6 @@ class ToolStream:
 
     def __init__(self, parser: str):
         self.syntax = SYNTAXES[parser]
-        self.parser = parser
         self.text = ""
         self.sent_content = 0
         self.call: dict | None = None  # {"id", "name", "args_at", "sent"}
@@ -189,7 +194,7 @@ class ToolStream:
         """The OpenAI `delta` dicts for this new text."""
         self.text += delta
         out: list[dict] = []
-        start = self._call_start()
+        start = _call_start(self.text, self.syntax)
         if start < 0 and not finished:
             hold = len(self.syntax.opening)  # a marker may be arriving
             content = self.text[self.sent_content : max(self.sent_content, len(self.text) - hold)]
@@ -205,11 +210,6 @@ class ToolStream:
         if start >= 0:
             out += self._call_deltas(start, finished)
         return out
-
-    def _call_start(self) -> int:
-        if self.syntax.opening:
-            return self.text.find(self.syntax.opening)
-        return _first_brace(self.text)
 
     def _call_deltas(self, start: int, finished: bool) -> list[dict]:
         out = []
