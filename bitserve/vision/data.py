@@ -12,6 +12,7 @@ Boxes are COCO's [x, y, width, height] in pixels, tight around the digit's ink.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,19 +34,14 @@ class Pools:
     heldout_labels: np.ndarray
 
 
-_POOLS: Pools | None = None
-
-
+@functools.cache
 def pools() -> Pools:
-    global _POOLS
-    if _POOLS is None:
-        table = _digits_table()
-        order = np.random.default_rng(0).permutation(len(table))
-        images = (table[:, :64].reshape(-1, 8, 8) / 16.0).astype(np.float32)[order]
-        labels = table[:, 64].astype(np.int64)[order]
-        cut = int(0.8 * len(labels))
-        _POOLS = Pools(images[:cut], labels[:cut], images[cut:], labels[cut:])
-    return _POOLS
+    table = _digits_table()
+    order = np.random.default_rng(0).permutation(len(table))
+    images = (table[:, :64].reshape(-1, 8, 8) / 16.0).astype(np.float32)[order]
+    labels = table[:, 64].astype(np.int64)[order]
+    cut = int(0.8 * len(labels))
+    return Pools(images[:cut], labels[:cut], images[cut:], labels[cut:])
 
 
 def _digits_table() -> np.ndarray:
