@@ -22,16 +22,13 @@ from bitserve.inference import InvalidRequest
 from bitserve.llm.sampling_params import SamplingParams
 from bitserve.repository.version import ModelVersion
 from bitserve.server.errors import handle
-from bitserve.server.http import pinned_version
+from bitserve.server.http import json_object, pinned_version
 from bitserve.server.state import ServerState
 
 
 def routes(state: ServerState) -> list[Route]:
     async def body(request: Request) -> tuple[ModelVersion, list[int], SamplingParams]:
-        try:
-            doc = orjson.loads(await request.body())
-        except orjson.JSONDecodeError as e:
-            raise InvalidRequest(f"malformed JSON: {e}") from None
+        doc = json_object(await request.body())
         model = request.path_params["model"]
         await state.repository.ensure_loaded(model)
         # looked up after the last await (see v2.infer); a traffic policy's canary split
@@ -39,7 +36,7 @@ def routes(state: ServerState) -> list[Route]:
         version, _ = state.route_model(model, pinned_version(request))
         if version.llm is None:
             raise InvalidRequest(f"model '{version.config.name}' does not generate text")
-        if not isinstance(doc, dict) or not isinstance(doc.get("text_input"), str):
+        if not isinstance(doc.get("text_input"), str):
             raise InvalidRequest("field 'text_input' must be a string")
         parameters = doc.get("parameters")
         params = sampling({} if parameters is None else parameters)

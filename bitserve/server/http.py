@@ -1,5 +1,5 @@
-"""HTTP plumbing every route module shares: JSON responses, v2 errors, the version a
-request pins, and waiting on work while watching for the client to leave."""
+"""HTTP plumbing every route module shares: JSON bodies and responses, v2 errors, the
+version a request pins, and waiting on work while watching for the client to leave."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 
+from bitserve.inference import InvalidRequest
 from bitserve.rollout.policy import VERSION_HEADER
 
 
@@ -26,6 +27,17 @@ def json_response(doc: object, status: int = 200, headers: dict | None = None) -
 def error(status: int, message: str, headers: dict | None = None) -> Response:
     """The v2 protocol's error body: `{"error": "..."}`."""
     return json_response({"error": message}, status, headers)
+
+
+def json_object(body: bytes) -> dict:
+    """A request body that must be one JSON object (400 otherwise)."""
+    try:
+        doc = orjson.loads(body)
+    except orjson.JSONDecodeError as e:
+        raise InvalidRequest(f"malformed JSON in request body: {e}") from None
+    if not isinstance(doc, dict):
+        raise InvalidRequest("request body must be a JSON object")
+    return doc
 
 
 def pinned_version(request: Request) -> str | None:

@@ -25,7 +25,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import orjson
 import torch
 from prometheus_client.core import (
     CounterMetricFamily,
@@ -42,7 +41,7 @@ from bitserve.diffusion.engine import DiffusionEngine
 from bitserve.diffusion.params import GenerationParams, InvalidParams, parse_label
 from bitserve.repository.version import ModelVersion
 from bitserve.server.errors import APIError, handle
-from bitserve.server.http import json_response, until_disconnect
+from bitserve.server.http import json_object, json_response, until_disconnect
 
 if TYPE_CHECKING:
     from bitserve.server.state import ServerState as Server
@@ -62,12 +61,7 @@ class ImagesRequest:
 
 
 def parse_request(body: bytes) -> ImagesRequest:
-    try:
-        doc = orjson.loads(body)
-    except orjson.JSONDecodeError as e:
-        raise InvalidParams(f"malformed JSON in request body: {e}") from None
-    if not isinstance(doc, dict):
-        raise InvalidParams("request body must be a JSON object")
+    doc = json_object(body)
     if not isinstance(doc.get("model"), str):
         raise InvalidParams("field 'model' must be a string")
     n = doc.get("n", 1)

@@ -18,6 +18,7 @@ import orjson
 from bitserve.batching.collate import shape_key
 from bitserve.inference import InferRequest, InvalidRequest
 from bitserve.repository.config import ModelConfig, TensorSpec
+from bitserve.server.http import json_object
 from bitserve.tensors import DATATYPES, TensorError, from_binary, from_json, to_binary, to_json
 
 HEADER_LENGTH = "inference-header-content-length"
@@ -25,12 +26,7 @@ HEADER_LENGTH = "inference-header-content-length"
 
 def parse_infer(config: ModelConfig, body: bytes, header_length: int | None) -> InferRequest:
     header, binary = _split_body(body, header_length)
-    try:
-        doc = orjson.loads(header)
-    except orjson.JSONDecodeError as e:
-        raise InvalidRequest(f"malformed JSON in request body: {e}") from None
-    if not isinstance(doc, dict):
-        raise InvalidRequest("request body must be a JSON object")
+    doc = json_object(header)
     raw_inputs = doc.get("inputs")
     if not isinstance(raw_inputs, list) or not raw_inputs:
         raise InvalidRequest("field 'inputs' must be a non-empty list")
