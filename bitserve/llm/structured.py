@@ -191,9 +191,21 @@ class Grammars:
         if error:
             raise GuideError(guide.field, error.strip().splitlines()[0][:300])
         matcher = LLMatcher(self.tokenizer, grammar)
-        if matcher.is_error():
-            raise GuideError(guide.field, matcher.get_error()[:300])
+        self._probe(guide, matcher)
         return matcher
+
+    def _probe(self, guide: Guide, matcher: Any) -> None:
+        """Take the grammar's first step on a copy: llguidance meets its own limits
+        (parser items, lexer size) only when it consumes a token, and a guide that does
+        is the caller's to fix (400), not a request failing inside a step (500)."""
+        probe = matcher.deep_copy()
+        if not probe.is_error():
+            allowed = unpack(mask_rows([probe], self.vocab_size), self.vocab_size)[0]
+            first = allowed.nonzero()
+            if len(first):
+                probe.consume_token(int(first[0]))
+        if probe.is_error():
+            raise GuideError(guide.field, probe.get_error().strip().splitlines()[0][:300])
 
 
 def mask_rows(matchers: list[Any], vocab_size: int) -> torch.Tensor:
@@ -209,12 +221,18 @@ def mask_rows(matchers: list[Any], vocab_size: int) -> torch.Tensor:
 _SHIFTS = torch.arange(32, dtype=torch.int32)
 
 
+def unpack(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[rows, words] int32 -> [rows, vocab_size] bool: bit t % 32 of word t // 32 allows
+    token t."""
+    return ((bitmask.unsqueeze(-1) >> _SHIFTS) & 1).bool().flatten(1)[:, :vocab_size]
+
+
 @torch.inference_mode()
 def apply_masks(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> None:
     """Refused tokens of `rows` to -inf, in place (the logits are inference tensors).
-    Bit t % 32 of word t // 32 allows token t; unpacked with two tensor ops (llguidance's
-    own helper goes through torch.compile's wrapper, which cost more than the work)."""
-    allowed = ((bitmask.unsqueeze(-1) >> _SHIFTS) & 1).bool().flatten(1)[:, : logits.shape[-1]]
+    Unpacked with two tensor ops: llguidance's own helper goes through torch.compile's
+    wrapper, which cost more than the work."""
+    allowed = unpack(bitmask, logits.shape[-1])
     index = torch.tensor(rows)
     picked = logits.index_select(0, index).masked_fill_(~allowed, float("-inf"))
     logits.index_copy_(0, index, picked)

@@ -168,6 +168,7 @@ def test_streamed_json_reassembles(client):
     jsonschema.validate(json.loads(text), spec)
 
 
+RECURSIVE = {"type": "object", "properties": {"c": {"$ref": "#/$defs/n"}}, "required": ["c"]}
 BAD = [
     (
         {
@@ -186,6 +187,13 @@ BAD = [
     ({"guided_grammar": 'root ::= "a" | missing'}, "guided_grammar"),
     ({"guided_json": "{not json"}, "guided_json"),
     ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_regex"),
+    # past llguidance's own limits at the first token (parser items, lexer size)
+    ({"guided_json": {"$defs": {"n": RECURSIVE}, "$ref": "#/$defs/n"}}, "guided_json"),
+    ({"guided_regex": "a{1000000}"}, "guided_regex"),
+    (
+        {"guided_grammar": "root ::= " + " | ".join(f'"w{i}"' for i in range(5000))},
+        "guided_grammar",
+    ),
 ]
 
 
