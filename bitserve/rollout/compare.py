@@ -61,7 +61,7 @@ def compare_outputs(
     """Per output present in both: the figures for its kind."""
     out = {}
     boxes = _box_output(primary, shadow, kinds)
-    skip = set(DETECTION_PARTS) if boxes else set()
+    skip = {boxes, *DETECTION_PARTS[1:]} if boxes else set()  # the box output as it is named
     if boxes:
         out[boxes] = box_agreement(_detections(primary, boxes), _detections(shadow, boxes))
     for name, a in primary.items():

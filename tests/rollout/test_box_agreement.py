@@ -48,3 +48,12 @@ def test_two_empty_answers_agree():
 def test_other_outputs_keep_their_comparison():
     figures = compare_outputs({"y": np.ones((1, 3))}, {"y": np.ones((1, 3))}, {})
     assert figures["y"]["cosine"] == pytest.approx(1.0)
+
+
+def test_a_box_output_declared_under_another_name_keeps_its_agreement():
+    def renamed(answer):
+        return {("bbox" if k == "boxes" else k): v for k, v in answer.items()}
+
+    a, b = renamed(_answer(A, [1, 2])), renamed(_answer(A[::-1], [2, 1]))
+    figures = compare_outputs(a, b, {"bbox": "boxes"})
+    assert figures == {"bbox": {"box_agreement": 1.0, "mean_iou": 1.0}}
