@@ -1,6 +1,6 @@
 """What structured outputs cost: 16 streams on tinylm, on the engine itself.
 
-    .venv/bin/python bench/structured.py [--rounds 3] [--tokens 96]
+    .venv/bin/python bench/structured.py [--rounds 3] [--tokens 96] [--model FOLDER]
 
 (a) 16 rows under a JSON schema against 16 free rows, output tokens per second;
 (b) 8 guided + 8 free rows in one batch against 16 free rows: the free rows' time per
@@ -90,9 +90,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=96)
+    parser.add_argument(
+        "--model", type=Path, default=ROOT / "models" / "tinylm" / "1", help="an LLM folder"
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
-    engine = LLMEngine(ROOT / "models" / "tinylm" / "1", guided_max_string=32)
+    engine = LLMEngine(args.model, guided_max_string=32)
     variants = {
         "free x16": [False] * 16,
         "json x16": [True] * 16,
