@@ -57,7 +57,7 @@ $(BENCH_VENV)/.installed: bench/requirements.txt pyproject.toml
 
 bench: $(BENCH_VENV)/.installed
 	$(BENCH_VENV)/bin/python tools/build_models.py --repository models
-	$(BENCH_VENV)/bin/python bench/batching.py $(BENCH_ARGS)
+	$(BENCH_VENV)/bin/python -m bench.batching $(BENCH_ARGS)
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .

@@ -13,7 +13,7 @@ engine steps on one core; the other cores serve HTTP and, here, the bench client
 the HTTP and admission costs. `--workers N` is what batch does with the machine: it has
 no HTTP to serve, so it runs one engine per core (data parallelism over processes).
 
-    .venv/bin/python bench/batch.py --requests 400 --concurrency 16,64,256 --workers 2
+    .venv/bin/python -m bench.batch --requests 400 --concurrency 16,64,256 --workers 2
 """
 
 from __future__ import annotations
@@ -30,10 +30,7 @@ from pathlib import Path
 
 import click
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from tests.conftest import Server  # noqa: E402 - a real `bitserve serve`, as tests start it
+from bench.server import ROOT, Server
 
 WORDS = [
     "and",
@@ -64,7 +61,7 @@ def dataset(n: int, seed: int, input_words: int, output_len: int) -> list[dict]:
 
 def online(repo: Path, data: Path, n: int, concurrency: str, work: Path, model: str) -> dict:
     """`bitserve bench` against `bitserve serve`; its best point by output tok/s."""
-    server = Server(repo)
+    server = Server.bitserve(repo).start()
     try:
         command = [sys.executable, "-m", "bitserve.cli", "bench", server.url, "--model", model]
         command += ["--api", "completions", "--dataset", str(data), "--num-requests", str(n)]

@@ -1,6 +1,6 @@
 """Dynamic batching benchmark: bitserve against its peers, on the same CPU, in one run.
 
-    .venv-bench/bin/python bench/batching.py [--duration 5] [--only minilm,mlp,noop]
+    .venv-bench/bin/python -m bench.batching [--duration 5] [--only minilm,mlp,noop]
         [--concurrency 1,8,64] [--quick]
 
 Every server runs as its own process pinned (with all its children) to the server core
@@ -29,8 +29,6 @@ import json
 import os
 import platform
 import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import threading
@@ -42,6 +40,7 @@ from typing import Any
 
 import numpy as np
 
+from bench.server import THREAD_ENV, Server, free_port
 from bitserve.bench import loadgen, metrics
 from bitserve.bench.client import build_request
 from bitserve.bench.workloads import Request
@@ -49,16 +48,6 @@ from bitserve.bench.workloads import Request
 ROOT = Path(__file__).resolve().parent.parent
 PEERS = ROOT / "bench" / "peers"
 RESULTS = ROOT / "bench" / "results" / "batching.json"
-THREAD_ENV = {
-    "OMP_NUM_THREADS": "1",
-    "MKL_NUM_THREADS": "1",
-    "OPENBLAS_NUM_THREADS": "1",
-    "TOKENIZERS_PARALLELISM": "false",
-    "HF_HUB_OFFLINE": "1",
-    "TRANSFORMERS_OFFLINE": "1",
-    "HF_HUB_DISABLE_PROGRESS_BARS": "1",
-    "PYTHONUNBUFFERED": "1",
-}
 # LitServe settings tried at the highest concurrency; the best (by req/s) is then measured
 # at every concurrency. (max_batch_size, batch_timeout s, workers_per_device, fast_queue)
 LITSERVE_GRID = [
@@ -77,8 +66,6 @@ LITSERVE_DEFAULT = (32, 0.005, 1, False)
 # swallowed (uvloop logs exceptions raised in protocol callbacks), so the loop polls this.
 STOP = threading.Event()
 CLIENT = "bitserve.bench"  # the load generator: bitserve/bench/loadgen.py
-
-sys.path.insert(0, str(ROOT / "bench"))  # for `peers.*`, imported lazily (they import torch)
 
 
 # ---------------------------------------------------------------- request bodies
@@ -194,97 +181,6 @@ def _round(v: float | None) -> float | None:
 
 
 # ---------------------------------------------------------------- servers
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    """A server under test: its own process session, pinned to the server core(s).
-
-    `start_new_session` puts the server and every child it spawns (LitServe's workers) in
-    one process group, so stopping the group leaves nothing behind, on errors and Ctrl-C
-    too. Affinity is set in the child before exec, so the children inherit it.
-    """
-
-    def __init__(self, name: str, cmd: list[str], port: int, ready_path: str, cfg):
-        self.name, self.cmd, self.port, self.ready_path, self.cfg = name, cmd, port, ready_path, cfg
-        self.proc: subprocess.Popen | None = None
-        fd, path = tempfile.mkstemp(prefix=f"bench-{name}-", suffix=".log")
-        os.close(fd)
-        self.log = Path(path)
-
-    def __enter__(self) -> Server:
-        cpus = self.cfg.server_cpus
-        with open(self.log, "wb") as log:
-            self.proc = subprocess.Popen(
-                self.cmd,
-                env={**os.environ, **THREAD_ENV},
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,
-                preexec_fn=lambda: os.sched_setaffinity(0, cpus),
-            )
-        try:
-            self.wait_ready(self.cfg.ready_timeout)
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
-
-    def wait_ready(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}\n{self.tail()}")
-            if http_get(self.port, self.ready_path) == 200:
-                return
-            time.sleep(0.25)
-        raise RuntimeError(f"{self.name} not ready after {timeout:.0f} s\n{self.tail()}")
-
-    def stop(self) -> None:
-        """SIGTERM the whole group, SIGKILL what is left after 10 s; drop the log."""
-        if self.proc is not None:
-            for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 5)):
-                if not group_alive(self.proc.pid):
-                    break
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(self.proc.pid, sig)
-                end = time.monotonic() + wait
-                while self.proc.poll() is None or group_alive(self.proc.pid):
-                    if time.monotonic() > end:
-                        break
-                    time.sleep(0.05)
-        self.log.unlink(missing_ok=True)
-
-    def tail(self, lines: int = 30) -> str:
-        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
-
-
-def group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-        return True
-    except (ProcessLookupError, PermissionError):
-        return False
-
-
-def http_get(port: int, path: str) -> int | None:
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
-    try:
-        conn.request("GET", path)
-        return conn.getresponse().status
-    except OSError:
-        return None
-    finally:
-        conn.close()
 
 
 def http_post(port: int, path: str, body: bytes) -> tuple[int, bytes]:
@@ -442,7 +338,8 @@ def mlp_repo(repo: Path) -> str:
         copy_model(src, repo)
         return "models/mlp"
     import torch
-    from peers.fastapi_mlp import build_mlp
+
+    from bench.peers.fastapi_mlp import build_mlp
 
     config = (src / "config.toml").read_text() if (src / "config.toml").exists() else MLP_CONFIG
     (repo / "mlp" / "1").mkdir(parents=True)
@@ -487,18 +384,25 @@ def pick_best(cfg, results: dict, model: str, label: str, candidates: list, make
     return max(tried, key=lambda t: t["rps"])["setting"]
 
 
+def pinned(cfg, name: str, cmd: list[str], port: int, ready: str) -> Server:
+    """A server under test, pinned to the server core(s) with the run's thread count."""
+    return Server(
+        name, cmd, port, ready, cpus=cfg.server_cpus, threads=cfg.threads, timeout=cfg.ready_timeout
+    )
+
+
 def peer(cfg, script: str, args: list[str], path: str, bodies: list[bytes], ready: str):
     port = free_port()
     cmd = [sys.executable, str(PEERS / script), "--port", str(port), *args]
     name = " ".join([script.removesuffix(".py"), *args]).replace("--", "")
-    return Server(name, cmd, port, ready, cfg), Target(port, path, bodies)
+    return pinned(cfg, name, cmd, port, ready), Target(port, path, bodies)
 
 
 def bitserve(cfg, label: str, repo: Path, model: str, bodies: list[bytes]):
     if not Path(cfg.bitserve).exists():
         raise RuntimeError(f"bitserve executable not found: {cfg.bitserve}")
     port = free_port()
-    server = Server(label, bitserve_cmd(cfg, repo, port), port, "/v2/health/ready", cfg)
+    server = pinned(cfg, label, bitserve_cmd(cfg, repo, port), port, "/v2/health/ready")
     return server, Target(port, f"/v2/models/{model}/infer", bodies, f"/v2/models/{model}/stats")
 
 
@@ -571,7 +475,7 @@ def inprocess_ceiling(cfg, texts: list[str], batch: int = 32) -> dict:
     Batch 32 is the ceiling a batching server can approach; batch 1 is what a server that
     runs requests one by one can reach, so their ratio is all that batching can give here.
     """
-    from peers.minilm_model import MiniLM
+    from bench.peers.minilm_model import MiniLM
 
     saved = os.sched_getaffinity(0)
     os.sched_setaffinity(0, cfg.server_cpus)
@@ -913,9 +817,9 @@ SUITES = {"client": suite_client, "minilm": suite_minilm, "mlp": suite_mlp, "noo
 
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_args(argv)
-    for key in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
-        THREAD_ENV[key] = str(cfg.threads)
-    os.environ.update(THREAD_ENV)  # this process too: the ceiling runs torch here
+    threads = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
+    # this process too: the ceiling runs torch here
+    os.environ.update(THREAD_ENV, **{k: str(cfg.threads) for k in threads})
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     os.sched_setaffinity(0, cfg.client_cpus)

@@ -1,7 +1,7 @@
 """Diffusion benchmark: classifier-free guidance batched, and step-level batching
 against one request at a time, on the same CPU, in one run.
 
-    .venv/bin/python bench/diffusion.py [--clients 16] [--requests 2] [--rounds 3]
+    .venv/bin/python -m bench.diffusion [--clients 16] [--requests 2] [--rounds 3]
         [--steps 30] [--rows 1,4,8,16,32] [--threads 1]
 
 (a) CFG cost, in process: at R rows, one guided step (the conditional and unconditional
@@ -25,11 +25,8 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
-import os
 import shutil
 import statistics
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -37,11 +34,9 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from bitserve.diffusion.evaluate import weights_path  # noqa: E402
-from bitserve.diffusion.unet import load_denoiser  # noqa: E402
+from bench.server import ROOT, Server
+from bitserve.diffusion.evaluate import weights_path
+from bitserve.diffusion.unet import load_denoiser
 
 RESULTS = ROOT / "bench" / "results" / "diffusion.json"
 
@@ -121,27 +116,6 @@ def repository(model_dir: Path, into: Path) -> Path:
     return repo
 
 
-def serve(repo: Path, port: int, threads: int) -> subprocess.Popen:
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1")
-    command = [sys.executable, "-m", "bitserve.cli", "serve", "--repository", str(repo)]
-    command += ["--port", str(port), "--threads", str(threads)]
-    process = subprocess.Popen(
-        command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env
-    )
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        try:
-            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=1)
-            conn.request("GET", "/v2/health/ready")
-            if conn.getresponse().status == 200:
-                return process
-        except OSError:
-            pass
-        time.sleep(0.2)
-    process.kill()
-    raise RuntimeError("server not ready in 120 s")
-
-
 def infer_body(label: int, seed: int, steps: int, scale: float) -> bytes:
     def tensor(name, datatype, value):
         return {"name": name, "datatype": datatype, "shape": [1, 1], "data": [value]}
@@ -207,22 +181,23 @@ def serving(args: argparse.Namespace) -> list[dict]:
     machine falls on both alike."""
     with tempfile.TemporaryDirectory() as tmp:
         repo = repository(args.model, Path(tmp))
-        process = serve(repo, args.port, args.threads)
+        server = Server.bitserve(repo, threads=args.threads).start()
         runs: dict[str, list[dict]] = {"digits_serial": [], "digits": []}
         try:
             for model in runs:
-                load(args.port, model, 2, 1, 5, args.scale)  # warm the HTTP path
+                load(server.port, model, 2, 1, 5, args.scale)  # warm the HTTP path
             for round_ in range(args.rounds):
                 for model, done in runs.items():
                     done.append(
-                        load(args.port, model, args.clients, args.requests, args.steps, args.scale)
+                        load(
+                            server.port, model, args.clients, args.requests, args.steps, args.scale
+                        )
                     )
                     rate = len(done[-1]["latencies"]) / done[-1]["seconds"]
                     print(f"  round {round_ + 1} {model}: {rate:.2f} images/s", flush=True)
-            engines = {model: engine_metrics(args.port, model) for model in runs}
+            engines = {model: engine_metrics(server.port, model) for model in runs}
         finally:
-            process.terminate()
-            process.wait(10)
+            server.stop()
         return [{**summary(model, done), **engines[model]} for model, done in runs.items()]
 
 
@@ -261,7 +236,6 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--scale", type=float, default=3.0)
     parser.add_argument("--threads", type=int, default=1, help="torch threads, here and served")
-    parser.add_argument("--port", type=int, default=8797)
     parser.add_argument("--skip-serving", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)

@@ -1,6 +1,6 @@
 """LLM serving: bitserve against llama.cpp's server, same weights, same load, one run.
 
-    .venv-bench/bin/python bench/llm_serving.py [--quant int8] [--requests 64]
+    .venv-bench/bin/python -m bench.llm_serving [--quant int8] [--requests 64]
 
 The random-weight Llama-shaped model of bench/llm_throughput.py (hidden 512, 8 layers,
 vocab 32000, 58M parameters) gets a 32000-piece SentencePiece BPE tokenizer trained
@@ -27,15 +27,12 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
-import urllib.request
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from bench.server import ROOT, Server
+
 RESULTS = ROOT / "bench" / "results" / "llm_serving"
 BUILD_LLAMA = ROOT / "bench" / "peers" / "build_llama_server.sh"
-sys.path.insert(0, str(ROOT / "bench"))
-sys.path.insert(0, str(ROOT / "tools"))
 
 LLM_CONFIG = """\
 backend = "llm"
@@ -52,8 +49,9 @@ def train_tokenizer(folder: Path) -> None:
     </s>=2) trained on the KJV training text, saved as tokenizer.model (for llama.cpp's
     converter) and tokenizer.json (for transformers, which bitserve loads)."""
     import sentencepiece as spm
-    from corpus import load_kjv
     from transformers import AutoTokenizer
+
+    from tools.corpus import load_kjv
 
     text = load_kjv().training_text()
     spm.SentencePieceTrainer.train(
@@ -70,7 +68,7 @@ def train_tokenizer(folder: Path) -> None:
 
 def build(folder: Path, src: Path, quant: str) -> tuple[Path, Path]:
     """The HF folder (weights + tokenizer) at folder/hf and its GGUF (f32 or q8_0)."""
-    from llm_throughput import build_model
+    from bench.llm_throughput import build_model
 
     hf = folder / "hf"
     build_model(hf)
@@ -100,42 +98,6 @@ def llama_server(path: str | None) -> tuple[Path, Path]:
     return binary, binary.parent.parent.parent / "src"
 
 
-def start(
-    cmd: list[str], ready_url: str, log: Path, cpus: set[int], timeout: float = 300
-) -> subprocess.Popen:
-    env = dict(os.environ, OMP_NUM_THREADS=str(len(cpus)))
-    proc = subprocess.Popen(
-        cmd,
-        stdout=log.open("w"),
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-        env=env,
-        preexec_fn=lambda: os.sched_setaffinity(0, cpus),
-    )
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{cmd[0]} exited:\n{log.read_text()[-3000:]}")
-        try:
-            with urllib.request.urlopen(ready_url, timeout=2) as r:
-                if r.status == 200:
-                    return proc
-        except OSError:
-            time.sleep(0.5)
-    stop(proc)
-    raise RuntimeError(f"{ready_url} not ready in {timeout:.0f} s")
-
-
-def stop(proc: subprocess.Popen) -> None:
-    import signal
-
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(20)
-    except (ProcessLookupError, subprocess.TimeoutExpired):
-        os.killpg(proc.pid, signal.SIGKILL)
-
-
 def bench(url: str, model: str, out: Path, cfg) -> dict:
     """`bitserve bench` with the issue's load; returns its result.json."""
     args = [
@@ -150,19 +112,18 @@ def bench(url: str, model: str, out: Path, cfg) -> dict:
     return json.loads((out / "result.json").read_text())["points"][0]
 
 
-def serve_and_bench(name: str, cmd: list[str], ready: str, url: str, model: str, cfg) -> dict:
-    log = RESULTS / f"{name}.log"
-    log.parent.mkdir(parents=True, exist_ok=True)
+def serve_and_bench(server: Server, model: str, cfg) -> dict:
+    """Start `server`, run the load against it, stop it; {"error": ...} when it fails."""
     try:
-        proc = start(cmd, ready, log, cfg.server_cpus)
+        server.start()
     except RuntimeError as e:
         return {"error": str(e)}
     try:
-        return bench(url, model, RESULTS / name, cfg)
+        return bench(server.url, model, RESULTS / server.name, cfg)
     except subprocess.CalledProcessError as e:
-        return {"error": f"bench failed: {e}"}
+        return {"error": f"bench failed: {e}\n{server.tail()}"}
     finally:
-        stop(proc)
+        server.stop()
 
 
 def goals(b: dict, ll: dict, quant: str) -> list[str]:
@@ -209,14 +170,9 @@ def main() -> int:
         ll_cmd += ["--threads", threads, "--threads-batch", threads, "--parallel"]
         ll_cmd += [str(cfg.concurrency), "--cont-batching", "--ctx-size"]
         ll_cmd += [str(cfg.concurrency * 256), "--no-webui"]
-        b = serve_and_bench(
-            "bitserve", bs_cmd, f"http://127.0.0.1:{bs_port}/v2/health/ready",
-            f"http://127.0.0.1:{bs_port}", "llama", cfg,
-        )  # fmt: skip
-        ll = serve_and_bench(
-            "llamacpp", ll_cmd, f"http://127.0.0.1:{ll_port}/health",
-            f"http://127.0.0.1:{ll_port}", "llama", cfg,
-        )  # fmt: skip
+        pin = {"cpus": cfg.server_cpus, "threads": len(cfg.server_cpus)}
+        b = serve_and_bench(Server("bitserve", bs_cmd, bs_port, **pin), "llama", cfg)
+        ll = serve_and_bench(Server("llamacpp", ll_cmd, ll_port, "/health", **pin), "llama", cfg)
     if "error" not in b and "error" not in ll:
         a, c = RESULTS / "llamacpp" / "result.json", RESULTS / "bitserve" / "result.json"
         subprocess.run([sys.executable, "-m", "bitserve.cli", "bench", "compare", str(a), str(c)])

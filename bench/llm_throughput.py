@@ -1,6 +1,6 @@
 """Offline LLM throughput: bitserve's engine against transformers' static batching.
 
-    .venv/bin/python bench/llm_throughput.py [--quick] [--threads 1]
+    .venv/bin/python -m bench.llm_throughput [--quick] [--threads 1]
 
 A random-weight Llama-shaped model (~58M parameters: hidden 512, 8 layers, 8 heads,
 intermediate 1408, vocab 32000) is built from a config into a temp dir. 256 requests
@@ -39,8 +39,6 @@ from pathlib import Path
 from statistics import median
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bitserve.llm.engine import LLMEngine
 from bitserve.llm.sampling_params import SamplingParams

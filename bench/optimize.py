@@ -1,8 +1,8 @@
 """Speeding up the detector: every `bitserve optimize` technique against the teacher,
 in one run, then the variants served through v2.
 
-    .venv/bin/python bench/optimize.py [--quick] [--report models/detector/report]
-    .venv/bin/python bench/optimize.py --served-only --report models/detector/report
+    .venv/bin/python -m bench.optimize [--quick] [--report models/detector/report]
+    .venv/bin/python -m bench.optimize --served-only --report models/detector/report
 
 1. Copies models/detector (config and teacher.safetensors) into build/optimize-bench,
    exports the teacher as version 1, and runs `bitserve optimize`'s own `optimize()`:
@@ -31,20 +31,16 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tools"))
-
-from bitserve.bench import loadgen  # noqa: E402
-from bitserve.bench.workloads import Request  # noqa: E402
-from bitserve.optimize import report  # noqa: E402
-from bitserve.optimize.run import OptimizeConfig, optimize  # noqa: E402
-from bitserve.vision import data  # noqa: E402
-from tests.conftest import Server  # noqa: E402 - a real `bitserve serve`, as tests start it
+from bench.server import ROOT, Server
+from bitserve.bench import loadgen
+from bitserve.bench.workloads import Request
+from bitserve.optimize import report
+from bitserve.optimize.run import OptimizeConfig, optimize
+from bitserve.vision import data
 
 
 def prepare(work: Path) -> Path:
-    from build_models import build
+    from tools.build_models import build
 
     if work.exists():
         shutil.rmtree(work)
@@ -97,7 +93,7 @@ def served(repository: Path, versions: dict[str, int], best: str, seconds: float
     import httpx
     import tritonclient.http as triton
 
-    server = Server(repository)
+    server = Server.bitserve(repository).start()
     url = server.url.removeprefix("http://")
     images = [c.image[None, ..., None] for c in data.heldout(64)]
     try:

@@ -1,6 +1,6 @@
 """Quantization: weight memory and decode speed of fp32, bf16, int8, int4 in one run.
 
-    .venv/bin/python bench/quant.py [--quick] [--threads 1] [--tokens 64]
+    .venv/bin/python -m bench.quant [--quick] [--threads 1] [--tokens 64]
 
 The 58M random Llama-shaped benchmark model of bench/llm_throughput.py (hidden 512,
 8 layers, vocab 32000, untied embeddings) is built into a temp dir, then quantized
@@ -27,8 +27,6 @@ import time
 from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.llm_throughput import SHAPE, build_model
 from bitserve.llm.config import EngineConfig

@@ -1,7 +1,7 @@
 """Data-parallel scaling: throughput of 1 against 2 Ray replicas of a model that is
 compute-bound on one core each, in one run.
 
-    .venv/bin/python bench/scale.py [--duration 20] [--concurrency 32] [--work 1600]
+    .venv/bin/python -m bench.scale [--duration 20] [--concurrency 32] [--work 1600]
 
 The model is a torch MLP (python backend, one torch thread per replica): each request
 is 8 floats in and out, and the work is `--work` passes through a 512x512 layer per
@@ -33,11 +33,9 @@ import textwrap
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "bench" / "results" / "scale.json"
-sys.path.insert(0, str(ROOT))
+from bench.server import ROOT, Server
 
-from tests.conftest import Server  # noqa: E402 - the test suite's server runner
+RESULTS = ROOT / "bench" / "results" / "scale.json"
 
 GOAL = 1.7
 HIDDEN = 512
@@ -196,14 +194,14 @@ def main() -> None:
             for replicas in (1, 2):
                 repository = write_repository(Path(tmp), replicas, args.work)
                 started = time.perf_counter()
-                server = Server(repository, "--ray", address)
+                server = Server.bitserve(repository, "--ray", address).start()
                 print(f"{replicas} replica(s) ready in {time.perf_counter() - started:.1f} s")
                 try:
                     started = time.perf_counter()
                     point = bench_point(server.url, args, Path(tmp) / f"report{replicas}")
                     print(f"measured in {time.perf_counter() - started:.1f} s", flush=True)
                     if point["failed"]:
-                        print(f"errors: {point['errors']}\nserver log:\n{server.log.read_text()}")
+                        print(f"errors: {point['errors']}\nserver log:\n{server.tail(200)}")
                 finally:
                     server.stop()
                 points[replicas] = point

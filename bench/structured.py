@@ -1,6 +1,6 @@
 """What structured outputs cost: 16 streams on tinylm, on the engine itself.
 
-    .venv/bin/python bench/structured.py [--rounds 3] [--tokens 96] [--model FOLDER]
+    .venv/bin/python -m bench.structured [--rounds 3] [--tokens 96] [--model FOLDER]
 
 (a) 16 rows under a JSON schema against 16 free rows, output tokens per second;
 (b) 8 guided + 8 free rows in one batch against 16 free rows: the free rows' time per
