@@ -46,6 +46,9 @@ class TensorSpec(_Strict):
     # The values the model can take, both ends inclusive (token ids below the vocabulary
     # size): a request outside gets a 400 before it can fail the batch it would join.
     value_range: tuple[float, float] | None = None
+    # An output's class names, one per line, in a file of the model's folder (Triton's
+    # label_filename): the classification extension answers "score:index:label".
+    labels: str | None = None
 
     @model_validator(mode="after")
     def _check(self) -> TensorSpec:
@@ -304,6 +307,8 @@ class ModelConfig(_Strict):
         masks = {t.mask for t in self.input if t.mask}
         if masks & {t.name for t in self.input}:
             raise ValueError(f"mask names {sorted(masks)} collide with declared inputs")
+        if any(t.labels for t in self.input):
+            raise ValueError("labels name an output's classes; an input has none")
         if any(t.ragged for t in self.input) and self.max_batch_size == 0:
             raise ValueError("ragged inputs need max_batch_size > 0")
         for w in self.model_warmup:
@@ -345,10 +350,14 @@ def load_config(path: Path) -> ModelConfig:
             f"{path.parent.name!r}"
         )
     try:
-        return ModelConfig.model_validate(raw)
+        config = ModelConfig.model_validate(raw)
     except ValidationError as e:
         problems = "; ".join(
             f"field '{'.'.join(str(p) for p in err['loc']) or '(root)'}': {err['msg']}"
             for err in e.errors()
         )
         raise ConfigError(f"{path}: {problems}") from None
+    for i, spec in enumerate(config.output):
+        if spec.labels is not None and not (path.parent / spec.labels).is_file():
+            raise ConfigError(f"{path}: field 'output.{i}.labels': no file {spec.labels!r}")
+    return config

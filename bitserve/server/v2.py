@@ -23,12 +23,19 @@ from bitserve import __version__
 from bitserve.inference import ClientGone, InvalidRequest
 from bitserve.repository.repository import ModelNotFound, ModelUnavailable
 from bitserve.repository.version import ModelVersion, Ticket
+from bitserve.server import classification
 from bitserve.server.errors import BodyTooLarge, handle, reason_of, status_of
 from bitserve.server.http import json_response, pinned_version, until_disconnect
 from bitserve.server.state import ServerState
 from bitserve.server.v2_protocol import HEADER_LENGTH, encode_response, parse_infer
 
-EXTENSIONS = ["binary_tensor_data", "model_configuration", "statistics", "model_repository"]
+EXTENSIONS = [
+    "binary_tensor_data",
+    "classification",
+    "model_configuration",
+    "statistics",
+    "model_repository",
+]
 
 
 def routes(state: ServerState) -> list[Route]:
@@ -163,8 +170,9 @@ class V2:
             ticket = version.start(parsed)
             gone = ClientGone("client disconnected")
             outputs = await until_disconnect(http, ticket.result, lambda: ticket.cancel(gone))
+            answer = classification.apply(version, parsed, outputs)
             payload, json_length = encode_response(
-                version.config.name, version.version, parsed, outputs
+                version.config.name, version.version, parsed, answer
             )
             status = 200
         except asyncio.CancelledError:  # the client left while an LLM generated for it

@@ -18,6 +18,7 @@ import orjson
 from bitserve.batching.collate import shape_key
 from bitserve.inference import InferRequest, InvalidRequest
 from bitserve.repository.config import ModelConfig, TensorSpec
+from bitserve.server.classification import top_k
 from bitserve.server.http import json_object
 from bitserve.tensors import DATATYPES, TensorError, from_binary, from_json, to_binary, to_json
 
@@ -33,7 +34,7 @@ def parse_infer(config: ModelConfig, body: bytes, header_length: int | None) -> 
     params = _params(doc, "request")
     inputs = _read_inputs(config, raw_inputs, binary)
     rows = _check_inputs(config, inputs)
-    outputs, choices = _read_outputs(config, doc.get("outputs"), params)
+    outputs, choices, classes = _read_outputs(config, doc.get("outputs"), params)
     request_id = doc.get("id")
     if request_id is not None and not isinstance(request_id, str):
         raise InvalidRequest("field 'id' must be a string")
@@ -44,6 +45,7 @@ def parse_infer(config: ModelConfig, body: bytes, header_length: int | None) -> 
         id=request_id,
         outputs=outputs,
         binary=choices,
+        classification=classes,
         priority=_int_param(params, "priority"),
         timeout_us=_int_param(params, "timeout"),
     )
@@ -171,14 +173,16 @@ def _check_inputs(config: ModelConfig, inputs: dict[str, np.ndarray]) -> int:
     return next(iter(rows.values()))
 
 
-def _read_outputs(config: ModelConfig, raw: Any, params: dict) -> tuple[list[str], dict[str, bool]]:
+def _read_outputs(
+    config: ModelConfig, raw: Any, params: dict
+) -> tuple[list[str], dict[str, bool], dict[str, int]]:
     default_binary = bool(params.get("binary_data_output", False))
     declared = [t.name for t in config.output]
     if raw is None:
-        return declared, dict.fromkeys(declared, default_binary)
+        return declared, dict.fromkeys(declared, default_binary), {}
     if not isinstance(raw, list):
         raise InvalidRequest("field 'outputs' must be a list")
-    names, choices = [], {}
+    names, choices, classes = [], {}, {}
     for item in raw:
         if not isinstance(item, dict) or not isinstance(item.get("name"), str):
             raise InvalidRequest("each entry of 'outputs' must be an object with a 'name'")
@@ -186,8 +190,11 @@ def _read_outputs(config: ModelConfig, raw: Any, params: dict) -> tuple[list[str
         if name not in declared:
             raise InvalidRequest(f"unknown output '{name}'; model '{config.name}' has {declared}")
         names.append(name)
-        choices[name] = bool(_params(item, f"output '{name}'").get("binary_data", default_binary))
-    return names, choices
+        asked = _params(item, f"output '{name}'")
+        choices[name] = bool(asked.get("binary_data", default_binary))
+        if "classification" in asked:  # Triton's classification extension
+            classes[name] = top_k(asked["classification"], name)
+    return names, choices, classes
 
 
 def encode_response(
