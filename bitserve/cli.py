@@ -83,7 +83,13 @@ def main() -> None:
 @click.option("--host", default="127.0.0.1", show_default=True, help="Bind address.")
 @click.option("--port", default=8000, show_default=True, type=int)
 @click.option(
-    "--max-body-size", default="64MiB", show_default=True, help="Bigger request bodies get 413."
+    "--grpc-port", default=8001, show_default=True, type=int, help="v2 gRPC port (0: none)."
+)
+@click.option(
+    "--max-body-size",
+    default="64MiB",
+    show_default=True,
+    help="Bigger request bodies get 413, bigger gRPC messages RESOURCE_EXHAUSTED.",
 )
 @click.option("--threads", default=0, type=int, help="torch intra-op threads (0: default).")
 @click.option(
@@ -132,6 +138,7 @@ def serve(
     repository_path: Path,
     host: str,
     port: int,
+    grpc_port: int,
     max_body_size: str,
     threads: int,
     model_control: str,
@@ -163,6 +170,7 @@ def serve(
         log_file = open(access_log, "a", buffering=1)  # noqa: SIM115 - lives as long as serve
     options = ServerOptions(
         max_body=_size(max_body_size),
+        grpc_address=f"{host}:{grpc_port}" if grpc_port else None,
         admin_token=admin_token or None,
         model_control=model_control,
         startup_models=list(load_model) if model_control == "explicit" else None,

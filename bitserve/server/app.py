@@ -20,7 +20,7 @@ from starlette.routing import Router
 
 from bitserve.metrics import Metrics
 from bitserve.repository.repository import Repository
-from bitserve.server import admin, generate, health, images, openai, startup, v2
+from bitserve.server import admin, generate, grpc_server, health, images, openai, startup, v2
 from bitserve.server import metrics as server_metrics
 from bitserve.server.http import error
 from bitserve.server.state import ServerOptions, ServerState
@@ -58,6 +58,7 @@ def create_app(
     @contextlib.asynccontextmanager
     async def lifespan(_: Any) -> AsyncIterator[None]:
         tasks = [asyncio.create_task(health.Health(state).watchdog())]
+        tasks += await grpc_server.start(state)  # the v2 gRPC service, when asked for
         if load:
             loading = asyncio.create_task(startup.load(repository, options))
             loading.add_done_callback(_log_failure)

@@ -25,7 +25,8 @@ DEFAULT_MAX_BODY = 64 * 1024 * 1024  # Triton's --http-max-input-size
 
 @dataclass
 class ServerOptions:
-    max_body: int = DEFAULT_MAX_BODY
+    max_body: int = DEFAULT_MAX_BODY  # HTTP bodies and gRPC messages alike
+    grpc_address: str | None = None  # HOST:PORT of the v2 gRPC service (grpc_server.py)
     admin_token: str | None = None  # repository management is off without one
     model_control: str = "none"  # none | explicit | poll
     startup_models: list[str] | None = None  # explicit: what to load at start (None: all)

@@ -1,0 +1,504 @@
+"""The v2 protocol over gRPC: KServe's GRPCInferenceService with the Triton additions
+that tritonclient.grpc calls, and the standard grpc.health.v1 service for probes.
+
+It runs in the HTTP server's process and event loop (grpcio's asyncio server), over the
+same `ServerState`: the repository, the batchers, the traffic policies, the metrics and
+the drain. Infer takes the one request path (`ModelVersion.start`), as HTTP does:
+
+- a client deadline becomes the request's queue timeout, so a request whose deadline
+  passes while it waits is dropped by the batcher and never runs;
+- a call the client cancels (or whose deadline passes) takes its request off the queue;
+  an LLM generation it started stops, and its KV blocks go back to the pool;
+- errors become status codes through errors.py (grpc_protocol.code_of), the message
+  naming the field; an error that says when to come back sends `retry-after` metadata.
+
+ModelStreamInfer serves each request of the stream as it comes, concurrently; an LLM
+model answers token by token (Triton's decoupled models; `"stream": false` in its
+sampling_parameters asks for one response), every other model with one response. A
+request that fails sends `error_message` and the stream goes on. When a request sets
+`triton_enable_empty_final_response`, its responses carry `triton_final_response` and
+an LLM's last one is empty, as Triton's.
+
+Repository load and unload need the admin token as `authorization: Bearer <token>` call
+metadata, as admin.py's HTTP routes do. Message sizes are capped by --max-body-size.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import hmac
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import grpc
+import numpy as np
+import orjson
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+
+from bitserve import __version__
+from bitserve.backends.llm import sampling
+from bitserve.inference import ClientGone, InvalidRequest
+from bitserve.repository.repository import ModelNotFound, ModelUnavailable
+from bitserve.repository.version import ModelVersion
+from bitserve.server import classification
+from bitserve.server.errors import (
+    EXPECTED,
+    Forbidden,
+    Unauthorized,
+    headers_of,
+    reason_of,
+    status_of,
+)
+from bitserve.server.grpc_protocol import code_of, encode_response, parse_infer
+from bitserve.server.proto import grpc_service_pb2 as pb
+from bitserve.server.proto import grpc_service_pb2_grpc as pb_grpc
+from bitserve.server.state import ServerState
+
+log = logging.getLogger("bitserve.server")
+
+SERVICE = "inference.GRPCInferenceService"
+EXTENSIONS = ["classification", "model_configuration", "statistics", "model_repository"]
+HEALTH_PERIOD_S = 0.25  # as health.py's watchdog
+GRACE_S = 5.0
+FINAL = "triton_final_response"
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+async def start(state: ServerState) -> list[asyncio.Task]:
+    """Bind and start the gRPC server when the options ask for one; the task it returns
+    keeps the health service current and stops the server when cancelled. A port that
+    cannot be bound fails here, so `bitserve serve` fails at start."""
+    address = state.options.grpc_address
+    if not address:
+        return []
+    limit = state.options.max_body
+    server = grpc.aio.server(
+        options=[
+            ("grpc.max_receive_message_length", limit),
+            ("grpc.max_send_message_length", limit),
+        ]
+    )
+    pb_grpc.add_GRPCInferenceServiceServicer_to_server(Service(state), server)
+    health = HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    server.add_insecure_port(address)
+    await server.start()
+    log.info("gRPC on %s", address)
+    return [asyncio.create_task(_run(server, health, state))]
+
+
+async def _run(server: grpc.aio.Server, health: HealthServicer, state: ServerState) -> None:
+    try:
+        while True:
+            ready = not state.draining and state.repository.not_ready_reason() is None
+            for service in ("", SERVICE):
+                await health.set(service, SERVING if ready else NOT_SERVING)
+            for name in list(state.repository.models):
+                await health.set(name, SERVING if ready and _ready(state, name) else NOT_SERVING)
+            await asyncio.sleep(HEALTH_PERIOD_S)
+    finally:
+        await health.enter_graceful_shutdown()
+        await server.stop(GRACE_S)
+
+
+def _ready(state: ServerState, model: str, version: str | None = None) -> bool:
+    try:
+        state.repository.get(model, version)
+    except (ModelNotFound, ModelUnavailable):
+        return False
+    return not state.draining
+
+
+def rpc(method: Callable) -> Callable:
+    """A unary method whose exceptions end the call with their status code."""
+
+    @functools.wraps(method)
+    async def wrapped(self: Service, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            return await method(self, request, context)
+        except Exception as exc:
+            await _abort(context, exc)
+
+    return wrapped
+
+
+async def _abort(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
+    code = code_of(exc)
+    if code == grpc.StatusCode.INTERNAL and not isinstance(exc, EXPECTED):
+        log.exception("internal error on a gRPC call", exc_info=exc)
+    metadata = tuple((k.lower(), v) for k, v in (headers_of(exc) or {}).items())
+    await context.abort(code, _message(exc), metadata)
+
+
+def _message(exc: BaseException) -> str:
+    if status_of(exc) == 500:
+        return f"{type(exc).__name__}: {exc}"
+    return str(exc) or type(exc).__name__
+
+
+class Service(pb_grpc.GRPCInferenceServiceServicer):
+    def __init__(self, state: ServerState):
+        self.state = state
+        self.repository = state.repository
+
+    # ---------------------------------------------------------------- health
+
+    @rpc
+    async def ServerLive(self, request: Any, context: Any) -> pb.ServerLiveResponse:
+        versions = [v for e in self.repository.models.values() for v in e.versions.values()]
+        return pb.ServerLiveResponse(live=not any(v.problem() for v in versions))
+
+    @rpc
+    async def ServerReady(self, request: Any, context: Any) -> pb.ServerReadyResponse:
+        reason = self.repository.not_ready_reason()
+        return pb.ServerReadyResponse(ready=not self.state.draining and reason is None)
+
+    @rpc
+    async def ModelReady(self, request: Any, context: Any) -> pb.ModelReadyResponse:
+        ready = _ready(self.state, request.name, request.version or None)
+        return pb.ModelReadyResponse(ready=ready)
+
+    # -------------------------------------------------------------- metadata
+
+    @rpc
+    async def ServerMetadata(self, request: Any, context: Any) -> pb.ServerMetadataResponse:
+        return pb.ServerMetadataResponse(
+            name="bitserve", version=__version__, extensions=EXTENSIONS
+        )
+
+    @rpc
+    async def ModelMetadata(self, request: Any, context: Any) -> pb.ModelMetadataResponse:
+        version = self.repository.get(request.name, request.version or None)
+        config = version.config
+        entry = self.repository.entry(config.name)
+        tensor = pb.ModelMetadataResponse.TensorMetadata
+        return pb.ModelMetadataResponse(
+            name=config.name,
+            versions=[str(n) for n, v in sorted(entry.versions.items()) if v.ready],
+            platform=version.platform,
+            inputs=[
+                tensor(name=t.name, datatype=t.datatype, shape=config.full_shape(t))
+                for t in config.input
+            ],
+            outputs=[
+                tensor(name=t.name, datatype=t.datatype, shape=config.full_shape(t))
+                for t in config.output
+            ],
+        )
+
+    @rpc
+    async def ModelConfig(self, request: Any, context: Any) -> pb.ModelConfigResponse:
+        version = self.repository.get(request.name, request.version or None)
+        return pb.ModelConfigResponse(config=_config(version))
+
+    @rpc
+    async def ModelStatistics(self, request: Any, context: Any) -> pb.ModelStatisticsResponse:
+        if request.name:
+            self.repository.entry(request.name)
+        stats = []
+        for name, entry in sorted(self.repository.models.items()):
+            if request.name and name != request.name:
+                continue
+            for number, version in sorted(entry.versions.items()):
+                if request.version and str(number) != request.version:
+                    continue
+                if version.batcher is not None:
+                    stats.append(_stats(name, number, version))
+        return pb.ModelStatisticsResponse(model_stats=stats)
+
+    # ------------------------------------------------------------ repository
+
+    @rpc
+    async def RepositoryIndex(self, request: Any, context: Any) -> pb.RepositoryIndexResponse:
+        self._admin(context)
+        models = [
+            pb.RepositoryIndexResponse.ModelIndex(**m)
+            for m in self.repository.index()
+            if not request.ready or m["state"] == "READY"
+        ]
+        return pb.RepositoryIndexResponse(models=models)
+
+    @rpc
+    async def RepositoryModelLoad(self, request: Any, context: Any) -> Any:
+        self._admin(context, change=True)
+        if request.parameters:
+            raise InvalidRequest(
+                f"load parameters {sorted(request.parameters)} are not supported: edit "
+                "config.toml and the version folders, then load"
+            )
+        await self.repository.load_model(request.model_name)
+        return pb.RepositoryModelLoadResponse()
+
+    @rpc
+    async def RepositoryModelUnload(self, request: Any, context: Any) -> Any:
+        self._admin(context, change=True)
+        await self.repository.unload_model(request.model_name)
+        return pb.RepositoryModelUnloadResponse()
+
+    def _admin(self, context: Any, change: bool = False) -> None:
+        """admin.py's guard, with the token in the call's metadata."""
+        token = self.state.options.admin_token
+        if not token:
+            raise Forbidden("repository management is off: start with --admin-token")
+        given = dict(context.invocation_metadata() or ()).get("authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
+            raise Unauthorized("missing or wrong admin token")
+        if change and self.state.options.model_control == "none":
+            raise Forbidden("model control mode is 'none': start with --model-control explicit")
+        if change and self.state.draining:
+            raise Forbidden("server is draining")
+
+    # ----------------------------------------------------------------- infer
+
+    @rpc
+    async def ModelInfer(self, request: pb.ModelInferRequest, context: Any) -> Any:
+        self.state.enter()
+        try:
+            version, route = await self._route(request)
+            return await self._infer(version, route, request, context)
+        finally:
+            self.state.leave()
+
+    async def _route(self, request: pb.ModelInferRequest) -> tuple[ModelVersion, Any]:
+        if not request.model_name:
+            raise InvalidRequest("field 'model_name' is required")
+        await self.repository.ensure_loaded(request.model_name)
+        # no await from here to the queue (v2.py's infer says why)
+        return self.state.route_model(request.model_name, request.model_version or None)
+
+    async def _infer(
+        self, version: ModelVersion, route: Any, request: pb.ModelInferRequest, context: Any
+    ) -> pb.ModelInferResponse:
+        """v2.py's `_infer` for gRPC: the same metrics and rollout statistics."""
+        labels = (version.config.name, str(version.version))
+        version.m["inflight"].inc()
+        started = time.perf_counter()
+        status, parsed, outputs = 500, None, None
+        try:
+            parsed = parse_infer(version.config, request, context.time_remaining())
+            ticket = version.start(parsed)
+            try:
+                outputs = await ticket.result
+            except asyncio.CancelledError:  # the client cancelled, or its deadline passed
+                ticket.cancel(ClientGone("the client cancelled the call"))
+                raise
+            answer = classification.apply(version, parsed, outputs)
+            response = encode_response(labels[0], version.version, parsed, answer)
+            status = 200
+        except asyncio.CancelledError:
+            status = 499
+            raise
+        except Exception as exc:
+            status = status_of(exc)
+            self.state.metrics.failure.labels(*labels, reason_of(exc)).inc()
+            raise
+        finally:
+            version.m["inflight"].dec()
+            seconds = time.perf_counter() - started
+            version.m["duration"].observe(seconds)
+            if route is not None:
+                route.finish(status, seconds, parsed, outputs)
+        version.m["success"].inc()
+        return response
+
+    # ---------------------------------------------------------------- stream
+
+    async def ModelStreamInfer(
+        self, requests: AsyncIterator[pb.ModelInferRequest], context: Any
+    ) -> AsyncIterator[pb.ModelStreamInferResponse]:
+        """Each request runs in its own task as soon as it is read; their responses
+        meet in one queue, with a marker when the reading or a request is done."""
+        out: asyncio.Queue = asyncio.Queue()
+        tasks: set[asyncio.Task] = set()
+
+        async def read() -> None:
+            try:
+                async for request in requests:
+                    task = asyncio.create_task(self._stream_one(request, context, out))
+                    tasks.add(task)
+                    task.add_done_callback(lambda t: (tasks.discard(t), out.put_nowait(DONE)))
+            finally:
+                out.put_nowait(READ)
+
+        reader = asyncio.create_task(read())
+        try:
+            reading = True
+            while reading or tasks:
+                item = await out.get()
+                if item is READ:
+                    reading = False
+                elif item is not DONE:
+                    yield item
+            while not out.empty():  # responses put after the last marker was read
+                if (item := out.get_nowait()) not in (READ, DONE):
+                    yield item
+            reader.result()  # a broken request stream ends the call with its error
+        finally:
+            for task in (reader, *tasks):
+                task.cancel()
+
+    async def _stream_one(
+        self, request: pb.ModelInferRequest, context: Any, out: asyncio.Queue
+    ) -> None:
+        final = _bool_param(request, "triton_enable_empty_final_response")
+
+        def send(response: pb.ModelInferResponse) -> None:
+            out.put_nowait(pb.ModelStreamInferResponse(infer_response=response))
+
+        try:
+            self.state.enter()
+        except Exception as exc:
+            return out.put_nowait(pb.ModelStreamInferResponse(error_message=_message(exc)))
+        try:
+            version, route = await self._route(request)
+            if version.llm is not None and _streams(request):
+                async for response in self._generate(version, request, context, final):
+                    send(response)
+            else:
+                response = await self._infer(version, route, request, context)
+                if final:
+                    response.parameters[FINAL].bool_param = True
+                send(response)
+        except Exception as exc:
+            if code_of(exc) == grpc.StatusCode.INTERNAL and not isinstance(exc, EXPECTED):
+                log.exception("internal error in a gRPC stream", exc_info=exc)
+            out.put_nowait(pb.ModelStreamInferResponse(error_message=_message(exc)))
+        finally:
+            self.state.leave()
+
+    async def _generate(
+        self, version: ModelVersion, request: pb.ModelInferRequest, context: Any, final: bool
+    ) -> AsyncIterator[pb.ModelInferResponse]:
+        """generate.py's generate_stream over gRPC: one response per new piece of text."""
+        assert version.llm is not None
+        parsed = parse_infer(version.config, request, context.time_remaining())
+        prompt = version.llm.encode(_text(parsed.inputs["text_input"], "text_input"))
+        params = sampling(_sampling_doc(parsed.inputs.get("sampling_parameters")))
+        version.llm.check(prompt, params)
+        lease = version.begin()
+        try:
+            async for step in version.llm.generate(prompt, params):
+                delta = step.outputs[0].delta_text
+                if delta or (step.finished and not final):
+                    text = np.array([delta.encode()], dtype=object)
+                    response = encode_response(
+                        version.config.name, version.version, parsed, {"text_output": text}
+                    )
+                    if final:
+                        response.parameters[FINAL].bool_param = False
+                    yield response
+        finally:
+            lease.release()
+        if final:
+            last = pb.ModelInferResponse(
+                model_name=version.config.name, model_version=str(version.version)
+            )
+            last.parameters[FINAL].bool_param = True
+            if parsed.id is not None:
+                last.id = parsed.id
+            yield last
+
+
+READ, DONE = object(), object()  # ModelStreamInfer's markers: reading ended, a request ended
+
+
+def _bool_param(request: pb.ModelInferRequest, key: str) -> bool:
+    value = request.parameters.get(key)
+    return (
+        value is not None
+        and value.WhichOneof("parameter_choice") == "bool_param"
+        and (value.bool_param)
+    )
+
+
+def _streams(request: pb.ModelInferRequest) -> bool:
+    """An LLM streams unless its sampling_parameters say `"stream": false` (a request
+    that cannot be read streams, and fails there with the error that names the field)."""
+    for i, tensor in enumerate(request.inputs):
+        if tensor.name != "sampling_parameters":
+            continue
+        if request.raw_input_contents and i < len(request.raw_input_contents):
+            raw = request.raw_input_contents[i][4:]  # one BYTES element: length, then bytes
+        else:
+            raw = next(iter(tensor.contents.bytes_contents), b"{}")
+        with contextlib.suppress(orjson.JSONDecodeError, AttributeError):
+            return orjson.loads(raw).get("stream", True) is not False
+    return True
+
+
+def _text(array: np.ndarray, name: str) -> str:
+    if array.size != 1:
+        raise InvalidRequest(f"input '{name}' takes one element")
+    try:
+        return array.reshape(-1)[0].decode()
+    except UnicodeDecodeError:
+        raise InvalidRequest(f"input '{name}' is not UTF-8") from None
+
+
+def _sampling_doc(array: np.ndarray | None) -> Any:
+    if array is None:
+        return {}
+    try:
+        return orjson.loads(_text(array, "sampling_parameters"))
+    except orjson.JSONDecodeError as e:
+        raise InvalidRequest(f"input 'sampling_parameters' is not JSON: {e}") from None
+
+
+def _config(version: ModelVersion) -> pb.ModelConfig:
+    """The model's config.toml in model_config.proto's words (times in microseconds)."""
+    c = version.config
+    config = pb.ModelConfig(
+        name=c.name, platform=version.platform, backend=c.backend, max_batch_size=c.max_batch_size
+    )
+    for t in c.input:
+        config.input.add(
+            name=t.name,
+            data_type=f"TYPE_{'STRING' if t.datatype == 'BYTES' else t.datatype}",
+            dims=t.dims,
+            allow_ragged_batch=t.ragged,
+            optional=t.optional,
+        )
+    for t in c.output:
+        config.output.add(
+            name=t.name,
+            data_type=f"TYPE_{'STRING' if t.datatype == 'BYTES' else t.datatype}",
+            dims=t.dims,
+            label_filename=t.labels or "",
+        )
+    if c.dynamic_batching is not None:
+        d = c.dynamic_batching
+        config.dynamic_batching.preferred_batch_size.extend(d.preferred_batch_sizes)
+        config.dynamic_batching.max_queue_delay_microseconds = round(d.max_queue_delay_ms * 1000)
+        config.dynamic_batching.priority_levels = d.priority_levels
+        config.dynamic_batching.default_priority_level = d.default_priority_level
+    for key, value in c.parameters.items():
+        config.parameters[key].string_value = (
+            value if isinstance(value, str) else orjson.dumps(value).decode()
+        )
+    return config
+
+
+def _stats(name: str, number: int, version: ModelVersion) -> pb.ModelStatistics:
+    assert version.batcher is not None
+    s = version.batcher.stats
+    duration = pb.StatisticDuration
+    return pb.ModelStatistics(
+        name=name,
+        version=str(number),
+        inference_count=s.inference_count,
+        execution_count=s.execution_count,
+        inference_stats=pb.InferStatistics(
+            queue=duration(count=s.inference_count, ns=round(s.queue_seconds * 1e9)),
+            fail=duration(count=s.rejected_full + s.rejected_timeout + s.cancelled),
+        ),
+        batch_stats=[
+            pb.InferBatchStatistics(batch_size=size, compute_infer=duration(count=count))
+            for size, count in sorted(s.batch_sizes.items())
+        ],
+    )
