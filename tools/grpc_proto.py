@@ -21,8 +21,9 @@ PROTO = "bitserve/server/proto/grpc_service.proto"
 def generate(out: Path) -> None:
     from grpc_tools import protoc
 
-    args = ["protoc", "-I.", f"--python_out={out}", f"--pyi_out={out}"]
-    args += [f"--grpc_python_out={out}", PROTO]
+    out.mkdir(parents=True, exist_ok=True)
+    args = ["protoc", f"-I{ROOT}", f"--python_out={out}", f"--pyi_out={out}"]
+    args += [f"--grpc_python_out={out}", str(ROOT / PROTO)]
     if protoc.main(args) != 0:
         sys.exit(f"protoc failed on {PROTO}")
 
@@ -30,11 +31,7 @@ def generate(out: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=ROOT, help="root to write under")
-    out = parser.parse_args().out.resolve()
-    import os
-
-    os.chdir(ROOT)
-    generate(out)
+    generate(parser.parse_args().out.resolve())
 
 
 if __name__ == "__main__":
