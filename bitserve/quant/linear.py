@@ -2,9 +2,9 @@
 
 Each layer keeps its quantized tensors as buffers (what is saved to safetensors) and
 picks its kernels in `prepare()`, once its buffers sit on their device. On this CPU
-(shared/research/cpu-facts.md §3, re-measured on the 58M bench model's shapes):
+(`python -m bench.quant` on the 58M bench model's shapes):
 
-- int8, int8-outlier: up to SMALL_M rows (decode) the C GEMV (bitserve/quant/kernels.py,
+- int8, int8-outlier: up to SMALL_M rows (decode) the C GEMV (bitserve/kernels/csrc/qgemm.c,
   fp32 activations), or `_weight_int8pack_mm` (bf16 activations) without it; above,
   `torch._int_mm` with int8 activations, vector-wise (per row) scales. Weight-only int8
   (`int8_activations=False`) uses int8pack up to PACK_MAX_M rows and a bf16
@@ -14,8 +14,8 @@ picks its kernels in `prepare()`, once its buffers sit on their device. On this 
   without the C kernels (or on a GPU), `_weight_int4pack_mm_for_cpu` /
   `_weight_int4pack_mm` (bf16 activations).
 
-Small all-decode batches of plain int8 or int4 Llama layers go one C call per decoder
-layer (fused.py), as fp32 decode does.
+Small all-decode batches of plain int8 or int4 layers go one C call per decoder layer,
+as fp32 decode does: `c_view()` is what that layer reads, `fuse_rows` up to how many rows.
 With fp32 activations `_weight_int8pack_mm` is 4-30x slower than fp32, so activations go
 to bf16 for the packed kernels and come back in their own dtype. A kernel that does not
 exist on the device (or gives a wrong answer on a probe) is replaced by dequantize-and-
@@ -30,8 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bitserve.llm.kernels import ptr
-from bitserve.quant import kernels as qkernels
+from bitserve import kernels as c
 
 log = logging.getLogger("bitserve.quant")
 aten = torch.ops.aten
@@ -39,6 +38,9 @@ aten = torch.ops.aten
 SMALL_M = 4  # up to here the packed weight-only kernels win; above, _int_mm (W8A8) wins
 PACK_MAX_M = 32  # weight-only int8: above, bf16 dequantize + matmul beats int8pack
 C_A8_MAX_M = 8  # int8 activations: the C kernel's VNNI path up to here, _int_mm above
+# int4 decode stays in C at any batch the scheduler makes: its int8-activation kernel
+# beats bf16 matmul to 256 rows, and fused layers measured 1.06-1.15x unfused at 32-64
+INT4_FUSE_ROWS = 256
 _fallbacks_logged: set[str] = set()
 
 
@@ -71,6 +73,7 @@ class QuantLinear(nn.Module):
     """Common parts: sizes, optional fp32 bias, lazy kernel choice."""
 
     method = "none"
+    fuse_rows = 0  # up to this many rows the C decode layer takes it (with a `c_view`)
 
     def __init__(self, in_features: int, out_features: int, bias: bool):
         super().__init__()
@@ -89,9 +92,9 @@ class QuantLinear(nn.Module):
         raise NotImplementedError
 
     def prepare_c(self) -> None:
-        """The C GEMV view of this layer (bitserve/quant/kernels.py), or None."""
+        """The C GEMV view of this layer (a `Weight`, its bias left to torch), or None."""
         self.c_weight = None
-        if self.device.type == "cpu" and (k := qkernels.get()) is not None:
+        if self.device.type == "cpu" and (k := c.get()) is not None:
             self.c_weight = qweight(self, bias=False)
             self.c_kernels = k
 
@@ -101,7 +104,13 @@ class QuantLinear(nn.Module):
             return None
         if x.stride(1) != 1:
             x = x.contiguous()
-        return self.c_kernels.linear(self.c_weight, x)
+        return self.c_kernels.gemv(self.c_weight, x)
+
+    def c_view(self):
+        """This layer as the C decode layer reads it (bias included), or None: plain int8
+        and int4 with their C view built, not int8-outlier."""
+        plain = type(self) in (Int8Linear, Int4Linear)
+        return qweight(self) if plain and getattr(self, "c_weight", None) is not None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.prepared_for != self.device:
@@ -132,6 +141,7 @@ class Int8Linear(QuantLinear):
     """
 
     method = "int8"
+    fuse_rows = SMALL_M  # above, unfused _int_mm measured faster than the fused VNNI path
 
     def __init__(
         self, in_features: int, out_features: int, bias: bool = False, int8_activations=True
@@ -246,12 +256,13 @@ class Int4Linear(QuantLinear):
     with zero columns to a multiple of 64 and of the group.
 
     Kernels: the C kernel at every row count (`tiled()` repacks the codes for it, and
-    int8 activations meet them in VNNI dot products; bitserve/quant/kernels.py); without
+    int8 activations meet them in VNNI dot products; csrc/qgemm.c); without
     it, torch's int4pack (bf16 activations). Either keeps its own copy of the codes and
     lets `qweight` go once the model is loaded (`free_unpacked`).
     """
 
     method = "int4"
+    fuse_rows = INT4_FUSE_ROWS
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, group_size=32):
         super().__init__(in_features, out_features, bias)
@@ -289,7 +300,7 @@ class Int4Linear(QuantLinear):
         return q.view(self.out_features, self.padded_in).to(torch.int32)
 
     def tiled(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The C kernel's layout (bitserve/quant/kernels.py, q4t), built once: codes
+        """The C kernel's layout (bitserve/kernels/csrc/qgemm.c, q4t), built once: codes
         [out / 16, padded in / 8, 16, 4] uint8 (a tile of 16 output rows; per 8 columns, 4
         bytes a row, column j low and j + 4 high) and bf16 [out / 16, groups, 2, 16] scales
         and zeros; `out` padded to a multiple of 16 with zero rows."""
@@ -363,7 +374,7 @@ class Int4Linear(QuantLinear):
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.c_weight is not None:  # any row count: it beats bf16 matmul at 1-256 rows
             x = x.float() if x.stride(1) == 1 else x.float().contiguous()
-            return self.c_kernels.linear(self.c_weight, x)
+            return self.c_kernels.gemv(self.c_weight, x)
         return self.pack_matmul(x) if self.use_pack else self.dequant_matmul(x)
 
 
@@ -416,17 +427,22 @@ def tied_head(embedding: Int8Embedding, int8_activations: bool = True) -> Int8Li
 QUANT_MODULES = (QuantLinear, Int8Embedding)
 
 
-def qweight(layer, bias: bool = True) -> qkernels.QWeight:
-    """The C view of an Int8Linear or Int4Linear (pointers into its buffers, which must
-    stay alive as long as the view)."""
-    w = qkernels.QWeight(N=layer.out_features, K=layer.in_features, q=layer.qweight.data_ptr())
-    w.bias = ptr(layer.bias) if bias else None
+def qweight(layer, bias: bool = True):
+    """The C view (`Weight`) of an Int8Linear or Int4Linear: pointers into its buffers,
+    which must stay alive as long as the view."""
+    fields = {"N": layer.out_features, "K": layer.in_features, "bias": c.ptr(None)}
+    if bias:
+        fields["bias"] = c.ptr(layer.bias)
     if isinstance(layer, Int4Linear):
         codes, scales_zeros = layer.tiled()
-        w.kind, w.q, w.s4 = 2, codes.data_ptr(), scales_zeros.data_ptr()
-        w.Kp, w.group = layer.padded_in, layer.group_size
+        fields |= {
+            "kind": 2,
+            "data": c.ptr(codes, "void *"),
+            "s4": c.ptr(scales_zeros, "uint16_t *"),
+        }
+        fields |= {"Kp": layer.padded_in, "group": layer.group_size}
     else:
-        w.kind, w.scale = 1, layer.scales.data_ptr()
+        fields |= {"kind": 1, "data": c.ptr(layer.qweight, "void *"), "scale": c.ptr(layer.scales)}
         if getattr(layer, "row_sums", None) is not None:  # int8 activations above a8_rows
-            w.wsum, w.a8_rows = layer.row_sums.data_ptr(), layer.a8_rows
-    return w
+            fields |= {"wsum": c.ptr(layer.row_sums, "int32_t *"), "a8_rows": layer.a8_rows}
+    return c.ffi().new("Weight *", fields)

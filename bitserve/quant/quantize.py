@@ -244,19 +244,14 @@ def load_weights(model: nn.Module, folder: Path, qconfig: dict[str, Any]) -> Non
 
 
 def prepare_kernels(model: nn.Module) -> None:
-    """Pick every layer's kernels now (not on the first request); free what they copied;
-    route small decode steps through one C call per decoder layer (fused.py)."""
-    from bitserve.quant.fused import fuse_decode_layers
-
+    """Pick every layer's kernels now (not on the first request); free what they copied.
+    (Small decode steps then run one C call per decoder layer, through `c_view()`.)"""
     for module in model.modules():
         if isinstance(module, QuantLinear):
             module.prepare()
             module.prepared_for = module.device
             if isinstance(module, Int4Linear):
                 module.free_unpacked()
-    fused = fuse_decode_layers(model)
-    if fused:
-        log.info("quantized decode: %d decoder layers fused into C calls", fused)
 
 
 def describe(model: nn.Module, qconfig: dict[str, Any]) -> str:
@@ -274,11 +269,11 @@ def kernel_summary(layer: QuantLinear) -> str:
 
     if isinstance(layer, Int4Linear):
         if layer.c_weight is not None:
-            return "int4: C kernel, int8 activations (bitserve/quant/kernels.py)"
+            return "int4: C kernel, int8 activations (bitserve/kernels)"
         return "int4: int4pack" if layer.use_pack else "int4: dequantize + matmul"
     small = "int8pack" if layer.use_pack else "dequantize + matmul"
     if layer.c_weight is not None:
-        small = "C GEMV (bitserve/quant/kernels.py)"
+        small = "C GEMV (bitserve/kernels)"
     large = "_int_mm" if layer.use_int_mm else small
     return f"{layer.method}: {small} up to {SMALL_M} rows, {large} above"
 

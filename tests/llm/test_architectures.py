@@ -26,7 +26,8 @@ from transformers import (
     Qwen3MoeConfig,
 )
 
-from bitserve.llm import SamplingParams, kernels
+from bitserve import kernels
+from bitserve.llm import SamplingParams
 from bitserve.llm.block_manager import cdiv
 from bitserve.plan import shape
 from tests.llm.conftest import COMMON, build_model, make_engine
@@ -286,8 +287,8 @@ def test_small_decode_steps_take_the_fused_c_layer(arch_dirs, name):
     (the parity tests above ran through it); Phi-4-mini's partial rotary is not."""
     if kernels.get() is None:
         pytest.skip("no C compiler: decode runs in torch")
-    assert make_engine(arch_dirs[name], num_kv_blocks=8).runner.model.fusable()
-    assert not make_engine(arch_dirs["phi4_mini"], num_kv_blocks=8).runner.model.fusable()
+    assert make_engine(arch_dirs[name], num_kv_blocks=8).runner.model.fuse_rows > 0
+    assert make_engine(arch_dirs["phi4_mini"], num_kv_blocks=8).runner.model.fuse_rows == 0
 
 
 def test_admission_counts_only_the_window(arch_dirs):

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from bitserve.llm import kernels
+from bitserve import kernels
 from bitserve.llm.attention import FlashAttn
 from bitserve.llm.config import EngineConfig
 from tests.llm.conftest import make_engine
@@ -51,7 +51,7 @@ def test_explicit_cpu_without_kernels_is_token_exact(llama_dir, monkeypatch):
     monkeypatch.setattr(kernels, "get", lambda: None)
     engine = make_engine(llama_dir, device="cpu", num_kv_blocks=64, max_num_batched_tokens=16)
     runner = engine.runner
-    assert not runner.use_decode_kernel() and runner.flash is None
+    assert runner.kernels is None and runner.flash is None
     k_pool, _ = runner.attentions[0].kv_cache
     assert k_pool.device.type == "cpu" and k_pool.dtype is torch.float32
     assert runner.model.rotary.cos.device.type == "cpu"

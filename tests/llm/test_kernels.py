@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaConfig
 
-from bitserve.llm import kernels
+from bitserve import kernels
+from bitserve.llm.model_runner import zeros_huge_pages
 from tests.llm.conftest import COMMON, build_model, make_engine
 from tests.llm.test_engine import GREEDY, MIXED, assert_parity, generate
 
@@ -45,6 +46,7 @@ def test_silu_mul_and_rope_match_torch():
     want = F.silu(gate) * up
     torch.testing.assert_close(kernels.get().silu_mul(gate_up), want, rtol=1e-5, atol=1e-6)
     rotary = RotaryEmbedding({"rope_theta": 10000.0}, head_dim=16, max_len=64)
+    rotary.kernels = kernels.get()  # what loading a model does (kernels.attach)
     qkv = torch.randn(5, (4 + 2 + 2) * 16, generator=g)
     positions = torch.tensor([0, 3, 9, 31, 63])
     q, k, _ = qkv.split([64, 32, 32], dim=-1)
@@ -124,13 +126,13 @@ def llama64_dir(tmp_path_factory):
 def fused_calls(monkeypatch) -> list[int]:
     """The row count of every fused decoder-layer call made during the test."""
     calls: list[int] = []
-    real = kernels.Kernels.llama_decode_layer
+    real = kernels.Kernels.decode_layer
 
     def counting(self, *args):
         calls.append(args[1].shape[0])
         return real(self, *args)
 
-    monkeypatch.setattr(kernels.Kernels, "llama_decode_layer", counting)
+    monkeypatch.setattr(kernels.Kernels, "decode_layer", counting)
     return calls
 
 
@@ -176,9 +178,30 @@ def test_disabled_kernels_give_the_same_tokens(model_dirs, restore_kernels):
 
 
 def test_zeros_huge_pages():
-    small = kernels.zeros_huge_pages((3, 4))
+    small = zeros_huge_pages((3, 4))
     assert small.shape == (3, 4) and not small.any()
-    big = kernels.zeros_huge_pages((2, 1024, 1024))
+    big = zeros_huge_pages((2, 1024, 1024))
     assert big.shape == (2, 1024, 1024) and big.is_contiguous() and not big.any()
     big += 1  # the whole view is writable
     assert big.sum().item() == 2 * 1024 * 1024
+
+
+@needs_kernels
+@pytest.mark.parametrize("struct", ["Weight", "LayerParams"])
+def test_struct_layout_is_the_compilers(struct):
+    """cffi lays the structs out from csrc/bitserve.h by its own rules; the compiler's
+    offsetof and sizeof (`bs_layout`) agree field by field, and every field is listed."""
+    ffi, lib = kernels.ffi(), kernels.get()
+    fields = [name for name, _ in ffi.typeof(struct).fields]
+    assert {f: lib.layout(struct, f) for f in fields} == {
+        f: ffi.offsetof(struct, f) for f in fields
+    }
+    assert lib.layout(struct) == ffi.sizeof(struct)
+
+
+@needs_kernels
+def test_every_declared_function_is_in_the_library():
+    lib = kernels.get().lib
+    assert {"bs_linear", "bs_gemv", "bs_decode_layer", "bs_paged_decode"} <= set(dir(lib))
+    for name in dir(lib):
+        assert callable(getattr(lib, name))  # cffi resolves the symbol here

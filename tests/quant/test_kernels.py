@@ -1,5 +1,6 @@
 """The C kernels against torch: the int8 and int4 GEMVs against F.linear on the
-dequantized weights, the fused decode layer against the same layer op by op in torch."""
+dequantized weights, the decode layer with quantized weights against the same layer op by
+op in torch."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from bitserve import kernels
 from bitserve.llm import LLM, SamplingParams
-from bitserve.quant import fused, kernels
+from bitserve.quant.folders import resolve_source
 from bitserve.quant.linear import Int4Linear, Int8Linear, qweight
 
 pytestmark = pytest.mark.skipif(kernels.get() is None, reason="no C compiler")
@@ -23,7 +25,7 @@ def test_int8_gemv_is_the_dequantized_matmul_in_fp32(k, n, rows) -> None:
     layer = Int8Linear.from_float(linear)
     x = torch.randn(rows, 2 * k)[:, :k]  # a row stride that is not the width
     want = F.linear(x, layer.dequantize(), linear.bias)
-    got = kernels.get().linear(qweight(layer), x)
+    got = kernels.get().gemv(qweight(layer), x)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
@@ -45,7 +47,7 @@ def test_int4_gemv_is_the_dequantized_matmul_on_blockwise_int8_x(k, n, rows, gro
     layer = Int4Linear.from_float(linear, group)
     x = torch.randn(rows, 2 * k)[:, :k]
     weight = layer.dequantize()[:, :k]
-    got = kernels.get().linear(qweight(layer), x)
+    got = kernels.get().gemv(qweight(layer), x)
     # exactly the dequantized weights times x quantized as llama.cpp's q8_0 does ...
     want = F.linear(blockwise_int8(x), weight, linear.bias)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
@@ -62,7 +64,7 @@ def test_int8_activation_path_is_int_mm(rows) -> None:
     layer = Int8Linear.from_float(nn.Linear(200, 96).requires_grad_(False))  # 200: a tail
     layer.prepare()
     x = torch.randn(rows, 200)
-    got = kernels.get().linear(layer.c_weight, x)
+    got = kernels.get().gemv(layer.c_weight, x)
     torch.testing.assert_close(got, layer.int_mm_matmul(x), rtol=1e-5, atol=1e-5)
 
 
@@ -73,7 +75,7 @@ def test_layers_use_the_gemv_for_few_rows(monkeypatch) -> None:
         layer(x)
     assert layer.c_weight is not None
     calls = []
-    monkeypatch.setattr(layer.c_kernels, "linear", lambda w, x: calls.append(1) or x[:, :32])
+    monkeypatch.setattr(layer.c_kernels, "gemv", lambda w, x: calls.append(1) or x[:, :32])
     with torch.inference_mode():
         layer(x)
         layer(torch.randn(16, 64))  # more rows: _int_mm
@@ -85,14 +87,14 @@ def test_fused_decode_layers_match_the_torch_path(quantized_tinylm, monkeypatch,
     prompt = "Blessed are the poor in spirit:"
     greedy = SamplingParams(temperature=0, max_tokens=16, logprobs=1)
     llm = LLM(quantized_tinylm[method] / "1", num_kv_blocks=64)
-    layers = llm.engine.runner.model.layers
-    assert all(isinstance(layer, fused.FusedDecode) for layer in layers)
+    model = llm.engine.runner.model
+    assert model.fuse_rows == (4 if method == "int8" else 256)  # chosen once, at load
     calls = []
-    original = fused.FusedDecode.fused
-    monkeypatch.setattr(fused.FusedDecode, "fused", lambda *a: calls.append(1) or original(*a))
+    original = kernels.Kernels.decode_layer
+    monkeypatch.setattr(kernels.Kernels, "decode_layer", lambda *a: calls.append(1) or original(*a))
     fast = llm.generate(prompt, greedy)[0].outputs[0]
-    assert len(calls) == 15 * len(layers)  # every decode step, every layer
-    monkeypatch.setattr(fused.FusedDecode, "can_fuse", lambda *a: False)
+    assert len(calls) == 15 * len(model.layers)  # every decode step, every layer
+    monkeypatch.setattr(model, "fuse_rows", 0)  # the torch path, layer by layer
     slow = llm.generate(prompt, greedy)[0].outputs[0]
     assert fast.token_ids == slow.token_ids
     for a, b in zip(fast.logprobs, slow.logprobs, strict=True):
@@ -109,12 +111,40 @@ def test_batched_decode_is_fused_and_matches(quantized_tinylm, monkeypatch, meth
     greedy = SamplingParams(temperature=0, max_tokens=8)
     llm = LLM(quantized_tinylm[method] / "1", num_kv_blocks=128)
     rows = []
-    original = fused.FusedDecode.fused
+    original = kernels.Kernels.decode_layer
     monkeypatch.setattr(
-        fused.FusedDecode, "fused", lambda s, x, *a: rows.append(x.shape[0]) or original(s, x, *a)
+        kernels.Kernels,
+        "decode_layer",
+        lambda s, p, x, *a: rows.append(x.shape[0]) or original(s, p, x, *a),
     )
     fast = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
     assert max(rows) == len(prompts)  # all decodes in one call per layer
-    monkeypatch.setattr(fused.FusedDecode, "can_fuse", lambda *a: False)
+    monkeypatch.setattr(llm.engine.runner.model, "fuse_rows", 0)
     slow = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
     assert fast == slow
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "gemma2"])
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_quantized_qk_norm_and_sandwich_layers_run_the_c_layer(tmp_path, monkeypatch, arch, method):
+    """The one C decode layer carries qk-norm (Qwen3) and sandwich norms, GeGLU and
+    soft-caps (Gemma 2) for quantized weights too; tokens equal the torch path's."""
+    from bitserve.quant.command import _quantize_llm
+    from tests.llm import test_architectures as archs
+    from tests.llm.conftest import build_model
+
+    source = build_model(tmp_path / arch, getattr(archs, arch)())
+    out = tmp_path / f"{arch}-{method}"
+    _quantize_llm(resolve_source(source), out, method, 32, 6.0, None, 0, None)
+    llm = LLM(out, num_kv_blocks=64)  # a bare folder in, a bare folder out
+    model = llm.engine.runner.model
+    assert model.fuse_rows > 0
+    calls = []
+    original = kernels.Kernels.decode_layer
+    monkeypatch.setattr(kernels.Kernels, "decode_layer", lambda *a: calls.append(1) or original(*a))
+    prompts = [[5, 9, 2, 7, 11], [3, 8, 8, 1]]
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    fast = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
+    assert calls
+    monkeypatch.setattr(model, "fuse_rows", 0)
+    assert fast == [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]

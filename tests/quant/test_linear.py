@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bitserve.quant import kernels as qkernels
+from bitserve import kernels as c
 from bitserve.quant.linear import (
     SMALL_M,
     Int4Linear,
@@ -54,8 +54,8 @@ def test_int8_linear_matches_the_dequantized_matmul(linear, rows) -> None:
 @pytest.mark.parametrize("rows", [1, 16, 100])
 def test_int4_linear_matches_the_dequantized_matmul(linear, group, rows, kernels, monkeypatch):
     if kernels == "torch":
-        monkeypatch.setattr(qkernels, "get", lambda: None)
-    elif qkernels.get() is None:
+        monkeypatch.setattr(c, "get", lambda: None)
+    elif c.get() is None:
         pytest.skip("no C compiler")
     layer = Int4Linear.from_float(linear, group)
     assert layer.qweight.shape == (384, 256) and layer.scales.shape == (384, 512 // group)

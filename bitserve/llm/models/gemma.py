@@ -11,7 +11,7 @@
 
 Small decode steps go through the fused C decoder layer like Llama's: it takes the
 sandwich norms, the `1 + w` multipliers, GeGLU, soft-capping, windows and each layer's
-RoPE table (`LlamaForCausalLM.fusable`).
+RoPE table (`LlamaForCausalLM.fused_rows`).
 """
 
 from __future__ import annotations

@@ -13,43 +13,50 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bitserve.llm import kernels
+from bitserve import kernels as c
 from bitserve.llm.attention import AttentionMetadata, paged_attention
 from bitserve.llm.parallel import TensorParallel
 
 NO_TP = TensorParallel()
 
-SMALL_M = 64  # up to this many rows the C kernel beats MKL (2-3x at M=1, ~1.4x at 16-64)
-
-
-def use_kernel(m: int, k: int, n: int) -> bool:
-    """Whether the C kernel beats MKL for m rows of k inputs and n outputs: always up to
-    SMALL_M rows; at any m while the weight is small (<= 8 MiB: small models, whose
-    decode batches and prefill the kernel runs in L2-sized row blocks at 1.3-1.5x MKL);
-    big weights' many-row calls stay on MKL, whose cache blocking is made for them."""
-    return m <= SMALL_M or n * k * 4 <= 8 << 20
+SMALL_M = 64  # up to this many rows the C kernel beats MKL (`python -m bench.kernels`)
+SMALL_WEIGHT = 8 << 20  # bytes: below, the C kernel beats MKL at any row count
 
 
 class Linear(nn.Linear):
-    """`nn.Linear` whose few-row calls (decode) go to the C kernel (kernels.py).
+    """`nn.Linear` whose few-row calls (decode) go to the C GEMV (`bs_linear`).
 
-    MKL's fp32 GEMV reads the weights at ~15 GB/s on one core; the kernel reads them at
-    the plain-sum bandwidth (~37 GB/s), which is what batch-1 decode is bound by.
+    The kernel streams each weight row once for all rows of x, at the read bandwidth,
+    where MKL's small-M path does not; big weights' many-row calls stay on MKL, whose
+    cache blocking is made for them. `python -m bench.kernels` measures both.
     """
+
+    kernels: c.Kernels | None = None  # set when the model is loaded (kernels.attach)
+
+    @property
+    def fuse_rows(self) -> int:
+        """Up to how many rows the C kernel beats MKL: SMALL_M, or any while the weight
+        is small (small models' decode batches and prefill, in L2-sized row blocks)."""
+        return 1 << 30 if self.weight.numel() * 4 <= SMALL_WEIGHT else SMALL_M
+
+    def c_view(self):
+        """This layer as the C decode layer reads it (a `Weight`), or None."""
+        if self.weight.dtype is not torch.float32 or not self.weight.is_contiguous():
+            return None
+        return c.fp32_weight(self.weight, self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if (
-            x.dim() == 2
-            and use_kernel(x.shape[0], x.shape[1], self.weight.shape[0])
+            self.kernels is not None
+            and x.dim() == 2
+            and x.shape[0] <= self.fuse_rows
             and x.dtype is torch.float32
             and self.weight.dtype is torch.float32
             and not torch.is_grad_enabled()
-            and x.is_cpu
-            and (k := kernels.get()) is not None
             and x.stride(1) == 1
             and self.weight.is_contiguous()
         ):
-            return k.linear(x, self.weight, self.bias)
+            return self.kernels.linear(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -170,6 +177,8 @@ class RotaryEmbedding(nn.Module):
       sequence's length, `table_positions`); rows [max_len, 2 max_len) hold the long set.
     """
 
+    kernels: c.Kernels | None = None  # RoPE in C (kernels.attach, at load)
+
     def __init__(self, hf: dict[str, Any], head_dim: int, max_len: int, layer_type=None):
         super().__init__()
         self.head_dim = head_dim
@@ -209,10 +218,10 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """q: [T, Hq, D], k: [T, Hkv, D] -> rotated, in their dtype. On the CPU in fp32
         the C kernel rotates them in place (they are fresh views of the qkv output)."""
-        if self.c_rope(q, k) and (kern := kernels.get()) is not None:
+        if self.kernels is not None and self.c_rope(q, k):
             positions = positions.contiguous()
-            kern.rope(q, positions, self.cos, self.sin)
-            kern.rope(k, positions, self.cos, self.sin)
+            self.kernels.rope(q, positions, self.cos, self.sin)
+            self.kernels.rope(k, positions, self.cos, self.sin)
             return q, k
         cos = self.cos[positions].unsqueeze(1).to(q.dtype)
         sin = self.sin[positions].unsqueeze(1).to(q.dtype)
@@ -229,7 +238,6 @@ class RotaryEmbedding(nn.Module):
         return (
             q.dtype is torch.float32
             and k.dtype is torch.float32
-            and q.is_cpu
             and not torch.is_grad_enabled()
             and self.cos.shape[-1] == q.shape[-1]  # full-width rotary
             and all(t.stride(-1) == 1 and t.stride(-2) == t.shape[-1] for t in (q, k))
@@ -282,6 +290,8 @@ class Attention(nn.Module):
         self.window, self.softcap = window, softcap
         self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None  # set by the runner
 
+    kernels: c.Kernels | None = None  # paged decode in C (kernels.attach, at load)
+
     def forward(self, x, positions, meta: AttentionMetadata, rotary: RotaryEmbedding | None):
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
@@ -292,7 +302,7 @@ class Attention(nn.Module):
         if rotary is not None:
             q, k = rotary(positions, q, k)
         out = paged_attention(
-            q, k, v, self.kv_cache, meta, self.scale, window=self.window, softcap=self.softcap
+            q, k, v, self.kv_cache, meta, self.scale, self.window, self.softcap, self.kernels
         )
         return self.tp.all_reduce(self.o_proj(out.reshape(-1, self.q_size)))
 

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bitserve.llm import kernels
+from bitserve import kernels as c
 from bitserve.llm.attention import AttentionMetadata
 from bitserve.llm.config import layer_types, layer_windows
 from bitserve.llm.models.layers import (
@@ -36,7 +36,6 @@ from bitserve.llm.models.layers import (
     RMSNorm,
     RotaryEmbedding,
     load_packed,
-    use_kernel,
 )
 from bitserve.llm.parallel import (
     SINGLE,
@@ -93,10 +92,12 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(hidden, 2 * self.intermediate, bias=False)
         self.down_proj = Linear(self.intermediate, hidden, bias=False)
 
+    kernels: c.Kernels | None = None  # silu * up in one pass in C (kernels.attach, at load)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        if self.act is F.silu and c_elementwise(gate_up) and (k := kernels.get()) is not None:
-            return self.tp.all_reduce(self.down_proj(k.silu_mul(gate_up)))  # one pass
+        if self.kernels is not None and self.act is F.silu and c_elementwise(gate_up):
+            return self.tp.all_reduce(self.down_proj(self.kernels.silu_mul(gate_up)))  # one pass
         gate, up = gate_up.split(self.intermediate, dim=-1)
         return self.tp.all_reduce(self.down_proj(self.act(gate) * up))
 
@@ -244,46 +245,58 @@ class LlamaForCausalLM(nn.Module):
     def final_norm(self, x: torch.Tensor) -> torch.Tensor:
         return self.norm(x) if self.norm is not None else x
 
-    # -- small decode steps: one C call per layer (kernels.py) --------------------------
+    # -- small decode steps: one C call per layer (bitserve/kernels) -------------------
+    _kernels: c.Kernels | None = None
+    fuse_rows = 0  # up to this many decode rows a step runs one C call per layer
+
+    @property
+    def kernels(self) -> c.Kernels | None:
+        return self._kernels
+
+    @kernels.setter
+    def kernels(self, kernels: c.Kernels | None) -> None:
+        """Set once, when the model is loaded (kernels.attach); with the kernels it also
+        decides whether decode steps run one C call per layer, and up to how many rows."""
+        self._kernels = kernels
+        self.fuse_rows = self.fused_rows() if kernels is not None else 0
+
     def can_fuse_decode(self, x: torch.Tensor, meta: AttentionMetadata) -> bool:
-        """Every row is a one-token decode, the C kernel suits the row count (few rows,
-        or a small model: layers.use_kernel), and the model is a plain fp32 Llama (no
-        MoE, full-width RoPE) on the CPU with the kernels built."""
+        """Every row is a one-token decode and the C layer suits the row count."""
         return (
             meta.decode is not None
             and not meta.seqs
-            and use_kernel(x.shape[0], self.hf["hidden_size"], 2 * self.hf["intermediate_size"])
+            and x.shape[0] <= self.fuse_rows
             and x.dtype is torch.float32
-            and x.is_cpu
             and not torch.is_grad_enabled()
-            and self.parallel.tp.size == 1  # the all-reduces sit inside the layer
-            and self.fusable()
-            and kernels.get() is not None
         )
 
-    def fusable(self) -> bool:
-        """The C layer reads fp32 `Linear` weights: a gated MLP (SiLU or tanh-GELU),
-        full-width RoPE, and no layer swapped for another kind (quantized layers are,
-        after the model is built). It carries every Style: qk-norm, sandwich norms
-        (Gemma's `1 + w` multipliers are computed for it), windows, soft-capping, a
-        second RoPE table; not longrope on local layers (one table-row per position)."""
+    def fused_rows(self) -> int:
+        """Up to how many rows the C decode layer runs (0: never), the fewest any of its
+        linear layers suits (fp32: few rows, or any for small weights; int8 and int4
+        their own). The C layer reads every linear through a `Weight` (fp32, int8 or
+        int4), a gated MLP (SiLU or tanh-GELU), full-width RoPE, and no TP (the
+        all-reduces sit inside the layer). It carries every Style: qk-norm, sandwich
+        norms (Gemma's `1 + w` multipliers are computed for it), windows, soft-capping,
+        a second RoPE table; not longrope on local layers (one table row per position)."""
         _, _, head_dim = attention_shape(self.hf)
-        if self.rotary.cos.shape[-1] != head_dim:
-            return False
+        if self.parallel.tp.size != 1 or self.rotary.cos.shape[-1] != head_dim:
+            return 0
         local = self.local_rotary
         if local is not None and (local.cos.shape[-1] != head_dim or local.kind == "longrope"):
-            return False
-        for layer in self.local_layers:  # every decode step: each submodule looked up once
+            return 0
+        rows = []
+        for layer in self.local_layers:
             attn, mlp = layer.self_attn, layer.mlp
             if type(mlp) is not MLP or mlp.activation not in C_ACTIVATIONS:
-                return False
-            linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-            if not all(type(linear) is Linear for linear in linears):
-                return False
-        return True
+                return 0
+            for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+                if getattr(linear, "c_view", None) is None or linear.c_view() is None:
+                    return 0
+                rows.append(linear.fuse_rows)
+        return min(rows, default=0)
 
-    def layer_params(self) -> list[kernels.LayerParams]:
-        """The C view of every layer (raw pointers), rebuilt when a pool or table changes.
+    def layer_params(self) -> list:
+        """The C view of every layer (`LayerParams`), rebuilt when a pool or table changes.
 
         The key holds the pool tuples and the RoPE tables themselves (compared by
         identity), so nothing the pointers refer to can be freed while they are cached;
@@ -301,45 +314,52 @@ class LlamaForCausalLM(nn.Module):
             self._params_key = key
         return self._params
 
-    def c_norm(self, norm: RMSNorm | None) -> int | None:
+    def c_norm(self, norm: RMSNorm | None) -> torch.Tensor | None:
         """The multiplier the C layer reads for `norm` (kept alive with the params)."""
         if norm is None:
             return None
         scale = norm.scale().contiguous()
         self._c_tensors.append(scale)
-        return scale.data_ptr()
+        return scale
 
-    def c_params(self, layer: DecoderLayer) -> kernels.LayerParams:
-        attn, mlp, ptr = layer.self_attn, layer.mlp, kernels.ptr
+    def c_params(self, layer: DecoderLayer):
+        attn, mlp = layer.self_attn, layer.mlp
         k_pool, v_pool = attn.kv_cache
         rotary = self.rotary
         if self.local_rotary is not None and layer.layer_type == "sliding_attention":
             rotary = self.local_rotary
         sandwich = layer.sandwich
         pre_mlp = layer.pre_feedforward_layernorm if sandwich else layer.post_attention_layernorm
-        return kernels.LayerParams(
+        return c.layer_params(
+            qkv=attn.qkv_proj.c_view(),
+            o=attn.o_proj.c_view(),
+            gu=mlp.gate_up_proj.c_view(),
+            down=mlp.down_proj.c_view(),
             ln1=self.c_norm(layer.input_layernorm),
-            wqkv=ptr(attn.qkv_proj.weight),
-            bqkv=ptr(attn.qkv_proj.bias),
-            wo=ptr(attn.o_proj.weight),
-            bo=ptr(attn.o_proj.bias),
             ln2=self.c_norm(pre_mlp),
-            wgu=ptr(mlp.gate_up_proj.weight),
-            wdown=ptr(mlp.down_proj.weight),
-            kpool=ptr(k_pool),
-            vpool=ptr(v_pool),
-            cos=ptr(rotary.cos),
-            sin=ptr(rotary.sin),
             qnorm=self.c_norm(attn.q_norm),
             knorm=self.c_norm(attn.k_norm),
             post_attn=self.c_norm(layer.post_attention_layernorm if sandwich else None),
             post_mlp=self.c_norm(layer.post_feedforward_layernorm if sandwich else None),
+            kpool=k_pool,
+            vpool=v_pool,
+            cos=rotary.cos,
+            sin=rotary.sin,
+            H=layer.input_layernorm.weight.shape[0],
+            Hq=attn.num_heads,
+            Hkv=attn.num_kv_heads,
+            D=attn.head_dim,
+            I=mlp.intermediate,
+            nblk=k_pool.shape[1],
+            bs=k_pool.shape[2],
+            window=attn.window or 0,
             act=C_ACTIVATIONS[mlp.activation],
-            **kernels.layer_shape(layer),
+            eps=layer.input_layernorm.eps,
+            scale=attn.scale,
+            softcap=attn.softcap or 0.0,
         )
 
     def fused_decode(self, x, positions, meta: AttentionMetadata) -> torch.Tensor:
-        k = kernels.get()
         layer = self.layers[self.stage.start]
         attn = layer.self_attn
         per_row = 2 * self.hf["hidden_size"] + 2 * (attn.q_size + attn.kv_size)
@@ -349,7 +369,7 @@ class LlamaForCausalLM(nn.Module):
             scratch = self._scratch = torch.empty(per_row * max(SMALL_M, x.shape[0]))
         x = x.contiguous()
         for params in self.layer_params():
-            k.llama_decode_layer(params, x, positions, meta.slot_mapping, meta.decode, scratch)
+            self.kernels.decode_layer(params, x, positions, meta.slot_mapping, meta.decode, scratch)
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

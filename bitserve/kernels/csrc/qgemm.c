@@ -1,57 +1,17 @@
-"""C kernels for quantized decode on the CPU: int8 and int4 GEMVs and a fused layer.
+/* int8 and int4 GEMVs for quantized decode (kind 1 and 2 of `Weight`).
 
-Batch-1 decode reads every weight once per token, so it runs at the speed weights stream
-from memory. torch's `_weight_int8pack_mm` reads int8 weights at ~16 GB/s here, while
-bitserve's own fp32 GEMV (bitserve/llm/kernels.py) reads fp32 at ~37 GB/s: int8 through
-torch is only ~1.7x faster than fp32, and the ~600 small torch ops of an unfused decode
-step cost about as much again. So, like the fp32 engine, quantized models decode in C:
-
-- `bs_qgemv`: y = x @ W.T + b for a few rows of x.
-  - int8 (a scale per output row): each weight row is widened to fp32 in registers
-    once per tile of up to 4 rows of x; activations stay fp32, so the result is the
-    dequantized weights times x in fp32. ~31 GB/s of int8 on the 58M bench model's
-    layers, 3.3x the fp32 GEMV. From 5 rows, a layer with int8 activations quantizes
-    x per row as its torch._int_mm path does and runs AVX512-VNNI (64 multiply-adds an
-    instruction): the same sums, faster than _int_mm to 8 rows (used there), behind at 16.
-  - int4 (groups of 32/64/128, bf16 scale and zero), any number of rows: x is quantized
-    to int8 in blocks of 32 (llama.cpp's q4_0 x q8_0 scheme) and meets the codes in
-    AVX512-VNNI dot products, over weights repacked in tiles of 16 output rows
-    (`Int4Linear.tiled`), so each lane of a vector is one output row and nothing needs a
-    horizontal sum. On the 58M bench model's shapes: 64-107 G weights/s at 1 row, 3-4x
-    the bf16 dot-product kernel it replaced, and ahead of a bf16 dequantize + matmul up
-    to 256 rows. int8 activations add ~0.5% relative error per output against ~0.2% for
-    bf16 ones.
-- `bs_q_llama_decode_layer`: bitserve/llm/kernels.py's fused Llama decode layer with
-  `bs_qgemv` in place of its fp32 GEMV. It is compiled in one unit with that file's
-  SOURCE and reuses its RMSNorm, RoPE and paged attention, so the steps are the same.
-
-Built and cached the way bitserve/llm/kernels.py builds its own (gcc, -march=native,
-ctypes); without a compiler, or with BITSERVE_NO_KERNELS=1, `get()` is None and the
-quantized layers use torch's kernels.
-"""
-
-from __future__ import annotations
-
-import ctypes
-from pathlib import Path
-
-import torch
-
-from bitserve.llm import kernels as llm_kernels
-
-Q_SOURCE = r"""
-#include <stdint.h>
-
-typedef struct {
-    long kind; /* 1: int8 rows, 2: int4 groups */
-    const uint8_t *q; /* int8: [N, K]; int4: tiles of 16 rows, see q4t_tile */
-    const float *scale; /* int8: [N] */
-    const uint16_t *s4; /* int4: bf16 scales and zeros, w = (q - 8) * s + z, see q4t_tile */
-    const float *bias; /* [N] or NULL */
-    long N, K, Kp, group;
-    const int32_t *wsum; /* int8 with int8 activations: sum of each row's q; else NULL */
-    long a8_rows; /* with wsum: from this many rows on, quantize x and use VNNI */
-} QWeight;
+   Batch-1 decode reads every weight once per token, so it runs at the speed weights
+   stream from memory: int8 reads a quarter of fp32's bytes, int4 an eighth.
+   - int8 (a scale per output row): each weight row is widened to fp32 in registers once
+     per tile of up to 4 rows of x; activations stay fp32. From `a8_rows` rows, a layer
+     with int8 activations quantizes x per row (as its torch._int_mm path does) and runs
+     AVX512-VNNI: 64 multiply-adds an instruction.
+   - int4 (groups of 32/64/128, bf16 scale and zero), any number of rows: x is quantized
+     to int8 in blocks of 32 (llama.cpp's q4_0 x q8_0 scheme) and meets the codes in VNNI
+     dot products over weights repacked in tiles of 16 output rows (`Int4Linear.tiled`),
+     so each lane of a vector is one output row and nothing needs a horizontal sum.
+   Measured by `python -m bench.quant`. */
+#include "internal.h"
 
 static inline float bf16_to_float(uint16_t v) {
     union { uint32_t u; float f; } c;
@@ -62,10 +22,10 @@ static inline float bf16_to_float(uint16_t v) {
 #ifdef __AVX512F__
 /* rows r < R of x (row stride ldx) against weight row n; R is a constant after inlining,
    so the 4 x R accumulators stay in registers and each weight vector is widened once. */
-static inline __attribute__((always_inline)) void q8_tile(const QWeight *w, const float *x,
+static inline __attribute__((always_inline)) void q8_tile(const Weight *w, const float *x,
                                                           long ldx, long n, float *out,
                                                           const long R) {
-    const int8_t *wn = (const int8_t *)w->q + n * w->K;
+    const int8_t *wn = (const int8_t *)w->data + n * w->K;
     long K = w->K, k = 0;
     __m512 acc[4][4];
     for (long r = 0; r < R; r++)
@@ -96,8 +56,8 @@ static inline __attribute__((always_inline)) void q8_tile(const QWeight *w, cons
 }
 #endif
 
-static void q8_row_plain(const QWeight *w, const float *x, long n, float *out) {
-    const int8_t *wn = (const int8_t *)w->q + n * w->K;
+static void q8_row_plain(const Weight *w, const float *x, long n, float *out) {
+    const int8_t *wn = (const int8_t *)w->data + n * w->K;
     float t = 0.f;
 #pragma omp simd reduction(+ : t)
     for (long k = 0; k < w->K; k++) t += (float)wn[k] * x[k];
@@ -120,7 +80,7 @@ typedef struct {
     float *xsum; /* [M][G]: sum of x^ over each weight group */
 } Q4X;
 
-static void q4x_prepare(const QWeight *w, const float *x, long ldx, long M, Q4X *px) {
+static void q4x_prepare(const Weight *w, const float *x, long ldx, long M, Q4X *px) {
     long K = w->K, Kp = w->Kp, g = w->group, G = Kp / g, nb = Kp / 32;
     px->xq = (int8_t *)calloc(M * Kp, 1);
     px->dx = (float *)calloc(M * nb, sizeof(float));
@@ -145,9 +105,9 @@ static void q4x_prepare(const QWeight *w, const float *x, long ldx, long M, Q4X 
     }
 }
 
-static inline float q4t_weight(const QWeight *w, long n, long k) {
+static inline float q4t_weight(const Weight *w, long n, long k) {
     long Kp = w->Kp, G = Kp / w->group, t = n / 16, l = n % 16;
-    uint8_t byte = w->q[((t * (Kp / 8) + k / 8) * 16 + l) * 4 + k % 4];
+    uint8_t byte = ((const uint8_t *)w->data)[((t * (Kp / 8) + k / 8) * 16 + l) * 4 + k % 4];
     int q = (k % 8) < 4 ? (byte & 15) : (byte >> 4);
     const uint16_t *sz = w->s4 + (t * G + k / w->group) * 32;
     return (float)(q - 8) * bf16_to_float(sz[l]) + bf16_to_float(sz[16 + l]);
@@ -160,11 +120,11 @@ static inline __m512 bf16x16_ps(const uint16_t *p) {
 }
 
 /* rows r < R of x (quantized) against output rows 16 t .. 16 t + 15 -> out [R][16] */
-static inline __attribute__((always_inline)) void q4t_tile(const QWeight *w, const Q4X *px,
+static inline __attribute__((always_inline)) void q4t_tile(const Weight *w, const Q4X *px,
                                                            long m0, long t, float *out,
                                                            const long R) {
     long Kp = w->Kp, g = w->group, G = Kp / g, nb = Kp / 32;
-    const uint8_t *codes = w->q + t * (Kp / 8) * 64;
+    const uint8_t *codes = (const uint8_t *)w->data + t * (Kp / 8) * 64;
     const uint16_t *sz = w->s4 + t * G * 32;
     const int8_t *xq = px->xq + m0 * Kp;
     const float *dx = px->dx + m0 * nb, *xsum = px->xsum + m0 * G;
@@ -205,7 +165,7 @@ static inline __attribute__((always_inline)) void q4t_tile(const QWeight *w, con
 #define Q4T_ROWS 8  /* rows of x a tile */
 #define Q4T_CHUNK 64 /* rows of x that meet all the weights before the next rows do */
 
-static void q4t_gemv(const QWeight *w, const float *x, long ldx, long M, float *y) {
+static void q4t_gemv(const Weight *w, const float *x, long ldx, long M, float *y) {
     long N = w->N, tiles = (N + 15) / 16;
     Q4X px;
     q4x_prepare(w, x, ldx, M, &px);
@@ -255,11 +215,11 @@ static void q4t_gemv(const QWeight *w, const float *x, long ldx, long M, float *
 /* int8 weights against int8 activations (x + 128 as unsigned bytes, the rows of a tile of
    up to 8): one VNNI instruction is 64 multiply-adds, and each weight row is loaded once
    for the tile. The +128 is taken off afterwards with the row's sum of q. */
-static inline __attribute__((always_inline)) void q8a8_tile(const QWeight *w,
+static inline __attribute__((always_inline)) void q8a8_tile(const Weight *w,
                                                             const uint8_t *xq, long ldq,
                                                             long n, int32_t *out,
                                                             const long R) {
-    const int8_t *wn = (const int8_t *)w->q + n * w->K;
+    const int8_t *wn = (const int8_t *)w->data + n * w->K;
     long K = w->K;
     __m512i acc[8];
     for (long r = 0; r < R; r++) acc[r] = _mm512_setzero_si512();
@@ -273,7 +233,7 @@ static inline __attribute__((always_inline)) void q8a8_tile(const QWeight *w,
 }
 
 /* y = x @ W.T with x quantized per row (absmax / 127, as torch._int_mm's path does) */
-static void q8a8_gemv(const QWeight *w, const float *x, long ldx, long M, float *y) {
+static void q8a8_gemv(const Weight *w, const float *x, long ldx, long M, float *y) {
     long N = w->N, K = w->K, ldq = (K + 63) / 64 * 64;
     uint8_t *xq = (uint8_t *)calloc(M * ldq, 1);
     float *xscale = (float *)malloc(sizeof(float) * M);
@@ -316,7 +276,7 @@ static void q8a8_gemv(const QWeight *w, const float *x, long ldx, long M, float 
 }
 #endif
 
-void bs_qgemv(const QWeight *w, const float *x, long ldx, long M, float *y) {
+void bs_qgemv(const Weight *w, const float *x, long ldx, long M, float *y) {
     long N = w->N;
     if (w->kind == 2) {
         q4t_gemv(w, x, ldx, M, y);
@@ -351,97 +311,3 @@ void bs_qgemv(const QWeight *w, const float *x, long ldx, long M, float *y) {
         }
     }
 }
-
-typedef struct {
-    const float *ln1, *ln2;
-    QWeight qkv, o, gu, down;
-    float *kpool, *vpool;
-    const float *cos, *sin; /* [max_len, D] */
-    long H, Hq, Hkv, D, I, nblk, bs, window;
-    float eps, scale, softcap;
-} QLayerParams;
-
-/* bs_llama_decode_layer (above) with quantized weights: same steps, same order. */
-void bs_q_llama_decode_layer(const QLayerParams *p, float *x, long M, const long *positions,
-                             const long *slots, const int *rows, const int *tables,
-                             long max_blocks, const int *lens, float *scratch) {
-    long H = p->H, D = p->D, Hq = p->Hq, Hkv = p->Hkv, I = p->I;
-    long QKV = (Hq + 2 * Hkv) * D;
-    float *h = scratch, *qkv = h + M * H, *att = qkv + M * QKV, *gu = att + M * Hq * D,
-          *act = gu + M * 2 * I;
-    rmsnorm(x, p->ln1, h, M, H, p->eps);
-    bs_qgemv(&p->qkv, h, H, M, qkv);
-    rope_and_store(qkv, M, Hq, Hkv, D, positions, p->cos, p->sin, slots, p->kpool, p->vpool,
-                   p->nblk, p->bs);
-    paged_decode(qkv, QKV, att, Hq * D, rows, M, Hq, Hkv, D, p->kpool, p->vpool, p->nblk,
-                 p->bs, tables, max_blocks, lens, p->scale, p->window, p->softcap);
-    bs_qgemv(&p->o, att, Hq * D, M, h);
-    for (long i = 0; i < M * H; i++) x[i] = x[i] + h[i];
-    rmsnorm(x, p->ln2, h, M, H, p->eps);
-    bs_qgemv(&p->gu, h, H, M, gu);
-    for (long m = 0; m < M; m++) {
-        const float *g = gu + m * 2 * I, *u = g + I;
-        float *a = act + m * I;
-        for (long i = 0; i < I; i++) a[i] = (g[i] / (1.f + expf(-g[i]))) * u[i];
-    }
-    bs_qgemv(&p->down, act, I, M, h);
-    for (long i = 0; i < M * H; i++) x[i] = x[i] + h[i];
-}
-"""
-
-
-class QWeight(ctypes.Structure):
-    """Mirror of the C `QWeight`: one int8 layer's pointers and sizes."""
-
-    _fields_ = [
-        ("kind", ctypes.c_long),
-        *[(name, ctypes.c_void_p) for name in ("q", "scale", "s4", "bias")],
-        *[(name, ctypes.c_long) for name in ("N", "K", "Kp", "group")],
-        ("wsum", ctypes.c_void_p),
-        ("a8_rows", ctypes.c_long),
-    ]
-
-
-class QLayerParams(ctypes.Structure):
-    _fields_ = [
-        ("ln1", ctypes.c_void_p),
-        ("ln2", ctypes.c_void_p),
-        *[(name, QWeight) for name in ("qkv", "o", "gu", "down")],
-        *[(name, ctypes.c_void_p) for name in ("kpool", "vpool", "cos", "sin")],
-        *[(name, ctypes.c_long) for name in ("H", "Hq", "Hkv", "D", "I", "nblk", "bs", "window")],
-        *[(name, ctypes.c_float) for name in ("eps", "scale", "softcap")],
-    ]
-
-
-def source() -> str:
-    return llm_kernels.SOURCE + Q_SOURCE
-
-
-class QuantKernels:
-    def __init__(self, path: Path):
-        lib = ctypes.CDLL(str(path))
-        p, i, bind = ctypes.c_void_p, ctypes.c_long, llm_kernels.bind
-        self._gemv = bind(lib, "bs_qgemv", ctypes.POINTER(QWeight), p, i, i, p)
-        layer = ctypes.POINTER(QLayerParams)
-        self._layer = bind(lib, "bs_q_llama_decode_layer", layer, p, i, p, p, p, p, i, p, p)
-
-    def linear(self, w: QWeight, x: torch.Tensor) -> torch.Tensor:
-        """x [M, K] fp32 with unit inner stride -> [M, N] fp32."""
-        y = torch.empty(x.shape[0], w.N, dtype=torch.float32)
-        self._gemv(ctypes.byref(w), x.data_ptr(), x.stride(0), x.shape[0], y.data_ptr())
-        return y
-
-    def decode_layer(self, params: QLayerParams, x, positions, slots, decode, scratch) -> None:
-        llm_kernels.call_decode_layer(self._layer, params, x, positions, slots, decode, scratch)
-
-
-_library = llm_kernels.Library(QuantKernels, source, "quant")  # engine kernels + these
-
-
-def get() -> QuantKernels | None:
-    return _library.get()
-
-
-def reset(enabled: bool | None = None) -> None:
-    """Forget the loaded kernels (tests): `enabled=False` forces the torch paths."""
-    _library.reset(enabled)

@@ -1,0 +1,65 @@
+"""The C GEMV (`bs_linear`) against torch's F.linear (MKL/oneDNN) at decode shapes.
+
+    .venv/bin/python -m bench.kernels [--threads 1] [--rows 1,4,16,64] [--shapes 58m,1b]
+
+For each weight shape and row count: time per call (best of --repeat), the weight read
+rate (GB/s, what batch-1 decode is bound by) and the ratio C / torch. A plain read of the
+same bytes (a sum) is the bandwidth ceiling measured in the same run. This is what
+`layers.Linear.fuse_rows` (SMALL_M, SMALL_WEIGHT) is chosen from.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+import torch.nn.functional as F
+
+from bitserve import kernels
+
+# (hidden, intermediate) of the bench's models: the 58M Llama, a ~250M and a ~1B one
+SHAPES = {"58m": (512, 1536), "250m": (1024, 2816), "1b": (2048, 5632)}
+
+
+def best_ms(fn, repeat: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times) * 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--rows", default="1,4,16,64")
+    parser.add_argument("--shapes", default="58m,1b")
+    parser.add_argument("--repeat", type=int, default=20)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    lib = kernels.get()
+    if lib is None:
+        raise SystemExit("no C kernels here (no compiler, or BITSERVE_NO_KERNELS=1)")
+    print(f"{'shape':>6} {'N x K':>12} {'rows':>5} {'C ms':>8} {'torch ms':>9} {'C GB/s':>7} "
+          f"{'read GB/s':>9} {'C/torch':>8}")  # fmt: skip
+    for name in args.shapes.split(","):
+        hidden, inter = SHAPES[name]
+        for n, k in ((2 * inter, hidden), (hidden, inter)):  # gate_up, down
+            w = torch.randn(n, k)
+            gb = w.numel() * 4 / 1e9
+            read_ms = best_ms(lambda w=w: w.sum(), args.repeat)
+            for rows in map(int, args.rows.split(",")):
+                x = torch.randn(rows, k)
+                c_ms = best_ms(lambda x=x, w=w: lib.linear(x, w, None), args.repeat)
+                t_ms = best_ms(lambda x=x, w=w: F.linear(x, w), args.repeat)
+                print(
+                    f"{name:>6} {f'{n}x{k}':>12} {rows:>5} {c_ms:>8.3f} {t_ms:>9.3f} "
+                    f"{gb / c_ms * 1e3:>7.1f} {gb / read_ms * 1e3:>9.1f} {t_ms / c_ms:>7.2f}x"
+                )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,227 @@
+"""bitserve's CPU kernels: C sources in `csrc/`, built once with the system's compiler.
+
+`csrc/bitserve.h` declares every exported struct and function; cffi reads the same header
+as its `cdef`, so there is one statement of each signature and layout (no hand-kept
+ctypes mirrors), and tests/kernels holds cffi's layout to the compiler's (`bs_layout`).
+The `.c` files are compiled with `-march=native -ffast-math` (vectorised `expf` and
+reductions) and linked without fast-math, so loading the library does not switch the
+process to flush-to-zero. The shared object lands in `$BITSERVE_KERNEL_CACHE` (default
+`~/.cache/bitserve/kernels`) under a hash of the sources, flags, compiler and CPU.
+
+Whether a model uses them is decided once, when it is loaded (`attach`): modules that
+can run a kernel declare a `kernels` attribute (None: the torch path), and the loader
+sets it on every one of them. Without a compiler, or with `BITSERVE_NO_KERNELS=1`,
+`get()` is None and every module keeps its torch path.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import re
+import shutil
+import subprocess
+import tempfile
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import torch
+from cffi import FFI
+
+CSRC = Path(__file__).parent / "csrc"
+HEADER = CSRC / "bitserve.h"
+COMPILE_FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp-simd", "-fPIC"]
+FAST_MATH = ["-ffast-math"]  # compile step only
+
+
+@cache
+def ffi() -> FFI:
+    """The header's declarations, as cffi parses them (preprocessor lines dropped)."""
+    declarations = FFI()
+    text = HEADER.read_text()
+    declarations.cdef(re.sub(r"^\s*#.*$", "", text, flags=re.MULTILINE))
+    return declarations
+
+
+def sources() -> list[Path]:
+    return sorted(CSRC.glob("*.c"))
+
+
+def cpu_signature() -> str:
+    """The CPU model and flags: a cached -march=native build must not move between CPUs."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [line for line in f if line.startswith(("model name", "flags", "Features"))]
+        return "".join(sorted(set(lines)))
+    except OSError:
+        return platform.processor()
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("BITSERVE_KERNEL_CACHE")
+    return Path(root) if root else Path.home() / ".cache" / "bitserve" / "kernels"
+
+
+def compiler() -> str | None:
+    """The C compiler to build with; None without one or with BITSERVE_NO_KERNELS=1."""
+    if os.environ.get("BITSERVE_NO_KERNELS") == "1":
+        return None
+    return os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+
+
+def build(cc: str) -> Path:
+    """Compile csrc/ into a cached shared object (atomic rename: safe across processes),
+    keyed by every source and header, the flags, the compiler and the CPU."""
+    files = sorted(CSRC.glob("*.[ch]"))
+    parts = [f.name + "\0" + f.read_text() for f in files]
+    key = "\0".join([*parts, *COMPILE_FLAGS, *FAST_MATH, cc, cpu_signature()])
+    target = cache_dir() / f"bitserve_{hashlib.sha256(key.encode()).hexdigest()[:16]}.so"
+    if target.is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        run = dict(check=True, capture_output=True, timeout=300, cwd=tmp)
+        objects = []
+        for source in sources():
+            obj = Path(tmp) / f"{source.stem}.o"
+            command = [cc, *COMPILE_FLAGS, *FAST_MATH, f"-I{CSRC}", "-c", str(source)]
+            subprocess.run([*command, "-o", str(obj)], **run)
+            objects.append(str(obj))
+        lib = Path(tmp) / "bitserve.so"
+        link = [cc, "-shared", *objects, "-o", str(lib)]
+        try:  # the vectorised expf lives in libmvec (glibc); plain libm otherwise
+            subprocess.run([*link, "-lmvec", "-lm"], **run)
+        except subprocess.CalledProcessError:
+            subprocess.run([*link, "-lm"], **run)
+        os.replace(lib, target)
+    return target
+
+
+def ptr(t: torch.Tensor | None, ctype: str = "float *") -> Any:
+    """A tensor's data as a C pointer (NULL for None); the tensor must outlive it."""
+    return ffi().NULL if t is None else ffi().cast(ctype, t.data_ptr())
+
+
+class Kernels:
+    """The loaded library: thin wrappers that take tensors."""
+
+    def __init__(self, path: Path):
+        self.lib = ffi().dlopen(str(path))
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+        """x [M, K] fp32 with unit inner stride; weight [N, K] contiguous fp32."""
+        m, k = x.shape
+        n = weight.shape[0]
+        y = torch.empty(m, n, dtype=torch.float32)
+        self.lib.bs_linear(ptr(x), x.stride(0), m, k, ptr(weight), n, ptr(bias), ptr(y))
+        return y
+
+    def gemv(self, w: Any, x: torch.Tensor) -> torch.Tensor:
+        """x [M, K] fp32 with unit inner stride, through a `Weight` -> [M, N] fp32."""
+        y = torch.empty(x.shape[0], w.N, dtype=torch.float32)
+        self.lib.bs_gemv(w, ptr(x), x.stride(0), x.shape[0], ptr(y))
+        return y
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """gate_up [M, 2I] contiguous fp32 (gate | up) -> silu(gate) * up, [M, I]."""
+        m, two_i = gate_up.shape
+        out = torch.empty(m, two_i // 2, dtype=torch.float32)
+        self.lib.bs_silu_mul(ptr(gate_up), m, two_i // 2, ptr(out))
+        return out
+
+    def rope(self, x: torch.Tensor, positions: torch.Tensor, cos, sin) -> None:
+        """In place on x [T, H, D] fp32 (heads contiguous in a row, any row stride);
+        positions int64 [T] contiguous; cos, sin [max_len, D] contiguous fp32."""
+        t, h, d = x.shape
+        where = ptr(positions, "int64_t *")
+        self.lib.bs_rope_rows(ptr(x), t, x.stride(0), h, d, where, ptr(cos), ptr(sin))
+
+    def paged_decode(
+        self, q, out, rows, k_pool, v_pool, tables, lens, scale: float, window=0, softcap=0.0
+    ) -> None:
+        """q, out: [T, Hq, D] contiguous fp32; rows, lens: int32 [B]; tables: int32 [B, W];
+        window: attend to the last `window` keys only (0: all); softcap: Gemma 2's."""
+        hkv, nblk, bs, d = k_pool.shape
+        self.lib.bs_paged_decode(
+            *(ptr(q), ptr(out), ptr(rows, "int *"), rows.shape[0], q.shape[1], hkv, d),
+            *(ptr(k_pool), ptr(v_pool), nblk, bs, ptr(tables, "int *"), tables.shape[1]),
+            *(ptr(lens, "int *"), scale, window, softcap),
+        )
+
+    def decode_layer(self, params: Any, x, positions, slots, decode, scratch) -> None:
+        """One decoder layer (`LayerParams`), in place on x [M, H], every row a decode.
+
+        positions, slots: int64 [M]; decode: the step's `DecodeBatch`; scratch: fp32 with
+        at least M * (2H + 2 Hq D + 2 Hkv D + 3 I) elements.
+        """
+        tables = decode.block_tables
+        self.lib.bs_decode_layer(
+            *(params, ptr(x), x.shape[0], ptr(positions, "int64_t *")),
+            *(ptr(slots, "int64_t *"), ptr(decode.rows, "int *"), ptr(tables, "int *")),
+            *(tables.shape[1], ptr(decode.context_lens, "int *"), ptr(scratch)),
+        )
+
+    def layout(self, struct: str, field: str = "") -> int:
+        """The compiler's offsetof(struct, field) (sizeof for ""), -1 if not listed."""
+        return self.lib.bs_layout(struct.encode(), field.encode())
+
+
+def fp32_weight(weight: torch.Tensor, bias: torch.Tensor | None) -> Any:
+    """A `Weight` view of an fp32 linear layer: weight [N, K] contiguous."""
+    n, k = weight.shape
+    return ffi().new(
+        "Weight *", {"kind": 0, "data": ptr(weight), "bias": ptr(bias), "N": n, "K": k}
+    )
+
+
+def layer_params(**fields: Any) -> Any:
+    """A `LayerParams` (fields as in csrc/bitserve.h; tensors become pointers)."""
+    pointers = {k: ptr(v) for k, v in fields.items() if v is None or isinstance(v, torch.Tensor)}
+    weights = {k: v[0] for k, v in fields.items() if isinstance(v, ffi().CData)}
+    scalars = {k: v for k, v in fields.items() if k not in pointers and k not in weights}
+    return ffi().new("LayerParams *", {**pointers, **weights, **scalars})
+
+
+def attach(model: torch.nn.Module, kernels: Kernels | None) -> None:
+    """Decide C or torch for a loaded model, once: set `kernels` on every module that
+    declares it (None keeps the torch path)."""
+    for module in model.modules():
+        if hasattr(type(module), "kernels"):
+            module.kernels = kernels
+
+
+class Library:
+    """The library built on first use and kept for the process; None where it cannot be
+    (no compiler, a failed build, or BITSERVE_NO_KERNELS=1)."""
+
+    def __init__(self):
+        self.loaded: Any = False  # False: not tried yet
+
+    def get(self) -> Kernels | None:
+        if self.loaded is False:
+            self.loaded = None
+            if cc := compiler():
+                try:
+                    self.loaded = Kernels(build(cc))
+                except (OSError, subprocess.SubprocessError):
+                    self.loaded = None
+        return self.loaded
+
+    def reset(self, enabled: bool | None = None) -> None:
+        """Forget the loaded library (tests): `enabled=False` forces the torch paths."""
+        self.loaded = None if enabled is False else False
+
+
+_library = Library()
+
+
+def get() -> Kernels | None:
+    """The compiled kernels, or None (no compiler, build failed, or disabled)."""
+    return _library.get()
+
+
+def reset(enabled: bool | None = None) -> None:
+    """Forget the loaded kernels (tests): `enabled=False` forces the torch paths."""
+    _library.reset(enabled)

@@ -1,0 +1,159 @@
+/* One-token attention for many sequences in one call, reading K/V in place from the
+   head-major block pool [kv_heads, num_blocks, block_size, head_dim] through the block
+   tables: no gather copy and no per-sequence Python. */
+#include "internal.h"
+
+#ifdef __AVX512F__
+/* out[j] = sum of the 16 lanes of v[j], for 16 vectors at once: a transpose-and-add
+   tree of 15 shuffles and adds in all, instead of 16 separate horizontal reductions. */
+static inline __m512 reduce16(const __m512 v[16]) {
+    __m512 p[8], q[4], r[2];
+    for (int i = 0; i < 8; i++) /* lanes: [a0+a2, b0+b2, a1+a3, b1+b3] per 128 bits */
+        p[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                             _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; i++) { /* [a, b, c, d] partial sums per 128 bits */
+        __m512d x = _mm512_castps_pd(p[2 * i]), y = _mm512_castps_pd(p[2 * i + 1]);
+        q[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
+                             _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+    }
+    for (int i = 0; i < 2; i++) /* 128-bit lanes pairwise: 8 keys, 2 partials each */
+        r[i] = _mm512_add_ps(_mm512_shuffle_f32x4(q[2 * i], q[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(q[2 * i], q[2 * i + 1], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(r[0], r[1], 0x88),
+                         _mm512_shuffle_f32x4(r[0], r[1], 0xDD));
+}
+
+/* Scores of one query head against a block of 16 keys (D = 32 or 64), n of them real. */
+static inline void block_scores(const float *qh, const float *kb, long n, long D, float scale,
+                                float *out) {
+    __m512 prod[16];
+    __m512 q0 = _mm512_loadu_ps(qh), q1 = _mm512_loadu_ps(qh + 16);
+    for (long j = 0; j < 16; j++) {
+        if (j >= n) {
+            prod[j] = _mm512_setzero_ps();
+            continue;
+        }
+        const float *kj = kb + j * D;
+        __m512 a = _mm512_mul_ps(q0, _mm512_loadu_ps(kj));
+        a = _mm512_fmadd_ps(q1, _mm512_loadu_ps(kj + 16), a);
+        if (D == 64) {
+            a = _mm512_fmadd_ps(_mm512_loadu_ps(qh + 32), _mm512_loadu_ps(kj + 32), a);
+            a = _mm512_fmadd_ps(_mm512_loadu_ps(qh + 48), _mm512_loadu_ps(kj + 48), a);
+        }
+        prod[j] = a;
+    }
+    __m512 s = _mm512_mul_ps(reduce16(prod), _mm512_set1_ps(scale));
+    _mm512_mask_storeu_ps(out, (__mmask16)((1u << n) - 1), s);
+}
+#endif
+
+/* Decode attention over a paged, head-major pool, for sequence i in row rows[i].
+   q: row stride ldq, heads of D; out: row stride ldo; kpool, vpool: [Hkv, nblk, bs, D];
+   tables: [B, max_blocks] int32; lens[i]: context length of sequence i (including its
+   new token, already written to the pool). window > 0: only the last `window` keys
+   (sliding-window layers; blocks before them are never read, they may be freed);
+   softcap > 0: scores become softcap * tanh(score / softcap) (Gemma 2). */
+void bs_attend(const float *q, long ldq, float *out, long ldo, const int *rows,
+                         long B, long Hq, long Hkv, long D, const float *kpool,
+                         const float *vpool, long nblk, long bs, const int *tables,
+                         long max_blocks, const int *lens, float scale, long window,
+                         float softcap) {
+    long group = Hq / Hkv, max_len = max_blocks * bs;
+    float *scores = (float *)malloc(sizeof(float) * (max_len > 0 ? max_len : 1));
+    float *acc = (float *)malloc(sizeof(float) * D);
+    for (long i = 0; i < B; i++) {
+        const int *table = tables + i * max_blocks;
+        long len = lens[i], nb = (len + bs - 1) / bs;
+        long lo = window > 0 && len > window ? len - window : 0, b0 = lo / bs;
+        for (long h = 0; h < Hq; h++) {
+            long kvh = h / group;
+            const float *qh = q + (long)rows[i] * ldq + h * D;
+            const float *kh = kpool + kvh * nblk * bs * D;
+            const float *vh = vpool + kvh * nblk * bs * D;
+            /* scores: block by block (each block's keys are bs * D contiguous floats) */
+            float mx = -3.0e38f;
+#ifdef __AVX512F__
+            if (bs == 16 && (D == 32 || D == 64)) { /* 16 keys at a time, one reduction */
+                for (long b = b0; b < nb; b++) {
+                    long n = len - b * bs < bs ? len - b * bs : bs;
+                    block_scores(qh, kh + (long)table[b] * bs * D, n, D, scale, scores + b * bs);
+                }
+            } else
+#endif
+            for (long b = b0; b < nb; b++) {
+                const float *kb = kh + (long)table[b] * bs * D;
+                long n = len - b * bs < bs ? len - b * bs : bs;
+                float *sb = scores + b * bs;
+                /* the next block is another page: prefetch it while this one is read */
+                const float *kn = b + 1 < nb ? kh + (long)table[b + 1] * bs * D : kb;
+                for (long j = 0; j < n; j++) {
+                    for (long c = 0; c < D; c += 16) __builtin_prefetch(kn + j * D + c);
+                    sb[j] = dot(qh, kb + j * D, D) * scale;
+                }
+            }
+            if (softcap > 0.f) {
+                float inv_cap = 1.f / softcap;
+#pragma omp simd
+                for (long t = lo; t < len; t++) scores[t] = tanhf(scores[t] * inv_cap) * softcap;
+            }
+            for (long t = lo; t < len; t++) mx = scores[t] > mx ? scores[t] : mx;
+            float total = 0.f;
+#pragma omp simd reduction(+ : total)
+            for (long t = lo; t < len; t++) {
+                float e = expf(scores[t] - mx);
+                scores[t] = e;
+                total += e;
+            }
+            float inv = 1.f / total;
+            float *oh = out + (long)rows[i] * ldo + h * D;
+#ifdef __AVX512F__
+            if (D == 64) { /* the common head size: the accumulator stays in registers */
+                __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+                for (long b = b0; b < nb; b++) {
+                    const float *vb = vh + (long)table[b] * bs * D;
+                    long n = len - b * bs < bs ? len - b * bs : bs;
+                    const float *sb = scores + b * bs;
+                    const float *vn = b + 1 < nb ? vh + (long)table[b + 1] * bs * D : vb;
+                    for (long j = b == b0 ? lo - b * bs : 0; j < n; j++) {
+                        __m512 p = _mm512_set1_ps(sb[j]);
+                        const float *vt = vb + j * 64;
+                        for (long c = 0; c < 64; c += 16) __builtin_prefetch(vn + j * 64 + c);
+                        a0 = _mm512_fmadd_ps(p, _mm512_loadu_ps(vt), a0);
+                        a1 = _mm512_fmadd_ps(p, _mm512_loadu_ps(vt + 16), a1);
+                        a2 = _mm512_fmadd_ps(p, _mm512_loadu_ps(vt + 32), a2);
+                        a3 = _mm512_fmadd_ps(p, _mm512_loadu_ps(vt + 48), a3);
+                    }
+                }
+                __m512 vi = _mm512_set1_ps(inv);
+                _mm512_storeu_ps(oh, _mm512_mul_ps(a0, vi));
+                _mm512_storeu_ps(oh + 16, _mm512_mul_ps(a1, vi));
+                _mm512_storeu_ps(oh + 32, _mm512_mul_ps(a2, vi));
+                _mm512_storeu_ps(oh + 48, _mm512_mul_ps(a3, vi));
+                continue;
+            }
+#endif
+            memset(acc, 0, sizeof(float) * D);
+            for (long b = b0; b < nb; b++) {
+                const float *vb = vh + (long)table[b] * bs * D;
+                long n = len - b * bs < bs ? len - b * bs : bs;
+                for (long j = b == b0 ? lo - b * bs : 0; j < n; j++) {
+                    const float *vt = vb + j * D;
+                    float p = scores[b * bs + j];
+#pragma omp simd
+                    for (long d = 0; d < D; d++) acc[d] += p * vt[d];
+                }
+            }
+            for (long d = 0; d < D; d++) oh[d] = acc[d] * inv;
+        }
+    }
+    free(acc);
+    free(scores);
+}
+
+void bs_paged_decode(const float *q, float *out, const int *rows, long B, long Hq, long Hkv,
+                     long D, const float *kpool, const float *vpool, long nblk, long bs,
+                     const int *tables, long max_blocks, const int *lens, float scale,
+                     long window, float softcap) {
+    bs_attend(q, Hq * D, out, Hq * D, rows, B, Hq, Hkv, D, kpool, vpool, nblk, bs, tables,
+              max_blocks, lens, scale, window, softcap);
+}

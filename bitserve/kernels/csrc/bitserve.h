@@ -1,0 +1,79 @@
+/* bitserve's CPU kernels: the exported structs and functions.
+
+   Python reads this file as its cffi `cdef` (lines starting with '#' dropped), so these
+   declarations are the one statement of every signature and struct layout; keep them
+   plain C that cffi parses (no macros). Pointers are raw tensor data; every tensor is
+   contiguous fp32 unless said otherwise. */
+#ifndef BITSERVE_H
+#define BITSERVE_H
+#include <stdint.h>
+
+/* One linear layer's weights as a decode layer reads them.
+   kind 0: fp32, data [N, K];
+   kind 1: int8 rows, data [N, K] int8, W = q * scale[n];
+   kind 2: int4 groups, data the tiles of Int4Linear.tiled(), s4 their bf16 scales and
+           zeros (W = (q - 8) * s + z), K padded to Kp, `group` columns a group.
+   wsum, a8_rows (int8 only): each row's sum of q, and from how many rows of x on the
+   activations are quantized too (VNNI); wsum NULL: never. bias [N] or NULL. */
+typedef struct {
+    long kind;
+    const void *data;
+    const float *scale;
+    const uint16_t *s4;
+    const float *bias;
+    long N, K, Kp, group;
+    const int32_t *wsum;
+    long a8_rows;
+} Weight;
+
+/* One decoder layer (Llama and the families that share its shape). Norm pointers are
+   the multipliers (Gemma's 1 + w computed by the caller); qnorm, knorm (Qwen3, Gemma 3):
+   an RMSNorm over each q and k head before RoPE, or NULL; post_attn, post_mlp (Gemma's
+   sandwich norms): an RMSNorm of the attention and MLP outputs before they are added, or
+   NULL. kpool, vpool: [Hkv, nblk, bs, D]; cos, sin: [max_len, D]. act: 0 SiLU (SwiGLU),
+   1 tanh-GELU (GeGLU). window > 0: attend to the last `window` keys only; softcap > 0:
+   scores become softcap * tanh(score / softcap) (Gemma 2). */
+typedef struct {
+    Weight qkv, o, gu, down;
+    const float *ln1, *ln2, *qnorm, *knorm, *post_attn, *post_mlp;
+    float *kpool, *vpool;
+    const float *cos, *sin;
+    long H, Hq, Hkv, D, I, nblk, bs, window, act;
+    float eps, scale, softcap;
+} LayerParams;
+
+/* y [M, N] = x [M, K] (row stride ldx) @ w [N, K].T + b (b may be NULL) */
+void bs_linear(const float *x, long ldx, long M, long K, const float *w, long N, const float *b,
+               float *y);
+
+/* y [M, N] = x [M, K] (row stride ldx) @ W.T + bias, for any kind of Weight */
+void bs_gemv(const Weight *w, const float *x, long ldx, long M, float *y);
+
+/* Decode attention for sequence i in row rows[i] of q and out ([T, Hq, D]); tables
+   [B, max_blocks] int32; lens[i]: its context length, new token included (already in the
+   pool). Rows not listed are left alone. */
+void bs_paged_decode(const float *q, float *out, const int *rows, long B, long Hq, long Hkv,
+                     long D, const float *kpool, const float *vpool, long nblk, long bs,
+                     const int *tables, long max_blocks, const int *lens, float scale,
+                     long window, float softcap);
+
+/* One decoder layer for M decode rows, in place on the residual stream x [M, H]: the same
+   arithmetic, in the same order, as the torch path. positions, slots: int64 [M]; rows,
+   tables, max_blocks, lens: as bs_paged_decode's; scratch: at least
+   M * (2H + 2 Hq D + 2 Hkv D + 3 I) floats. */
+void bs_decode_layer(const LayerParams *p, float *x, long M, const int64_t *positions,
+                     const int64_t *slots, const int *rows, const int *tables, long max_blocks,
+                     const int *lens, float *scratch);
+
+/* out [M, I] = silu(gu[:, :I]) * gu[:, I:] */
+void bs_silu_mul(const float *gu, long M, long I, float *out);
+
+/* RoPE in place on the H heads of D at the start of each of T rows of x (row stride ld) */
+void bs_rope_rows(float *x, long T, long ld, long H, long D, const int64_t *positions,
+                  const float *cos, const float *sin);
+
+/* The compiler's layout of the structs above, for the test that holds cffi's to it:
+   offsetof(type, field), or sizeof(type) for field "", or -1 if not listed. */
+long bs_layout(const char *type, const char *field);
+
+#endif
