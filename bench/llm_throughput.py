@@ -327,8 +327,8 @@ def architectures(quick: bool) -> None:
 def moe_quantized(quick: bool) -> None:
     from transformers import AutoModelForCausalLM, MixtralConfig
 
-    from bitserve.quant.command import _quantize_llm
-    from bitserve.quant.folders import Source
+    from bitserve.quantize.command import _quantize_llm
+    from bitserve.quantize.folders import Source
 
     hidden, inter = (512, 1024) if quick else (1024, 2048)
     config = MixtralConfig(

@@ -28,8 +28,8 @@ def _size(text: str) -> int:
 LAZY_COMMANDS = {
     "bench": "bitserve.bench.command:bench",
     "batch": "bitserve.offline.command:batch",
-    "quantize": "bitserve.quant.command:quantize",
-    "eval": "bitserve.quant.command:evaluate",
+    "quantize": "bitserve.quantize.command:quantize",
+    "eval": "bitserve.quantize.command:evaluate",
     "plan": "bitserve.plan.command:plan",
     "rollout": "bitserve.rollout.command:rollout",
     "optimize": "bitserve.optimize.command:optimize_command",

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from bitserve.repository.config import ModelConfig
+from bitserve.config import ModelConfig
 
 
 class LoadError(Exception):

@@ -37,10 +37,10 @@ import numpy as np
 import torch
 
 from bitserve.backends.base import LoadError, Model
+from bitserve.config import ModelConfig
 from bitserve.diffusion.engine import DiffusionEngine
 from bitserve.diffusion.params import GenerationParams, InvalidParams
 from bitserve.diffusion.unet import load_denoiser
-from bitserve.repository.config import ModelConfig
 
 PARAMETERS = {
     "weights",

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from bitserve.backends.base import LoadError, Model, set_threads
-from bitserve.repository.config import ModelConfig
+from bitserve.config import ModelConfig
 
 _TASKS = ("embedding", "classification")
 _CLASSIFIER_OUTPUTS = ("logits", "probs", "label")

@@ -42,6 +42,7 @@ import numpy as np
 import orjson
 
 from bitserve.backends.base import LoadError
+from bitserve.config import ModelConfig
 from bitserve.inference import InvalidRequest
 from bitserve.llm.async_engine import AsyncLLMEngine, EngineDead
 from bitserve.llm.config import EngineConfig
@@ -49,7 +50,6 @@ from bitserve.llm.outputs import RequestOutput
 from bitserve.llm.sampling_params import SamplingError, SamplingParams
 from bitserve.llm.structured import GUIDED_FIELDS, GuideError, guide_from
 from bitserve.llm.tools import SYNTAXES, instructions
-from bitserve.repository.config import ModelConfig
 
 log = logging.getLogger("bitserve.llm")
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bitserve.batching.clock import Clock, Timer
-from bitserve.repository.config import DynamicBatching
+from bitserve.config import DynamicBatching
 
 
 class QueueFull(Exception):

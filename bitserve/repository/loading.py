@@ -11,7 +11,7 @@ from bitserve.backends import Model, backend_class
 from bitserve.backends.base import LoadError
 from bitserve.batching.batcher import Request
 from bitserve.batching.collate import dummy_inputs, merge, split
-from bitserve.repository.config import ModelConfig
+from bitserve.config import ModelConfig
 
 
 def device_for(kind: str) -> str:

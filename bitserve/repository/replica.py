@@ -42,7 +42,7 @@ from typing import Any
 
 from bitserve import raycluster
 from bitserve.backends.base import LoadError
-from bitserve.repository.config import ModelConfig
+from bitserve.config import ModelConfig
 
 log = logging.getLogger("bitserve.repository")
 

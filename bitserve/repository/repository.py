@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bitserve.backends.base import LoadError
+from bitserve.config import ConfigError, ModelConfig, load_config
 from bitserve.metrics import Metrics
-from bitserve.repository.config import ConfigError, ModelConfig, load_config
 from bitserve.repository.version import ModelVersion
 
 log = logging.getLogger("bitserve.repository")

@@ -26,9 +26,9 @@ from bitserve.backends import backend_class, is_llm, preimport
 from bitserve.backends.base import LoadError
 from bitserve.batching.batcher import DynamicBatcher, Request
 from bitserve.batching.clock import LoopClock
+from bitserve.config import ModelConfig
 from bitserve.inference import InferRequest, InvalidRequest
 from bitserve.metrics import Metrics
-from bitserve.repository.config import ModelConfig
 from bitserve.repository.instance import Instance
 from bitserve.repository.loading import device_for
 from bitserve.repository.replica import ReplicaGone

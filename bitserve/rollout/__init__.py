@@ -10,7 +10,7 @@
     verdict.py  the report: per version, per candidate, and a recommendation
     command.py  `bitserve rollout report|set|promote|rollback`
 
-The policy is a model's `[traffic]` table (bitserve/repository/config.py); the server
+The policy is a model's `[traffic]` table (bitserve/config.py); the server
 routes v2 infer through `ServerState.route_model` (server/state.py) and records each request
 in `state.py`.
 """

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from bitserve.repository.config import RollbackRule
+from bitserve.config import RollbackRule
 from bitserve.rollout.stats import alpha_at_look, exceedance, two_proportions
 from bitserve.rollout.window import Window
 

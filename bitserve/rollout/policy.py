@@ -22,7 +22,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from bitserve.repository.config import Traffic
+from bitserve.config import Traffic
 
 VERSION_HEADER = "bitserve-model-version"
 

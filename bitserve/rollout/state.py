@@ -15,8 +15,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
+from bitserve.config import ModelConfig, Traffic
 from bitserve.metrics import Metrics
-from bitserve.repository.config import ModelConfig, Traffic
 from bitserve.repository.repository import ModelEntry, ModelUnavailable, Repository
 from bitserve.repository.version import ModelVersion
 from bitserve.rollout import guard, policy, shadow

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from bitserve.repository.config import Traffic
+from bitserve.config import Traffic
 from bitserve.rollout import stats
 from bitserve.rollout.state import Snapshot
 from bitserve.rollout.window import Window

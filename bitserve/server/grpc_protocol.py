@@ -19,8 +19,8 @@ import grpc
 import numpy as np
 
 from bitserve.batching.collate import shape_key
+from bitserve.config import ModelConfig
 from bitserve.inference import InferRequest, InvalidRequest
-from bitserve.repository.config import ModelConfig
 from bitserve.server.classification import top_k
 from bitserve.server.errors import status_of
 from bitserve.server.proto import grpc_service_pb2 as pb

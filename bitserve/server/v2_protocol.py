@@ -16,8 +16,8 @@ import numpy as np
 import orjson
 
 from bitserve.batching.collate import shape_key
+from bitserve.config import ModelConfig, TensorSpec
 from bitserve.inference import InferRequest, InvalidRequest
-from bitserve.repository.config import ModelConfig, TensorSpec
 from bitserve.server.classification import top_k
 from bitserve.server.http import json_object
 from bitserve.tensors import DATATYPES, TensorError, from_binary, from_json, to_binary, to_json

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from bitserve.backends.base import LoadError, Model
-from bitserve.repository.config import ModelConfig
+from bitserve.config import ModelConfig
 
 DEFAULTS = {"score_threshold": 0.3, "max_detections": 20, "max_image_pixels": 4096 * 4096}
 TOP_K = 100  # the graph's top-K (bitserve.vision.net.TOP_K)

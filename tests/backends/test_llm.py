@@ -10,7 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from bitserve.backends.llm import LLMService, Overloaded
-from bitserve.repository.config import ModelConfig
+from bitserve.config import ModelConfig
 from tests.llm.conftest import build_tokenizer, llama_config
 
 torch.set_num_threads(1)

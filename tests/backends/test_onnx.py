@@ -12,7 +12,7 @@ import torch
 
 from bitserve.backends.base import LoadError
 from bitserve.backends.onnx import OnnxModel
-from bitserve.repository.config import ModelConfig, load_config
+from bitserve.config import ModelConfig, load_config
 
 torch.set_num_threads(1)
 ROOT = Path(__file__).resolve().parents[2]

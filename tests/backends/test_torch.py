@@ -15,7 +15,7 @@ import torch
 
 from bitserve.backends.base import LoadError
 from bitserve.backends.torch import TorchModel, _to_tensor
-from bitserve.repository.config import ModelConfig
+from bitserve.config import ModelConfig
 
 torch.set_num_threads(1)
 pytestmark = [

@@ -6,7 +6,7 @@ import pytest
 
 from bitserve.batching.batcher import DynamicBatcher, QueueFull, QueueTimeout, Request
 from bitserve.batching.clock import ManualClock
-from bitserve.repository.config import DynamicBatching
+from bitserve.config import DynamicBatching
 
 MS = 1e-3
 

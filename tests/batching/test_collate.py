@@ -7,7 +7,7 @@ import pytest
 
 from bitserve.batching.batcher import Request
 from bitserve.batching.collate import merge, split
-from bitserve.repository.config import ModelConfig
+from bitserve.config import ModelConfig
 
 CONFIG = ModelConfig.model_validate(
     {

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from bitserve.llm.gguf import hf_name, quant_method, unpermute
-from bitserve.quant.evaluate import evaluate_llm
+from bitserve.quantize.evaluate import evaluate_llm
 from tests.llm.conftest import make_engine
 from tests.llm.test_engine import MIXED, generate, reference
 from tests.quant.conftest import HELDOUT, TINYLM

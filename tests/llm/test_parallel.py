@@ -396,7 +396,7 @@ async def test_config_toml_parameters_split_a_served_model(llama_dir):
     workers; a split the model cannot take fails the load."""
     from bitserve.backends.base import LoadError
     from bitserve.backends.llm import LLMService
-    from bitserve.repository.config import ModelConfig
+    from bitserve.config import ModelConfig
 
     def service(**parameters) -> LLMService:
         config = ModelConfig.model_validate(

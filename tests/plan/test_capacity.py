@@ -10,8 +10,8 @@ import pytest
 from click.testing import CliRunner
 
 from bitserve.cli import main
+from bitserve.config import DynamicBatching
 from bitserve.plan import capacity
-from bitserve.repository.config import DynamicBatching
 from tests.conftest import Server, write_model
 
 # A python model whose batch takes 8 ms + 2 ms per row: a known batch latency profile.

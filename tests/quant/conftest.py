@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bitserve.quant.folders import resolve_source
+from bitserve.quantize.folders import resolve_source
 
 torch.set_num_threads(1)
 ROOT = Path(__file__).resolve().parents[2]
@@ -18,7 +18,7 @@ EVAL_TOKENS = 1024  # 4 windows of 256: int8/int4 ppl changes are stable to ~0.3
 
 @pytest.fixture(scope="session")
 def heldout_ids() -> list[int]:
-    from bitserve.quant.scoring import text_token_ids
+    from bitserve.quantize.scoring import text_token_ids
 
     return text_token_ids(TINYLM / "1", HELDOUT.read_text())
 
@@ -26,7 +26,7 @@ def heldout_ids() -> list[int]:
 @pytest.fixture(scope="session")
 def quantized_tinylm(tmp_path_factory):
     """method -> repository model folder written by the quantize command's code path."""
-    from bitserve.quant.command import _quantize_llm
+    from bitserve.quantize.command import _quantize_llm
 
     root = tmp_path_factory.mktemp("quantized")
     folders = {}

@@ -11,9 +11,9 @@ import torch
 from bitserve.llm import LLM, SamplingParams
 from bitserve.llm.config import EngineConfig
 from bitserve.llm.models import load_model
-from bitserve.quant.command import _quantize_llm
-from bitserve.quant.folders import Source
-from bitserve.quant.scoring import window_logits
+from bitserve.quantize.command import _quantize_llm
+from bitserve.quantize.folders import Source
+from bitserve.quantize.scoring import window_logits
 from tests.llm.conftest import CONFIGS, VOCAB, build_model
 
 

@@ -6,7 +6,7 @@ import json
 
 from click.testing import CliRunner
 
-from bitserve.quant.command import evaluate, quantize
+from bitserve.quantize.command import evaluate, quantize
 from tests.quant.conftest import HELDOUT, TINYLM
 
 

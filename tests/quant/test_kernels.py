@@ -11,8 +11,8 @@ from torch import nn
 
 from bitserve import kernels
 from bitserve.llm import LLM, SamplingParams
-from bitserve.quant.folders import resolve_source
 from bitserve.quant.linear import Int4Linear, Int8Linear, qweight
+from bitserve.quantize.folders import resolve_source
 
 pytestmark = pytest.mark.skipif(kernels.get() is None, reason="no C compiler")
 
@@ -129,7 +129,7 @@ def test_batched_decode_is_fused_and_matches(quantized_tinylm, monkeypatch, meth
 def test_quantized_qk_norm_and_sandwich_layers_run_the_c_layer(tmp_path, monkeypatch, arch, method):
     """The one C decode layer carries qk-norm (Qwen3) and sandwich norms, GeGLU and
     soft-caps (Gemma 2) for quantized weights too; tokens equal the torch path's."""
-    from bitserve.quant.command import _quantize_llm
+    from bitserve.quantize.command import _quantize_llm
     from tests.llm import test_architectures as archs
     from tests.llm.conftest import build_model
 

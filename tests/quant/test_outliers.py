@@ -15,9 +15,9 @@ import shutil
 import pytest
 from safetensors.torch import load_file, save_file
 
-from bitserve.quant.calibrate import calibrate_folder, report
-from bitserve.quant.evaluate import evaluate_llm
-from bitserve.quant.folders import Source
+from bitserve.quantize.calibrate import calibrate_folder, report
+from bitserve.quantize.evaluate import evaluate_llm
+from bitserve.quantize.folders import Source
 from tests.quant.conftest import EVAL_TOKENS, HELDOUT, TINYLM
 
 CHANNELS = [5, 77, 200]
@@ -49,7 +49,7 @@ def text() -> str:
 
 
 def quantize(source, out, method, text=None):
-    from bitserve.quant.command import _quantize_llm
+    from bitserve.quantize.command import _quantize_llm
 
     calibration = None
     if text is not None:

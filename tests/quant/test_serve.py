@@ -10,7 +10,7 @@ import pytest
 from click.testing import CliRunner
 
 from bitserve.llm import LLM, SamplingParams
-from bitserve.quant.command import quantize
+from bitserve.quantize.command import quantize
 from tests.conftest import Server
 from tests.quant.conftest import ROOT, TINYLM
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from bitserve.quant.evaluate import evaluate_llm
+from bitserve.quantize.evaluate import evaluate_llm
 from tests.quant.conftest import EVAL_TOKENS, HELDOUT, TINYLM
 
 

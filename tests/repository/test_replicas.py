@@ -12,8 +12,8 @@ import pytest
 
 from bitserve.batching.batcher import DynamicBatcher, Request
 from bitserve.batching.clock import LoopClock
+from bitserve.config import ModelConfig
 from bitserve.repository import version as version_module
-from bitserve.repository.config import ModelConfig
 from bitserve.repository.replica import ReplicaGone
 from bitserve.repository.version import ModelVersion, ReplicaLost
 
@@ -152,7 +152,7 @@ def test_the_batcher_puts_a_retried_batch_back_first():
 
 
 def test_config_table_is_checked():
-    from bitserve.repository.config import InstanceGroup
+    from bitserve.config import InstanceGroup
 
     assert InstanceGroup(isolation="ray").ray_resources() == {"num_cpus": 1.0, "num_gpus": 0.0}
     assert InstanceGroup(isolation="ray", kind="gpu").ray_resources()["num_gpus"] == 1.0

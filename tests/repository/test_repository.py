@@ -7,7 +7,7 @@ import asyncio
 import httpx
 import pytest
 
-from bitserve.repository.config import ConfigError, ModelConfig, load_config
+from bitserve.config import ConfigError, ModelConfig, load_config
 from bitserve.repository.repository import ModelNotFound, ModelUnavailable, Repository
 from tests.conftest import Server, write_model
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 from scipy import stats as sp
 
-from bitserve.repository.config import RollbackRule
+from bitserve.config import RollbackRule
 from bitserve.rollout import guard, stats
 from bitserve.rollout.window import Window
 

@@ -9,8 +9,8 @@ from types import SimpleNamespace
 import pytest
 from scipy import stats as sp
 
+from bitserve.config import ConfigError, Traffic, load_config
 from bitserve.metrics import Metrics
-from bitserve.repository.config import ConfigError, Traffic, load_config
 from bitserve.repository.repository import Repository
 from bitserve.rollout import policy
 from bitserve.rollout.state import ModelRollout

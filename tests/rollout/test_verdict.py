@@ -7,8 +7,8 @@ import random
 import numpy as np
 from scipy import stats as sp
 
+from bitserve.config import Traffic
 from bitserve.metrics import Metrics
-from bitserve.repository.config import Traffic
 from bitserve.rollout import verdict
 from bitserve.rollout.compare import Record
 from bitserve.rollout.state import ModelRollout

@@ -14,7 +14,7 @@ import torch
 
 from bitserve.backends.onnx import OnnxModel
 from bitserve.backends.torch import TorchModel
-from bitserve.repository.config import load_config
+from bitserve.config import load_config
 
 torch.set_num_threads(1)
 ROOT = Path(__file__).resolve().parents[2]

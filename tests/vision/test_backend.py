@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from bitserve.repository.config import load_config
+from bitserve.config import load_config
 from bitserve.vision.backend import DetectorModel, select
 
 from .conftest import DETECTOR

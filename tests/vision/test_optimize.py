@@ -10,8 +10,8 @@ import pytest
 from click.testing import CliRunner
 
 from bitserve.cli import main
+from bitserve.config import load_config
 from bitserve.optimize import report
-from bitserve.repository.config import load_config
 from bitserve.vision import data
 from bitserve.vision.backend import DetectorModel
 

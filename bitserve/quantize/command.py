@@ -85,7 +85,7 @@ def quantize(
     """
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     _threads(threads)
-    from bitserve.quant.folders import resolve_source
+    from bitserve.quantize.folders import resolve_source
 
     source = resolve_source(model_dir)
     if profile:
@@ -115,8 +115,8 @@ def _threads(threads: int) -> None:
 
 
 def _profile(folder, backend, calibration, threshold, plot, out_dir, tokens) -> None:
-    from bitserve.quant.calibrate import calibrate_folder, report
-    from bitserve.quant.calibrate import plot as draw
+    from bitserve.quantize.calibrate import calibrate_folder, report
+    from bitserve.quantize.calibrate import plot as draw
 
     if backend != "llm":
         raise click.UsageError("--profile works on LLM folders")
@@ -133,15 +133,15 @@ def _quantize_llm(
 ):
     from bitserve.llm.config import EngineConfig
     from bitserve.llm.models import load_model
-    from bitserve.quant.folders import copy_companions, destination
     from bitserve.quant.quantize import is_quantized, quantize_model, save_weights, write_config
+    from bitserve.quantize.folders import copy_companions, destination
 
     config = EngineConfig(model=source.weights, device="cpu", num_kv_blocks=1)
     if is_quantized(config.hf_config):
         raise click.UsageError(f"{source.weights} is quantized already")
     outliers = None
     if method == "int8-outlier":
-        from bitserve.quant.calibrate import calibrate_folder, report
+        from bitserve.quantize.calibrate import calibrate_folder, report
 
         model, profiles = calibrate_folder(
             source.weights, calibration.read_text(), max_tokens=tokens
@@ -159,8 +159,8 @@ def _quantize_llm(
 
 def _quantize_encoder(source, out_dir, method, group_size, version, activations="bf16"):
     from bitserve.quant.encoder import ENCODER_METHODS, quantize_encoder, save_encoder
-    from bitserve.quant.folders import copy_companions, destination
     from bitserve.quant.quantize import write_config
+    from bitserve.quantize.folders import copy_companions, destination
 
     if method not in ENCODER_METHODS:
         raise click.UsageError(f"encoder (hf) models take --method {' or '.join(ENCODER_METHODS)}")
@@ -172,7 +172,7 @@ def _quantize_encoder(source, out_dir, method, group_size, version, activations=
 
 
 def is_diffusion(model_dir: Path) -> bool:
-    from bitserve.repository.config import load_config
+    from bitserve.config import load_config
 
     toml = model_dir / "config.toml"
     return toml.is_file() and load_config(toml).backend == "diffusion"
@@ -214,8 +214,8 @@ def evaluate(
 ) -> None:
     """Perplexity, agreement, cosine similarity, memory and speed of MODEL_DIR (vs --against);
     for a diffusion model, adherence, diversity and Fréchet distance per guidance scale."""
-    from bitserve.quant import evaluate as ev
-    from bitserve.quant.folders import resolve_source
+    from bitserve.quantize import evaluate as ev
+    from bitserve.quantize.folders import resolve_source
 
     _threads(threads)
     if is_diffusion(model_dir):

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bitserve.backends.hf import resolve_path
-from bitserve.repository.config import load_config
+from bitserve.config import load_config
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".onnx", ".h5", ".msgpack", ".ckpt")
 

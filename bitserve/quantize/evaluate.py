@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from bitserve.quant.scoring import text_token_ids, window_logits, windows
+from bitserve.quantize.scoring import text_token_ids, window_logits, windows
 
 
 @dataclass

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from bitserve.quant.quantize import quantizable
-from bitserve.quant.scoring import text_token_ids, window_logits, windows
+from bitserve.quantize.scoring import text_token_ids, window_logits, windows
 
 
 @dataclass
