@@ -335,6 +335,15 @@ class ModelConfig(_Strict):
         return ([-1] if self.max_batch_size > 0 else []) + list(spec.dims)
 
 
+def version_numbers(model_dir: Path) -> list[int]:
+    """The model's numeric version folders (`1/`, `2/`, ...), in order."""
+    return sorted(
+        int(p.name)
+        for p in model_dir.iterdir()
+        if p.is_dir() and p.name.isdigit() and not p.name.startswith("0")
+    )
+
+
 def load_config(path: Path) -> ModelConfig:
     """Read and validate `path`; the model name defaults to the folder's name."""
     try:

@@ -58,7 +58,7 @@ def test_no_handler_imports_the_app():
 
 def test_domain_packages_never_reach_up_into_the_server():
     edges = graph()
-    for package in ("rollout", "repository", "backends", "batching", "llm", "quant"):
+    for package in ("rollout", "repository", "backends", "batching", "llm", "quant", "kernels"):
         assert not imports(edges, f"bitserve.{package}", "bitserve.server"), package
 
 
@@ -101,8 +101,27 @@ def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
+def packages(edges: dict[str, set[str]]) -> dict[str, set[str]]:
+    """The graph between bitserve's subpackages and top-level modules (`bitserve.llm`,
+    `bitserve.config`): an edge where any module of one imports any module of another."""
+
+    def package(module: str) -> str:
+        return ".".join(module.split(".")[:2])
+
+    out: dict[str, set[str]] = {}
+    for module, targets in edges.items():
+        out.setdefault(package(module), set()).update(package(t) for t in targets)
+    return {p: targets - {p} for p, targets in out.items()}
+
+
 def test_no_module_import_cycle():
     assert cycles(graph()) == []
+
+
+def test_no_package_import_cycle():
+    """Packages form layers: config and kernels at the bottom, the server and the CLI on
+    top; a package never imports one that imports it back."""
+    assert cycles(packages(graph())) == []
 
 
 def test_the_check_sees_a_deliberate_cycle(tmp_path):
@@ -117,3 +136,20 @@ def test_the_check_sees_a_deliberate_cycle(tmp_path):
     assert cycles(edges) == [["bitserve.a.one", "bitserve.a.two"]]
     (package / "a" / "two.py").write_text("x = 1\n")
     assert cycles(graph(package)) == []
+
+
+def test_the_check_sees_a_deliberate_package_cycle(tmp_path):
+    """No module cycle, but package a imports b and b imports a."""
+    package = tmp_path / "bitserve"
+    for name in ("a", "b"):
+        (package / name).mkdir(parents=True)
+        (package / name / "__init__.py").write_text("")
+    (package / "__init__.py").write_text("")
+    (package / "a" / "low.py").write_text("x = 1\n")
+    (package / "a" / "high.py").write_text("from bitserve.b import mid\n")
+    (package / "b" / "mid.py").write_text("from bitserve.a.low import x\n")
+    edges = graph(package)
+    assert cycles(edges) == []
+    assert cycles(packages(edges)) == [["bitserve.a", "bitserve.b"]]
+    (package / "a" / "high.py").write_text("y = 2\n")
+    assert cycles(packages(graph(package))) == []

@@ -40,6 +40,7 @@ from bitserve.backends.base import LoadError, Model
 from bitserve.config import ModelConfig
 from bitserve.diffusion.engine import DiffusionEngine
 from bitserve.diffusion.params import GenerationParams, InvalidParams
+from bitserve.diffusion.sampler import to_uint8
 from bitserve.diffusion.unet import load_denoiser
 
 PARAMETERS = {
@@ -123,11 +124,6 @@ def defaults(config: ModelConfig) -> dict[str, Any]:
         "steps": int(p.get("default_steps", 30)),
         "guidance_scale": float(p.get("default_guidance_scale", 3.0)),
     }
-
-
-def to_uint8(images: torch.Tensor) -> np.ndarray:
-    """[B, H, W] floats in [0, 1] -> uint8 pixels."""
-    return images.mul(255).round().clamp(0, 255).to(torch.uint8).numpy()
 
 
 def engine_problem(engine: DiffusionEngine | None, config: ModelConfig | None) -> str | None:

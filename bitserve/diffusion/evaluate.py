@@ -26,13 +26,12 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 
-from bitserve.backends.diffusion import to_uint8
-from bitserve.config import load_config
+from bitserve.config import load_config, version_numbers
 from bitserve.diffusion.engine import DiffusionEngine
 from bitserve.diffusion.judge import Judge
 from bitserve.diffusion.params import GenerationParams
+from bitserve.diffusion.sampler import to_uint8
 from bitserve.diffusion.unet import load_denoiser
-from bitserve.repository.repository import version_numbers
 
 SCALES = (0.0, 1.0, 3.0, 5.0)
 

@@ -23,6 +23,7 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from bitserve.diffusion.params import GenerationParams
@@ -114,3 +115,8 @@ def advance(rows: list[Row], eps: torch.Tensor, abar: torch.Tensor) -> None:
 
 def _abar(abar: torch.Tensor, t: int) -> torch.Tensor:
     return abar[t] if t >= 0 else torch.ones((), dtype=abar.dtype)
+
+
+def to_uint8(images: torch.Tensor) -> np.ndarray:
+    """[B, H, W] floats in [0, 1] (what a finished row holds) -> uint8 pixels."""
+    return images.mul(255).round().clamp(0, 255).to(torch.uint8).numpy()

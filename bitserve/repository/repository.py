@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bitserve.backends.base import LoadError
-from bitserve.config import ConfigError, ModelConfig, load_config
+from bitserve.config import ConfigError, ModelConfig, load_config, version_numbers
 from bitserve.metrics import Metrics
 from bitserve.repository.version import ModelVersion
 
@@ -50,14 +50,6 @@ class ModelEntry:
     def lazy(self) -> list[ModelVersion]:
         """Versions that load on the model's first request (--lazy-load)."""
         return [v for v in self.versions.values() if v.state == "lazy"]
-
-
-def version_numbers(model_dir: Path) -> list[int]:
-    return sorted(
-        int(p.name)
-        for p in model_dir.iterdir()
-        if p.is_dir() and p.name.isdigit() and not p.name.startswith("0")
-    )
 
 
 class Repository:

@@ -36,9 +36,10 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from bitserve.backends.diffusion import defaults, to_uint8
+from bitserve.backends.diffusion import defaults
 from bitserve.diffusion.engine import DiffusionEngine
 from bitserve.diffusion.params import GenerationParams, InvalidParams, parse_label
+from bitserve.diffusion.sampler import to_uint8
 from bitserve.repository.version import ModelVersion
 from bitserve.server.errors import APIError, handle
 from bitserve.server.http import json_object, json_response, until_disconnect
