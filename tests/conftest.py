@@ -1,7 +1,7 @@
 """Shared fixtures: a real `bitserve serve` process on a loopback port.
 
-torch is pinned to one thread in tests (shared/research/cpu-facts.md: on a loaded
-2-core box, two OpenMP threads collapse).
+torch is pinned to one thread in tests (on a loaded 2-core box, two OpenMP threads
+collapse: `python -m bench.kernels --threads 2` shows it).
 """
 
 from __future__ import annotations

@@ -67,7 +67,7 @@ class ShapePlan:
 
 def dtypes(shape: Shape) -> tuple[str, str]:
     """(weight dtype, KV dtype): GPUs keep both in 16 bits; bitserve's CPU engine keeps
-    KV in fp32 (bf16 attention is 4-8x slower on CPU, cpu-facts.md section 2)."""
+    KV in fp32 (bf16 attention is several times slower than fp32 on CPU)."""
     return shape.dtype, "float32" if shape.kind == "cpu" else shape.dtype
 
 
