@@ -41,6 +41,9 @@ class UNetConfig:
     # How the up path takes each level's skip: "concat" (channels add up) or "add"
     # (after a 1x1 projection): a lighter decoder, the part a guided row runs twice.
     skip: str = "concat"
+    # The up path's blocks: "res" (a ResBlock: two convs) or "light" (one conv after a
+    # norm modulated by the time and label embedding; needs skip = "add").
+    up: str = "res"
 
     @property
     def null_label(self) -> int:
@@ -75,19 +78,41 @@ class ResBlock(nn.Module):
         self.skip = nn.Conv2d(cin, cout, 1) if cin != cout else nn.Identity()
 
     def forward(self, x: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
-        h = self.conv1(F.silu(self.norm1(x)))
+        return self.finish(*self.begin(x), emb)
+
+    def begin(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The part before the embedding enters: (conv1's output, the residual)."""
+        return self.conv1(F.silu(self.norm1(x))), self.skip(x)
+
+    def finish(self, h: torch.Tensor, residual: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
         h = h + self.film(emb)[:, :, None, None]
-        h = self.conv2(F.silu(self.norm2(h)))
-        return h + self.skip(x)
+        return self.conv2(F.silu(self.norm2(h))) + residual
+
+
+class LightBlock(nn.Module):
+    """x + conv(silu(norm(x) (1 + scale) + shift)), scale and shift from the embedding:
+    one conv where a ResBlock has two."""
+
+    def __init__(self, ch: int, embed: int, groups: int):
+        super().__init__()
+        self.norm = nn.GroupNorm(groups, ch, affine=False)
+        self.film = nn.Linear(embed, 2 * ch)
+        self.conv = nn.Conv2d(ch, ch, 3, padding=1)
+
+    def forward(self, x: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
+        scale, shift = self.film(emb)[:, :, None, None].chunk(2, dim=1)
+        return x + self.conv(F.silu(torch.addcmul(shift, self.norm(x), 1 + scale)))
 
 
 class Denoiser(nn.Module):
-    """Down path (a ResBlock per level, strided conv between), a middle block, and an up
-    path that concatenates each level's skip."""
+    """Down path (ResBlocks per level, strided conv between), a middle block, and an up
+    path that takes each level's skip (concatenated, or added after a 1x1 projection)."""
 
     def __init__(self, config: UNetConfig):
         super().__init__()
         self.config = c = config
+        if c.up == "light" and c.skip != "add":
+            raise ValueError("up = 'light' needs skip = 'add'")
         e, g = c.embed, c.groups
         self.time = nn.Sequential(nn.Linear(e, e), nn.SiLU(), nn.Linear(e, e))
         self.label = nn.Embedding(c.classes + 1, e)
@@ -107,6 +132,9 @@ class Denoiser(nn.Module):
             below = c.channels[i + 1] if i + 1 < len(c.channels) else c.channels[-1]
             if c.skip == "add":
                 self.proj.append(nn.Conv2d(below, c.channels[i], 1))
+            if c.up == "light":
+                self.up.append(LightBlock(c.channels[i], e, g))
+            elif c.skip == "add":
                 self.up.append(ResBlock(c.channels[i], c.channels[i], e, g))
             else:
                 self.up.append(ResBlock(below + c.channels[i], c.channels[i], e, g))
@@ -115,27 +143,27 @@ class Denoiser(nn.Module):
 
     def forward(self, x: torch.Tensor, t: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
         time = self.time(timestep_embedding(t, self.config.embed))
-        return self.decode(*self.encode(x, time), time, label)
+        return self.decode(self.encode(x, time), time, label)
 
     def guided(
         self, x: torch.Tensor, t: torch.Tensor, label: torch.Tensor, uncond: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """eps for every row with its label, and eps with the null label for the rows
-        where `uncond` (bool [B]) is set: one encoder pass, one decoder batch of
-        B + uncond.sum() rows. Returns (eps_cond [B], eps_uncond [uncond.sum()])."""
+        where `uncond` (bool [B]) is set: one pass over the label-free part, one decoder
+        batch of B + uncond.sum() rows. Returns (eps_cond [B], eps_uncond [uncond.sum()])."""
         time = self.time(timestep_embedding(t, self.config.embed))
-        h, skips = self.encode(x, time)
+        shared = self.encode(x, time)
         idx = uncond.nonzero().flatten()
         if len(idx):
-            h = torch.cat([h, h[idx]])
-            skips = [torch.cat([s, s[idx]]) for s in skips]
+            shared = [torch.cat([s, s[idx]]) for s in shared]
             time = torch.cat([time, time[idx]])
             label = torch.cat([label, torch.full_like(idx, self.config.null_label)])
-        eps = self.decode(h, skips, time, label)
+        eps = self.decode(shared, time, label)
         return eps[: len(x)], eps[len(x) :]
 
-    def encode(self, x: torch.Tensor, time: torch.Tensor) -> tuple[torch.Tensor, list]:
-        """The label-free down path: the bottleneck and each level's skip."""
+    def encode(self, x: torch.Tensor, time: torch.Tensor) -> list[torch.Tensor]:
+        """Everything the label does not reach: each level's skip, then the middle
+        block up to where the embedding enters (its conv1 and residual)."""
         emb = F.silu(time)
         h = self.stem(x)
         skips = []
@@ -145,20 +173,20 @@ class Denoiser(nn.Module):
             skips.append(h)
             if i < len(self.pool):
                 h = self.pool[i](h)
-        return h, skips
+        return [*skips, *self.mid.begin(h)]
 
     def decode(
-        self, h: torch.Tensor, skips: list, time: torch.Tensor, label: torch.Tensor
+        self, shared: list[torch.Tensor], time: torch.Tensor, label: torch.Tensor
     ) -> torch.Tensor:
+        *skips, h, residual = shared
         emb = F.silu(time + self.label(label))
-        h = self.mid(h, emb)
+        h = self.mid.finish(h, residual, emb)
         for i, (block, skip) in enumerate(zip(self.up, reversed(skips), strict=True)):
+            if self.proj:  # a 1x1 conv commutes with nearest upsampling: project first
+                h = self.proj[i](h)
             if h.shape[-1] != skip.shape[-1]:
                 h = F.interpolate(h, size=skip.shape[-2:], mode="nearest")
-            if self.proj:
-                h = block(self.proj[i](h) + skip, emb)
-            else:
-                h = block(torch.cat([h, skip], dim=1), emb)
+            h = block(h + skip if self.proj else torch.cat([h, skip], dim=1), emb)
         return self.out(F.silu(self.out_norm(h)))
 
 
