@@ -97,7 +97,8 @@ class DiffusionEngine:
     ):
         self.model = model.eval()
         self.schedule = schedule
-        self.abar = schedule.alphas_cumprod()
+        # abar_t for t = 0..T-1, then 1 (the clean image) for sampler.advance's t' = -1
+        self.abar = torch.cat([schedule.alphas_cumprod(), torch.ones(1, dtype=torch.float64)])
         self.max_rows = max_rows
         self.max_waiting = max_waiting
         self.waiting: deque[Row] = deque()

@@ -94,9 +94,10 @@ def denoise(model: Denoiser, rows: list[Row]) -> tuple[torch.Tensor, int]:
 
 @torch.inference_mode()
 def advance(rows: list[Row], eps: torch.Tensor, abar: torch.Tensor) -> None:
-    """One DDIM/DDPM update per row, each from its own t to its own t'."""
+    """One DDIM/DDPM update per row, each from its own t to its own t'. `abar` is
+    alphas_cumprod with a 1 appended: t' = -1, the clean image, indexes that 1."""
     a_t = abar[[row.t for row in rows]].view(-1, 1, 1, 1)
-    a_prev = torch.stack([_abar(abar, row.t_prev) for row in rows]).view(-1, 1, 1, 1)
+    a_prev = abar[[row.t_prev for row in rows]].view(-1, 1, 1, 1)
     eta = torch.tensor([row.params.eta for row in rows], dtype=abar.dtype).view(-1, 1, 1, 1)
     x = torch.stack([row.x for row in rows]).to(abar.dtype)
     eps = eps.to(abar.dtype)
@@ -105,16 +106,12 @@ def advance(rows: list[Row], eps: torch.Tensor, abar: torch.Tensor) -> None:
     sigma = eta * ((1 - a_prev) / (1 - a_t) * (1 - a_t / a_prev)).sqrt()
     x_prev = a_prev.sqrt() * x0 + (1 - a_prev - sigma**2).clamp(min=0).sqrt() * eps
     for i, row in enumerate(rows):
-        step = x_prev[i]
         if row.params.eta > 0 and row.t_prev >= 0:
             noise = torch.randn(row.x.shape, generator=row.generator, dtype=torch.float32)
-            step = step + sigma[i] * noise.to(abar.dtype)
-        row.x = step.float()
+            x_prev[i] += sigma[i] * noise.to(abar.dtype)
+    for row, x in zip(rows, x_prev.float().unbind(), strict=True):
+        row.x = x
         row.index += 1
-
-
-def _abar(abar: torch.Tensor, t: int) -> torch.Tensor:
-    return abar[t] if t >= 0 else torch.ones((), dtype=abar.dtype)
 
 
 def to_uint8(images: torch.Tensor) -> np.ndarray:
