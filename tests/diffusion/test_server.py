@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 import shutil
 import socket
 import time
@@ -135,18 +136,44 @@ def test_sdk_raises_bad_request_for_an_unknown_digit(sdk):
 
 
 def test_a_client_that_disconnects_frees_its_rows(server):
-    cancelled = _metric(server, "bitserve_diffusion_cancelled_total")
     body = b'{"model": "digits", "prompt": "3", "n": 4, "steps": 1000, "guidance_scale": 3}'
+    _disconnect_while_running(server, "/v1/images/generations", body)
+
+
+V2_BODY = json.dumps(
+    {
+        "inputs": [
+            {"name": name, "datatype": kind, "shape": [4, 1], "data": [value] * 4}
+            for name, kind, value in (("label", "INT32", 3), ("steps", "INT32", 1000))
+        ]
+    }
+).encode()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="v2 infer's ticket cancel (repository/version.py, _cancel_queued) only takes back "
+    "a batch still queued; a diffusion batch already in DiffusionModel.predict keeps its "
+    "rows in the engine until they finish",
+)
+def test_a_v2_client_that_disconnects_frees_its_running_rows(server):
+    _disconnect_while_running(server, "/v2/models/digits/infer", V2_BODY)
+
+
+def _disconnect_while_running(server, path: str, body: bytes) -> None:
+    """Send a 4-image, 1000-step request, wait until its rows run, hang up: the rows
+    must leave the step loop at the next step, as cancelled, and the server stay live."""
+    cancelled = _metric(server, "bitserve_diffusion_cancelled_total")
     request = (
-        b"POST /v1/images/generations HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-        + f"Content-Length: {len(body)}\r\n\r\n".encode()
+        f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n".encode()
         + body
     )
     with socket.create_connection(("127.0.0.1", server.port)) as sock:
         sock.sendall(request)
         _wait(lambda: _metric(server, "bitserve_diffusion_running_rows") == 4)
-    # 1000 steps would take many seconds: the rows leave at the next step instead
-    _wait(lambda: _metric(server, "bitserve_diffusion_running_rows") == 0, limit=5)
+    # 1000 steps take seconds; rows that finished instead of leaving are not "cancelled"
+    _wait(lambda: _metric(server, "bitserve_diffusion_running_rows") == 0, limit=10)
     assert _metric(server, "bitserve_diffusion_cancelled_total") - cancelled == 4
     assert httpx.get(server.url + "/v2/health/live").status_code == 200
 
