@@ -23,6 +23,7 @@ import re
 import shutil
 import subprocess
 import tempfile
+from collections import Counter
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -118,6 +119,22 @@ class Kernels:
         self.lib.bs_linear(ptr(x), x.stride(0), m, k, ptr(weight), n, ptr(bias), ptr(y))
         return y
 
+    def pack(self, weight: torch.Tensor) -> torch.Tensor:
+        """weight [N, K] contiguous fp32, N a multiple of 16 -> the same shape holding
+        `bs_pack`'s panels (16 output rows, column by column)."""
+        n, k = weight.shape
+        packed = torch.empty_like(weight)
+        self.lib.bs_pack(ptr(weight), n, k, ptr(packed))
+        return packed
+
+    def linear_packed(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None):
+        """x [M, K] fp32 with unit inner stride; packed: `pack()`'s [N, K] -> [M, N]."""
+        m, k = x.shape
+        n = packed.shape[0]
+        y = torch.empty(m, n, dtype=torch.float32)
+        self.lib.bs_linear_packed(ptr(x), x.stride(0), m, k, ptr(packed), n, ptr(bias), ptr(y))
+        return y
+
     def gemv(self, w: Any, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] fp32 with unit inner stride, through a `Weight` -> [M, N] fp32."""
         y = torch.empty(x.shape[0], w.N, dtype=torch.float32)
@@ -168,12 +185,12 @@ class Kernels:
         return self.lib.bs_layout(struct.encode(), field.encode())
 
 
-def fp32_weight(weight: torch.Tensor, bias: torch.Tensor | None) -> Any:
-    """A `Weight` view of an fp32 linear layer: weight [N, K] contiguous."""
+def fp32_weight(weight: torch.Tensor, bias: torch.Tensor | None, packed: bool = False) -> Any:
+    """A `Weight` view of an fp32 linear layer: weight [N, K] contiguous (`packed`: as
+    `Kernels.pack` left it)."""
     n, k = weight.shape
-    return ffi().new(
-        "Weight *", {"kind": 0, "data": ptr(weight), "bias": ptr(bias), "N": n, "K": k}
-    )
+    fields = {"kind": 3 if packed else 0, "data": ptr(weight), "bias": ptr(bias), "N": n, "K": k}
+    return ffi().new("Weight *", fields)
 
 
 def layer_params(**fields: Any) -> Any:
@@ -186,10 +203,16 @@ def layer_params(**fields: Any) -> Any:
 
 def attach(model: torch.nn.Module, kernels: Kernels | None) -> None:
     """Decide C or torch for a loaded model, once: set `kernels` on every module that
-    declares it (None keeps the torch path)."""
+    declares it (None keeps the torch path), and let those that can `pack()` their
+    weights for the kernels, unless a weight is shared (a tied LM head: the embedding
+    reads the same tensor row by row)."""
+    uses = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
     for module in model.modules():
         if hasattr(type(module), "kernels"):
             module.kernels = kernels
+            own = all(uses[id(p)] == 1 for p in module.parameters(recurse=False))
+            if kernels is not None and own and hasattr(module, "pack"):
+                module.pack()
 
 
 class Library:

@@ -205,3 +205,30 @@ def test_every_declared_function_is_in_the_library():
     assert {"bs_linear", "bs_gemv", "bs_decode_layer", "bs_paged_decode"} <= set(dir(lib))
     for name in dir(lib):
         assert callable(getattr(lib, name))  # cffi resolves the symbol here
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows", [1, 7, 12, 13, 24, 25, 100])  # tiles of 12, K blocks above 24
+@pytest.mark.parametrize(("n", "k"), [(48, 64), (32, 300), (16, 700)])  # 1-3 panels, any K
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_matches_torch(rows, n, k, bias):
+    g = torch.Generator().manual_seed(rows + n)
+    x = torch.randn(rows, k + 3, generator=g)[:, :k]  # a row stride that is not k
+    w = torch.randn(n, k, generator=g)
+    b = torch.randn(n, generator=g) if bias else None
+    lib = kernels.get()
+    got = lib.linear_packed(x, lib.pack(w), b)
+    torch.testing.assert_close(got, F.linear(x, w, b), rtol=1e-5, atol=1e-4)
+    # a row's result does not depend on the rows batched with it
+    torch.testing.assert_close(got[-1:], lib.linear_packed(x[-1:], lib.pack(w), b), rtol=0, atol=0)
+
+
+@needs_kernels
+def test_loading_packs_every_own_weight_but_a_tied_head(model_dirs):
+    from bitserve.llm.models.layers import Linear
+
+    model = make_engine(model_dirs["llama"], num_kv_blocks=16).runner.model
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    tied = model.lm_head.weight is model.embed_tokens.weight
+    assert all(m.packed for m in linears if m is not model.lm_head)
+    assert model.lm_head.packed == (not tied and model.lm_head.weight.shape[0] % 16 == 0)

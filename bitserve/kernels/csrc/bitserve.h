@@ -10,6 +10,7 @@
 
 /* One linear layer's weights as a decode layer reads them.
    kind 0: fp32, data [N, K];
+   kind 3: fp32 packed by bs_pack, data [N / 16][K][16] (N a multiple of 16);
    kind 1: int8 rows, data [N, K] int8, W = q * scale[n];
    kind 2: int4 groups, data the tiles of Int4Linear.tiled(), s4 their bf16 scales and
            zeros (W = (q - 8) * s + z), K padded to Kp, `group` columns a group.
@@ -45,6 +46,13 @@ typedef struct {
 /* y [M, N] = x [M, K] (row stride ldx) @ w [N, K].T + b (b may be NULL) */
 void bs_linear(const float *x, long ldx, long M, long K, const float *w, long N, const float *b,
                float *y);
+
+/* P [N / 16][K][16] = w [N, K] in panels of 16 output rows (N a multiple of 16) */
+void bs_pack(const float *w, long N, long K, float *P);
+
+/* y [M, N] = x [M, K] (row stride ldx) @ W.T + b for W packed by bs_pack; b may be NULL */
+void bs_linear_packed(const float *x, long ldx, long M, long K, const float *P, long N,
+                      const float *b, float *y);
 
 /* y [M, N] = x [M, K] (row stride ldx) @ W.T + bias, for any kind of Weight */
 void bs_gemv(const Weight *w, const float *x, long ldx, long M, float *y);

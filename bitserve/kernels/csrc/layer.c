@@ -7,6 +7,8 @@
 void bs_gemv(const Weight *w, const float *x, long ldx, long M, float *y) {
     if (w->kind == 0)
         bs_linear(x, ldx, M, w->K, (const float *)w->data, w->N, w->bias, y);
+    else if (w->kind == 3)
+        bs_linear_packed(x, ldx, M, w->K, (const float *)w->data, w->N, w->bias, y);
     else
         bs_qgemv(w, x, ldx, M, y);
 }

@@ -32,20 +32,33 @@ class Linear(nn.Linear):
     """
 
     kernels: c.Kernels | None = None  # set when the model is loaded (kernels.attach)
+    packed = False  # the weight holds `Kernels.pack`'s panels, not [N, K] rows
+
+    def pack(self) -> None:
+        """Store the weight as the packed GEMM's panels (same shape, same memory): from
+        then on every call runs `bs_linear_packed`, at any row count. Needs an fp32
+        weight on the CPU with a multiple of 16 outputs; else the layer stays as it is."""
+        w = self.weight
+        if w.dtype is torch.float32 and w.is_cpu and w.is_contiguous() and w.shape[0] % 16 == 0:
+            self.weight.data = self.kernels.pack(w.data)
+            self.packed = True
 
     @property
     def fuse_rows(self) -> int:
-        """Up to how many rows the C kernel beats MKL: SMALL_M, or any while the weight
-        is small (small models' decode batches and prefill, in L2-sized row blocks)."""
-        return 1 << 30 if self.weight.numel() * 4 <= SMALL_WEIGHT else SMALL_M
+        """Up to how many rows the C kernel beats MKL: any once packed; else SMALL_M, or
+        any while the weight is small (in L2-sized row blocks)."""
+        small = self.weight.numel() * 4 <= SMALL_WEIGHT
+        return 1 << 30 if self.packed or small else SMALL_M
 
     def c_view(self):
         """This layer as the C decode layer reads it (a `Weight`), or None."""
         if self.weight.dtype is not torch.float32 or not self.weight.is_contiguous():
             return None
-        return c.fp32_weight(self.weight, self.bias)
+        return c.fp32_weight(self.weight, self.bias, self.packed)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed:
+            return self.packed_forward(x)
         if (
             self.kernels is not None
             and x.dim() == 2
@@ -58,6 +71,20 @@ class Linear(nn.Linear):
         ):
             return self.kernels.linear(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
+
+    def packed_forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        if rows.dtype is not torch.float32 or torch.is_grad_enabled():  # not serving
+            return F.linear(x, self.unpacked(), self.bias)
+        if rows.stride(-1) != 1:
+            rows = rows.contiguous()
+        y = self.kernels.linear_packed(rows, self.weight, self.bias)
+        return y.view(*x.shape[:-1], y.shape[-1])
+
+    def unpacked(self) -> torch.Tensor:
+        """The [N, K] weight, rebuilt from the panels."""
+        n, k = self.weight.shape
+        return self.weight.view(n // 16, k, 16).transpose(1, 2).reshape(n, k)
 
 
 class RMSNorm(nn.Module):
