@@ -1,0 +1,272 @@
+"""The v2 protocol over gRPC against HTTP/JSON, on one server, in one run.
+
+    .venv/bin/python -m bench.grpc [--duration 5] [--concurrency 64] [--rounds 2]
+        [--only mlp,minilm]
+
+One `bitserve serve` process serves both protocols (HTTP and --grpc-port) from the same
+repository, pinned to the server core with one torch thread; the client is pinned to
+the other core. Each point is a closed loop of N users for a fixed duration after a
+warm-up, and the protocols alternate for `--rounds` rounds so that drift on a shared box
+hits both alike (the table keeps every round; the ratios use the mean):
+
+- HTTP/JSON: `bitserve bench`'s load generator (bitserve/bench/loadgen.py), raw asyncio
+  keep-alive connections, the v2 JSON body built once;
+- gRPC (`grpc_raw`): grpcio's asyncio client on one channel, one ModelInfer call per
+  request, the `ModelInferRequest` serialized once with its tensor in
+  `raw_input_contents` (what tritonclient.grpc sends), sent as bytes;
+- gRPC streaming (`grpc_stream`): the same messages, each user sending its next one on
+  its own ModelStreamInfer stream (perf_analyzer's `--streaming`).
+
+Workloads: mlp (512 FP32 per request, bench/batching.py's rows) and minilm (one sentence).
+Goals (issue 21): mlp gRPC >= 1.5x HTTP/JSON, minilm gRPC >= HTTP. A unary call costs
+grpcio's Python server ~220 us of one core (a no-op servicer tops out near 4,500 calls/s
+on this box, where a no-op HTTP route does ~16,000), a message on an open stream ~50 us,
+which is why both ways are measured. Prints a table, the
+goals and a final JSON line, also written to bench/results/grpc.json. A benchmark, not a
+test: it asserts nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import struct
+import tempfile
+import time
+from pathlib import Path
+
+import grpc
+import numpy as np
+
+from bench.batching import copy_model, float_rows, mlp_repo, sentences, v2_body
+from bench.server import Server, free_port
+from bitserve.bench import loadgen, metrics
+from bitserve.bench.client import build_request
+from bitserve.bench.workloads import Request
+from bitserve.server.proto import grpc_service_pb2 as pb
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results" / "grpc.json"
+INFER = "/inference.GRPCInferenceService/ModelInfer"
+STREAM = "/inference.GRPCInferenceService/ModelStreamInfer"
+GOALS = {"mlp": 1.5, "minilm": 1.0}  # gRPC req/s over HTTP/JSON req/s
+
+
+def mlp_bodies(n: int = 256) -> tuple[list[bytes], list[bytes]]:
+    rows = float_rows(n, 512)
+    http = [v2_body("x", "FP32", [1, 512], row) for row in rows]
+    raw = [grpc_request("mlp", "x", "FP32", [1, 512], np.array(r, "<f4").tobytes()) for r in rows]
+    return http, raw
+
+
+def minilm_bodies(n: int = 256) -> tuple[list[bytes], list[bytes]]:
+    texts = sentences(n)
+    http = [v2_body("text", "BYTES", [1, 1], [t]) for t in texts]
+    raw = [
+        grpc_request(
+            "minilm", "text", "BYTES", [1, 1], struct.pack("<I", len(t.encode())) + t.encode()
+        )
+        for t in texts
+    ]
+    return http, raw
+
+
+def grpc_request(model: str, name: str, datatype: str, shape: list[int], raw: bytes) -> bytes:
+    request = pb.ModelInferRequest(model_name=model)
+    request.inputs.add(name=name, datatype=datatype, shape=shape)
+    request.raw_input_contents.append(raw)
+    return request.SerializeToString()
+
+
+# ------------------------------------------------------------------ the two clients
+
+
+def http_point(
+    port: int, model: str, bodies: list[bytes], concurrency: int, seconds: float
+) -> dict:
+    host = f"127.0.0.1:{port}"
+    path = f"/v2/models/{model}/infer"
+    requests = [Request(build_request(host, path, b)) for b in bodies]
+    load = loadgen.Load(concurrency=concurrency, duration=seconds)
+    s = metrics.summarise(loadgen.run(f"http://{host}", requests, load))
+    e2e = s["e2el"]
+    return {
+        "requests": s["completed"],
+        "errors": s["failed"],
+        "rps": s["request_throughput"],
+        "p50_ms": e2e["median_ms"],
+        "p99_ms": e2e["p99_ms"],
+    }
+
+
+def grpc_point(
+    port: int, bodies: list[bytes], concurrency: int, seconds: float, stream: bool
+) -> dict:
+    return asyncio.run(_grpc_loop(f"127.0.0.1:{port}", bodies, concurrency, seconds, stream))
+
+
+async def _grpc_loop(
+    address: str, bodies: list[bytes], concurrency: int, seconds: float, stream: bool
+) -> dict:
+    """N users: each sends its next request when the last one answered, as its own
+    ModelInfer call, or as the next message on its own ModelStreamInfer stream."""
+    latencies: list[float] = []
+    errors = 0
+    async with grpc.aio.insecure_channel(address) as channel:
+        infer = channel.unary_unary(INFER)  # bytes in, bytes out: no per-call serializing
+        first = pb.ModelInferResponse.FromString(await infer(bodies[0], timeout=60))
+        assert first.raw_output_contents, "the server answered no raw output"
+        started = time.perf_counter()
+        stop = started + seconds
+
+        async def user(i: int) -> None:
+            nonlocal errors
+            while (t0 := time.perf_counter()) < stop:
+                try:
+                    await infer(bodies[i % len(bodies)], timeout=60)
+                    latencies.append(time.perf_counter() - t0)
+                except grpc.aio.AioRpcError:
+                    errors += 1
+                i += concurrency
+
+        async def streamer(i: int) -> None:
+            nonlocal errors
+            call = channel.stream_stream(STREAM)()
+            while (t0 := time.perf_counter()) < stop:
+                await call.write(bodies[i % len(bodies)])
+                answer = pb.ModelStreamInferResponse.FromString(await call.read())
+                if answer.error_message:
+                    errors += 1
+                else:
+                    latencies.append(time.perf_counter() - t0)
+                i += concurrency
+            await call.done_writing()
+
+        await asyncio.gather(*((streamer if stream else user)(i) for i in range(concurrency)))
+        elapsed = time.perf_counter() - started
+    ms = sorted(x * 1000 for x in latencies)
+    return {
+        "requests": len(ms),
+        "errors": errors,
+        "rps": len(ms) / elapsed,
+        "p50_ms": statistics.median(ms) if ms else None,
+        "p99_ms": ms[int(0.99 * (len(ms) - 1))] if ms else None,
+    }
+
+
+# ------------------------------------------------------------------ the run
+
+
+def repository(folder: Path, models: list[str]) -> str:
+    notes = []
+    if "mlp" in models:
+        notes.append(mlp_repo(folder))
+    if "minilm" in models:
+        copy_model(ROOT / "models" / "minilm", folder)
+        notes.append("models/minilm")
+    return ", ".join(notes)
+
+
+def run(cfg: argparse.Namespace) -> dict:
+    cpus = sorted(os.sched_getaffinity(0))
+    server_cpus, client_cpus = {cpus[-1]}, set(cpus[:-1]) or {cpus[0]}
+    os.sched_setaffinity(0, client_cpus)
+    bodies = {"mlp": mlp_bodies, "minilm": minilm_bodies}
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="bench-grpc-") as tmp:
+        repo = Path(tmp) / "models"
+        repo.mkdir()
+        source = repository(repo, cfg.only)
+        grpc_port = free_port()
+        server = Server.bitserve(repo, "--grpc-port", str(grpc_port), cpus=server_cpus)
+        with server:
+            for model in cfg.only:
+                http_bodies, grpc_bodies = bodies[model]()
+                points = {
+                    "http_json": lambda s, m=model, b=http_bodies: http_point(
+                        server.port, m, b, cfg.concurrency, s
+                    ),
+                    "grpc_raw": lambda s, b=grpc_bodies: grpc_point(
+                        grpc_port, b, cfg.concurrency, s, False
+                    ),
+                    "grpc_stream": lambda s, b=grpc_bodies: grpc_point(
+                        grpc_port, b, cfg.concurrency, s, True
+                    ),
+                }
+                for point in points.values():
+                    point(cfg.warmup)
+                for round_ in range(cfg.rounds):
+                    for protocol, point in points.items():
+                        row = {"model": model, "protocol": protocol, "round": round_ + 1}
+                        row.update({k: _round(v) for k, v in point(cfg.duration).items()})
+                        rows.append(row)
+                        print_row(row)
+    return {
+        "bench": "grpc",
+        "source": source,
+        "concurrency": cfg.concurrency,
+        "duration_s": cfg.duration,
+        "rounds": cfg.rounds,
+        "server_cpus": sorted(server_cpus),
+        "client_cpus": sorted(client_cpus),
+        "load_average": os.getloadavg()[0],
+        "rows": rows,
+        "goals": goals(rows, cfg.only),
+    }
+
+
+def goals(rows: list[dict], models: list[str]) -> list[dict]:
+    """Each gRPC way against HTTP/JSON, by the mean req/s over the rounds."""
+    out = []
+    for model in models:
+        mean = {
+            p: statistics.mean(r["rps"] for r in rows if r["model"] == model and r["protocol"] == p)
+            for p in ("http_json", "grpc_raw", "grpc_stream")
+        }
+        for way in ("grpc_raw", "grpc_stream"):
+            ratio = mean[way] / mean["http_json"] if mean["http_json"] else None
+            out.append(
+                {
+                    "goal": f"{model}: {way} / http_json req/s >= {GOALS[model]}",
+                    "value": _round(ratio),
+                    "pass": ratio is not None and ratio >= GOALS[model],
+                }
+            )
+    return out
+
+
+def _round(v: float | None) -> float | None:
+    return None if v is None else round(v, 2)
+
+
+def print_row(row: dict) -> None:
+    print(
+        f"{row['model']:8} {row['protocol']:10} round {row['round']}  {row['rps']:9.1f} req/s  "
+        f"p50 {row['p50_ms']} ms  p99 {row['p99_ms']} ms  errors {row['errors']}",
+        flush=True,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--duration", type=float, default=5.0, help="seconds per point")
+    p.add_argument("--warmup", type=float, default=2.0, help="seconds before each model")
+    p.add_argument("--concurrency", type=int, default=64)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--only", type=lambda s: s.split(","), default=["mlp", "minilm"])
+    cfg = p.parse_args(argv)
+    result = run(cfg)
+    print()
+    for g in result["goals"]:
+        print(f"{'PASS' if g['pass'] else 'FAIL'}  {g['goal']}: {g['value']}")
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
