@@ -1,9 +1,11 @@
-"""The C GEMV (`bs_linear`) against torch's F.linear (MKL/oneDNN) at decode shapes.
+"""The C kernels (`bs_linear`, `bs_linear_packed`) against torch's F.linear (MKL) at LLM shapes.
 
     .venv/bin/python -m bench.kernels [--threads 1] [--rows 1,4,16,64] [--shapes 58m,1b]
 
-For each weight shape and row count: time per call (best of --repeat), the weight read
-rate (GB/s, what batch-1 decode is bound by) and the ratio C / torch. A plain read of the
+For each weight shape and row count: time per call (best of --repeat) of the row kernel
+(`bs_linear`), the packed-panel GEMM every fp32 linear runs once loaded
+(`bs_linear_packed`) and torch; the packed kernel's weight read rate (GB/s, what batch-1
+decode is bound by) and GFLOP/s, and its speed-up over torch. A plain read of the
 same bytes (a sum) is the bandwidth ceiling measured in the same run. This is what
 `layers.Linear.fuse_rows` (SMALL_M, SMALL_WEIGHT) is chosen from.
 """
@@ -35,7 +37,7 @@ def best_ms(fn, repeat: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--rows", default="1,4,16,64")
+    parser.add_argument("--rows", default="1,4,16,64,256")
     parser.add_argument("--shapes", default="58m,1b")
     parser.add_argument("--repeat", type=int, default=20)
     args = parser.parse_args()
@@ -43,21 +45,25 @@ def main() -> None:
     lib = kernels.get()
     if lib is None:
         raise SystemExit("no C kernels here (no compiler, or BITSERVE_NO_KERNELS=1)")
-    print(f"{'shape':>6} {'N x K':>12} {'rows':>5} {'C ms':>8} {'torch ms':>9} {'C GB/s':>7} "
-          f"{'read GB/s':>9} {'C/torch':>8}")  # fmt: skip
+    head = ("shape", "N x K", "rows", "row ms", "packed ms", "torch ms", "GB/s", "read GB/s")
+    widths = (6, 12, 5, 8, 9, 9, 6, 9)
+    print(" ".join(f"{h:>{w}}" for h, w in zip(head, widths, strict=True)), "GFLOP/s vs torch")
     for name in args.shapes.split(","):
         hidden, inter = SHAPES[name]
         for n, k in ((2 * inter, hidden), (hidden, inter)):  # gate_up, down
             w = torch.randn(n, k)
+            packed = lib.pack(w)
             gb = w.numel() * 4 / 1e9
             read_ms = best_ms(lambda w=w: w.sum(), args.repeat)
             for rows in map(int, args.rows.split(",")):
                 x = torch.randn(rows, k)
                 c_ms = best_ms(lambda x=x, w=w: lib.linear(x, w, None), args.repeat)
+                p_ms = best_ms(lambda x=x, p=packed: lib.linear_packed(x, p, None), args.repeat)
                 t_ms = best_ms(lambda x=x, w=w: F.linear(x, w), args.repeat)
                 print(
-                    f"{name:>6} {f'{n}x{k}':>12} {rows:>5} {c_ms:>8.3f} {t_ms:>9.3f} "
-                    f"{gb / c_ms * 1e3:>7.1f} {gb / read_ms * 1e3:>9.1f} {t_ms / c_ms:>7.2f}x"
+                    f"{name:>6} {f'{n}x{k}':>12} {rows:>5} {c_ms:>8.3f} {p_ms:>9.3f} {t_ms:>9.3f} "
+                    f"{gb / p_ms * 1e3:>6.1f} {gb / read_ms * 1e3:>9.1f} "
+                    f"{2 * rows * n * k / p_ms / 1e6:>8.1f} {t_ms / p_ms:>7.2f}x"
                 )
 
 

@@ -5,7 +5,9 @@ as its `cdef`, so there is one statement of each signature and layout (no hand-k
 ctypes mirrors), and tests/kernels holds cffi's layout to the compiler's (`bs_layout`).
 The `.c` files are compiled with `-march=native -ffast-math` (vectorised `expf` and
 reductions) and linked without fast-math, so loading the library does not switch the
-process to flush-to-zero. The shared object lands in `$BITSERVE_KERNEL_CACHE` (default
+process to flush-to-zero. They use OpenMP (libgomp, the runtime torch's CPU build loads
+too, so there is one thread pool): the packed GEMM and the decode attention split their
+work over `torch.get_num_threads()` threads, set when a model is attached. The shared object lands in `$BITSERVE_KERNEL_CACHE` (default
 `~/.cache/bitserve/kernels`) under a hash of the sources, flags, compiler and CPU.
 
 Whether a model uses them is decided once, when it is loaded (`attach`): modules that
@@ -33,7 +35,7 @@ from cffi import FFI
 
 CSRC = Path(__file__).parent / "csrc"
 HEADER = CSRC / "bitserve.h"
-COMPILE_FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp-simd", "-fPIC"]
+COMPILE_FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-fPIC"]
 FAST_MATH = ["-ffast-math"]  # compile step only
 
 
@@ -91,7 +93,7 @@ def build(cc: str) -> Path:
             subprocess.run([*command, "-o", str(obj)], **run)
             objects.append(str(obj))
         lib = Path(tmp) / "bitserve.so"
-        link = [cc, "-shared", *objects, "-o", str(lib)]
+        link = [cc, "-shared", "-fopenmp", *objects, "-o", str(lib)]
         try:  # the vectorised expf lives in libmvec (glibc); plain libm otherwise
             subprocess.run([*link, "-lmvec", "-lm"], **run)
         except subprocess.CalledProcessError:
@@ -206,6 +208,8 @@ def attach(model: torch.nn.Module, kernels: Kernels | None) -> None:
     declares it (None keeps the torch path), and let those that can `pack()` their
     weights for the kernels, unless a weight is shared (a tied LM head: the embedding
     reads the same tensor row by row)."""
+    if kernels is not None:
+        kernels.lib.bs_set_threads(torch.get_num_threads())
     uses = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
     for module in model.modules():
         if hasattr(type(module), "kernels"):

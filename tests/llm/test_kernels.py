@@ -232,3 +232,33 @@ def test_loading_packs_every_own_weight_but_a_tied_head(model_dirs):
     tied = model.lm_head.weight is model.embed_tokens.weight
     assert all(m.packed for m in linears if m is not model.lm_head)
     assert model.lm_head.packed == (not tied and model.lm_head.weight.shape[0] % 16 == 0)
+
+
+@needs_kernels
+def test_a_team_of_two_threads_gives_the_same_bits():
+    """The packed GEMM splits the weights and the decode attention the (sequence, head)
+    pairs over the team: neither changes an output's arithmetic."""
+    lib = kernels.get()
+    g = torch.Generator().manual_seed(4)
+    w = torch.randn(512, 300, generator=g)
+    packed = lib.pack(w)
+    xs = [torch.randn(m, 300, generator=g) for m in (1, 16, 100)]
+    q = torch.randn(8, 8, 64, generator=g)
+    pools = [torch.randn(2, 20, 16, 64, generator=g) for _ in range(2)]
+    tables = torch.arange(20, dtype=torch.int32).view(4, 5)
+    rows, lens = (
+        torch.arange(4, dtype=torch.int32),
+        torch.tensor([5, 33, 80, 17], dtype=torch.int32),
+    )
+
+    def run():
+        out = torch.zeros_like(q)
+        lib.paged_decode(q, out, rows, *pools, tables, lens, 0.125)
+        return [lib.linear_packed(x, packed, None) for x in xs] + [out]
+
+    try:
+        lib.lib.bs_set_threads(2)
+        team = run()
+    finally:
+        lib.lib.bs_set_threads(1)
+    assert all(torch.equal(a, b) for a, b in zip(team, run(), strict=True))

@@ -59,13 +59,19 @@ void bs_attend(const float *q, long ldq, float *out, long ldo, const int *rows,
                          long max_blocks, const int *lens, float scale, long window,
                          float softcap) {
     long group = Hq / Hkv, max_len = max_blocks * bs;
+    int team = bs_threads > 1 && B * Hq >= 4 * bs_threads ? bs_threads : 1;
+    /* every (sequence, head) pair is independent: the team splits them */
+#pragma omp parallel num_threads(team) if (team > 1)
+    {
     float *scores = (float *)malloc(sizeof(float) * (max_len > 0 ? max_len : 1));
     float *acc = (float *)malloc(sizeof(float) * D);
-    for (long i = 0; i < B; i++) {
+#pragma omp for schedule(static)
+    for (long item = 0; item < B * Hq; item++) {
+        long i = item / Hq, h = item % Hq;
         const int *table = tables + i * max_blocks;
         long len = lens[i], nb = (len + bs - 1) / bs;
         long lo = window > 0 && len > window ? len - window : 0, b0 = lo / bs;
-        for (long h = 0; h < Hq; h++) {
+        {
             long kvh = h / group;
             const float *qh = q + (long)rows[i] * ldq + h * D;
             const float *kh = kpool + kvh * nblk * bs * D;
@@ -148,6 +154,7 @@ void bs_attend(const float *q, long ldq, float *out, long ldo, const int *rows,
     }
     free(acc);
     free(scores);
+    }
 }
 
 void bs_paged_decode(const float *q, float *out, const int *rows, long B, long Hq, long Hkv,

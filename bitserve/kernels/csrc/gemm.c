@@ -135,15 +135,23 @@ static inline __attribute__((always_inline)) void packed_tile(
         break;
 #endif
 
+int bs_threads = 1; /* bs_set_threads: the OpenMP team of the GEMM and attention */
+
+void bs_set_threads(long n) { bs_threads = n > 1 ? (int)n : 1; }
+
 void bs_linear_packed(const float *x, long ldx, long M, long K, const float *P, long N,
                       const float *b, float *y) {
     long panels = N / 16;
 #ifdef __AVX512F__
     long kc = M <= 2 * PACKED_ROWS ? K : PACKED_KC;
     long blocks = (M + PACKED_ROWS - 1) / PACKED_ROWS, rb = (M + blocks - 1) / blocks;
+    int team = bs_threads > 1 && panels >= 4 * bs_threads ? bs_threads : 1;
+    /* each thread takes its share of the panel pairs (its own weights, all of x) */
+#pragma omp parallel num_threads(team) if (team > 1)
     for (long k0 = 0; k0 < K; k0 += kc) {
         long k1 = k0 + kc < K ? k0 + kc : K;
         int first = k0 == 0;
+#pragma omp for schedule(static)
         for (long p = 0; p < panels; p += 2) {
             int np = p + 1 < panels ? 2 : 1;
             const float *P0 = P + p * K * 16, *P1 = P0 + K * 16;

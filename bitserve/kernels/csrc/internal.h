@@ -35,6 +35,9 @@ static inline float dot(const float *a, const float *b, long K) {
     return s;
 }
 
+/* the OpenMP team size the kernels may use (bs_set_threads; 1: no team) */
+extern int bs_threads;
+
 /* bs_paged_decode with row strides for q (ldq) and out (ldo): the decode layer reads q
    straight out of its fused qkv rows. */
 void bs_attend(const float *q, long ldq, float *out, long ldo, const int *rows, long B, long Hq,
