@@ -10,10 +10,13 @@ whatever it is batched with. The unconditional model is the same network given t
 null label (trained with label dropout), so classifier-free guidance needs no second
 model.
 
-The label enters only the middle block and the up path; the down path sees x_t and t
-alone. So a guided row's conditional and unconditional halves share one encoding:
-`guided` runs the encoder once over the rows and the decoder over both halves as one
-batch, which is what makes a CFG step cost well under two plain steps.
+The label enters only the middle block (after its first conv) and the up path; the
+down path sees x_t and t alone. So a guided row's conditional and unconditional halves
+share one encoding: `guided` runs everything label-free once over the rows and the
+decoder over both halves as one batch, which is what makes a CFG step cost well under
+two plain steps. The lighter the decoder against the encoder, the closer a CFG step
+costs to a plain one: models/digits uses three levels (the label enters at 4x4) and
+"light" up blocks of one conv each.
 """
 
 from __future__ import annotations
@@ -101,7 +104,8 @@ class LightBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
         scale, shift = self.film(emb)[:, :, None, None].chunk(2, dim=1)
-        return x + self.conv(F.silu(torch.addcmul(shift, self.norm(x), 1 + scale)))
+        # (not addcmul: with [B, C, 1, 1] operands it runs ~3x slower than mul, add)
+        return x + self.conv(F.silu(self.norm(x) * (1 + scale) + shift))
 
 
 class Denoiser(nn.Module):
@@ -155,7 +159,8 @@ class Denoiser(nn.Module):
         shared = self.encode(x, time)
         idx = uncond.nonzero().flatten()
         if len(idx):
-            shared = [torch.cat([s, s[idx]]) for s in shared]
+            twice = [s.index_select(0, idx) for s in shared] if len(idx) < len(x) else shared
+            shared = [torch.cat(pair) for pair in zip(shared, twice, strict=True)]
             time = torch.cat([time, time[idx]])
             label = torch.cat([label, torch.full_like(idx, self.config.null_label)])
         eps = self.decode(shared, time, label)
