@@ -102,7 +102,7 @@ def lr_at(step: int, args: argparse.Namespace) -> float:
 
 def train_denoiser(args: argparse.Namespace, data: dict) -> dict:
     torch.manual_seed(args.seed)
-    config = UNetConfig(channels=tuple(args.channels), depth=args.depth, skip=args.skip)
+    config = UNetConfig(channels=tuple(args.channels), depth=args.depth, skip=args.skip, up=args.up)
     schedule = Schedule()
     model = Denoiser(config)
     ema = Denoiser(config)
@@ -245,11 +245,12 @@ def main() -> None:
     parser.add_argument(
         "--channels",
         type=lambda v: [int(c) for c in v.split(",")],
-        default=[16, 32],
+        default=[16, 32, 32],
         help="UNet widths per level",
     )
     parser.add_argument("--depth", type=int, default=3, help="ResBlocks per down level")
     parser.add_argument("--skip", choices=["concat", "add"], default="add")
+    parser.add_argument("--up", choices=["res", "light"], default="light", help="up-path blocks")
     parser.add_argument("--steps", type=int, default=4000)
     parser.add_argument("--batch", type=int, default=128)
     parser.add_argument("--lr", type=float, default=2e-3)
