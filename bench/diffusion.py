@@ -7,6 +7,8 @@ against one request at a time, on the same CPU, in one run.
 (a) CFG cost, in process: at R rows, one guided step (the conditional and unconditional
     halves as one batch sharing one encoder pass: Denoiser.guided) against two separate
     passes (conditional, then unconditional) and against one unguided pass.
+    Then one image alone as a plain denoise-update loop against the engine with
+    max_rows = 1, to show that (b)'s baseline pays no overhead a plain loop would not.
 (b) Serving, over HTTP (v2 infer, one keep-alive connection per client): a real
     `bitserve serve` with two copies of models/digits: `digits` (step-level batching,
     every request's rows in each step) and `digits_serial` (the same engine with
@@ -35,7 +37,10 @@ from pathlib import Path
 import torch
 
 from bench.server import ROOT, Server
+from bitserve.diffusion.engine import DiffusionEngine
 from bitserve.diffusion.evaluate import weights_path
+from bitserve.diffusion.params import GenerationParams
+from bitserve.diffusion.sampler import advance, denoise, new_row
 from bitserve.diffusion.unet import load_denoiser
 
 RESULTS = ROOT / "bench" / "results" / "diffusion.json"
@@ -96,6 +101,35 @@ def cfg_cost(model_dir: Path, rows: list[int], repeat: int) -> list[dict]:
             }
         )
     return out
+
+
+@torch.inference_mode()
+def serial_overhead(model_dir: Path, steps: int, scale: float, repeat: int) -> dict:
+    """Is the served one-at-a-time baseline a fair loop? One image's `steps` steps as a
+    plain loop (the anchors' way: denoise, update, repeat; no queue, no lock) against
+    the same image through the engine with max_rows = 1, the serving baseline (b)."""
+    model, schedule = load_denoiser(weights_path(model_dir))
+    params = GenerationParams(label=7, guidance_scale=scale, steps=steps, seed=1)
+    abar = torch.cat([schedule.alphas_cumprod(), torch.ones(1, dtype=torch.float64)])
+    engine = DiffusionEngine(model, schedule, max_rows=1)
+
+    def plain() -> None:
+        row = new_row(params, schedule, model.config.size, 1)
+        while not row.done:
+            eps, _ = denoise(model, [row])
+            advance([row], eps, abar)
+
+    def served() -> None:
+        engine.submit(params)
+        while engine.step():
+            pass
+
+    times = interleaved({"plain": plain, "engine": served}, repeat)
+    return {
+        "plain_loop_ms": statistics.median(times["plain"]) * 1e3,
+        "engine_serial_ms": statistics.median(times["engine"]) * 1e3,
+        "engine_vs_plain": ratio(times, "engine", "plain"),
+    }
 
 
 # ---------------------------------------------------------------- (b) serving
@@ -251,6 +285,13 @@ def main() -> None:
             f"{r['cfg_vs_two_passes']:>8.2f}"
         )
     result: dict = {"threads": args.threads, "cfg": cfg}
+    fair = serial_overhead(args.model, args.steps, args.scale, max(5, args.repeat // 4))
+    result["serial_overhead"] = fair
+    print(
+        f"\none image alone, {args.steps} steps: plain loop {fair['plain_loop_ms']:.1f} ms, "
+        f"through the engine (max_rows = 1, the baseline of (b)) {fair['engine_serial_ms']:.1f}"
+        f" ms: {fair['engine_vs_plain']:.2f}x"
+    )
     if not args.skip_serving:
         print(
             f"\n(b) {args.clients} clients x {args.requests} requests x {args.rounds} rounds, "
