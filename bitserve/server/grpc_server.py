@@ -313,31 +313,32 @@ class Service(pb_grpc.GRPCInferenceServiceServicer):
         self, requests: AsyncIterator[pb.ModelInferRequest], context: Any
     ) -> AsyncIterator[pb.ModelStreamInferResponse]:
         """Each request runs in its own task as soon as it is read; their responses
-        meet in one queue, with a marker when the reading or a request is done."""
+        meet in one queue, closed by END once reading is over and no task is left."""
         out: asyncio.Queue = asyncio.Queue()
         tasks: set[asyncio.Task] = set()
+        reading = True
+
+        def finished(task: asyncio.Task) -> None:
+            tasks.discard(task)
+            if not reading and not tasks:
+                out.put_nowait(END)
 
         async def read() -> None:
+            nonlocal reading
             try:
                 async for request in requests:
                     task = asyncio.create_task(self._stream_one(request, context, out))
                     tasks.add(task)
-                    task.add_done_callback(lambda t: (tasks.discard(t), out.put_nowait(DONE)))
+                    task.add_done_callback(finished)
             finally:
-                out.put_nowait(READ)
+                reading = False
+                if not tasks:
+                    out.put_nowait(END)
 
         reader = asyncio.create_task(read())
         try:
-            reading = True
-            while reading or tasks:
-                item = await out.get()
-                if item is READ:
-                    reading = False
-                elif item is not DONE:
-                    yield item
-            while not out.empty():  # responses put after the last marker was read
-                if (item := out.get_nowait()) not in (READ, DONE):
-                    yield item
+            while (item := await out.get()) is not END:
+                yield item
             reader.result()  # a broken request stream ends the call with its error
         finally:
             for task in (reader, *tasks):
@@ -405,7 +406,7 @@ class Service(pb_grpc.GRPCInferenceServiceServicer):
             yield last
 
 
-READ, DONE = object(), object()  # ModelStreamInfer's markers: reading ended, a request ended
+END = object()  # ModelStreamInfer's last queue item: no request is left to answer
 
 
 def _bool_param(request: pb.ModelInferRequest, key: str) -> bool:
