@@ -25,8 +25,6 @@ engines) would remove it, but needs a scheduler that skips sequences in flight.
 
 from __future__ import annotations
 
-import ctypes
-import platform
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -107,35 +105,6 @@ def split_micro_batches(scheduled: list, n: int) -> list[list]:
     return groups
 
 
-HUGE_PAGE = 2 << 20
-MADV_HUGEPAGE = 14
-
-
-def zeros_huge_pages(shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """`torch.zeros(shape)` backed by transparent huge pages where Linux allows it.
-
-    The KV pool is read in 4 KiB pieces (a block of one head) in block-table order; on
-    4 KiB pages every piece is a TLB miss and a prefetcher restart, which halves the
-    decode-attention read rate. The tensor is a view at a 2 MiB-aligned offset of a
-    slightly larger buffer, advised before its pages are first touched.
-    """
-    numel = 1
-    for d in shape:
-        numel *= d
-    itemsize = torch.empty(0, dtype=dtype).element_size()
-    if numel * itemsize < HUGE_PAGE or platform.system() != "Linux":
-        return torch.zeros(shape, dtype=dtype)
-    buf = torch.empty(numel + HUGE_PAGE // itemsize, dtype=dtype)
-    offset = (-buf.data_ptr()) % HUGE_PAGE // itemsize
-    start = buf.data_ptr() + offset * itemsize
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(numel * itemsize), MADV_HUGEPAGE)
-    except (OSError, AttributeError):
-        pass
-    return buf[offset : offset + numel].view(shape).zero_()
-
-
 class ModelRunner:
     def __init__(self, config: EngineConfig, parallel: Parallel = SINGLE):
         self.config = config
@@ -187,8 +156,8 @@ class ModelRunner:
             shape = (attn.num_kv_heads, self.num_blocks, self.config.block_size, attn.head_dim)
             if self.on_cpu:
                 attn.kv_cache = (
-                    zeros_huge_pages(shape, self.kv_dtype),
-                    zeros_huge_pages(shape, self.kv_dtype),
+                    kernels.zeros_huge_pages(shape, self.kv_dtype),
+                    kernels.zeros_huge_pages(shape, self.kv_dtype),
                 )
             else:
                 attn.kv_cache = (

@@ -9,7 +9,6 @@ import torch.nn.functional as F
 from transformers import LlamaConfig
 
 from bitserve import kernels
-from bitserve.llm.model_runner import zeros_huge_pages
 from tests.llm.conftest import COMMON, build_model, make_engine
 from tests.llm.test_engine import GREEDY, MIXED, assert_parity, generate
 
@@ -178,9 +177,9 @@ def test_disabled_kernels_give_the_same_tokens(model_dirs, restore_kernels):
 
 
 def test_zeros_huge_pages():
-    small = zeros_huge_pages((3, 4))
+    small = kernels.zeros_huge_pages((3, 4))
     assert small.shape == (3, 4) and not small.any()
-    big = zeros_huge_pages((2, 1024, 1024))
+    big = kernels.zeros_huge_pages((2, 1024, 1024))
     assert big.shape == (2, 1024, 1024) and big.is_contiguous() and not big.any()
     big += 1  # the whole view is writable
     assert big.sum().item() == 2 * 1024 * 1024
