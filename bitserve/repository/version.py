@@ -6,8 +6,9 @@ States: loading → ready → draining → unloaded, or loading → failed. A ve
 failing the batch it held so that no request hangs.
 
 `start(request)` is the one request path below the protocols: a batched model (its
-instances in threads, processes or Ray replicas) and an LLM on its engine alike take an
-`InferRequest` and give a `Ticket` whose result is the outputs by name. HTTP, the
+instances in threads, processes or Ray replicas), an LLM on its engine and a diffusion
+model on its step loop alike take an `InferRequest` and give a `Ticket` whose result is
+the outputs by name. HTTP, the
 shadow mirror and batch jobs all come through here.
 """
 
@@ -35,6 +36,7 @@ from bitserve.repository.replica import ReplicaGone
 
 if TYPE_CHECKING:
     from bitserve.backends.llm import LLMService
+    from bitserve.diffusion.engine import DiffusionEngine
 
 log = logging.getLogger("bitserve.repository")
 
@@ -208,6 +210,8 @@ class ModelVersion:
         if self.llm is not None:
             task = asyncio.ensure_future(self._generate(request))
             return Ticket(task, lambda _: task.cancel())
+        if (engine := self.step_engine()) is not None:
+            return self._diffuse(engine, request)
         job = self._job(request, background)
         future = self.submit(job)
         return Ticket(future, functools.partial(self._cancel_queued, job), job)
@@ -241,6 +245,47 @@ class ModelVersion:
     def _cancel_queued(self, job: Request, error: BaseException) -> None:
         if job.state == "queued":  # a running batch cannot be taken back
             self.cancel(job, error)
+
+    def step_engine(self) -> DiffusionEngine | None:
+        """The diffusion step loop this version's in-process instances share, or None.
+        Its rows are batched step by step there, so requests skip the dynamic batcher
+        and a cancelled one leaves at the next step, running or not."""
+        if self.config.backend != "diffusion":
+            return None
+        for instance in self.instances:
+            if (engine := getattr(instance.model, "engine", None)) is not None:
+                return engine
+        return None
+
+    def _diffuse(self, engine: DiffusionEngine, request: InferRequest) -> Ticket:
+        import torch
+
+        from bitserve.backends.diffusion import request_params
+        from bitserve.diffusion.sampler import to_uint8
+
+        params = request_params(self.config, request.inputs)  # InvalidParams: a 400
+        lease = self.begin()
+        rows = []  # filled as submitted: an Overloaded midway still cancels the earlier ones
+        try:
+            for p in params:
+                rows.append(engine.submit(p))
+        except BaseException:
+            for row in rows:
+                engine.cancel(row)
+            lease.release()
+            raise
+
+        async def images() -> dict:
+            try:
+                done = await asyncio.gather(*(asyncio.wrap_future(r.future) for r in rows))
+                return {"image": to_uint8(torch.stack(done))}
+            finally:
+                for row in rows:  # an error or a cancel: the rest leave at the next step
+                    engine.cancel(row)
+                lease.release()
+
+        task = asyncio.ensure_future(images())
+        return Ticket(task, lambda _: task.cancel())
 
     async def _generate(self, request: InferRequest) -> dict:
         assert self.llm is not None

@@ -109,18 +109,6 @@ def png(image: np.ndarray) -> bytes:
     return out.getvalue()
 
 
-def engine_of(version: ModelVersion) -> DiffusionEngine | None:
-    """The engine a diffusion version's instances share (None: not diffusion, or its
-    instances run in child processes)."""
-    if version.config.backend != "diffusion":
-        return None
-    for instance in version.instances:
-        engine = getattr(instance.model, "engine", None)
-        if engine is not None:
-            return engine
-    return None
-
-
 class Images:
     def __init__(self, server: Server):
         self.server = server
@@ -158,7 +146,7 @@ class Images:
     async def _engine(self, name: str) -> tuple[ModelVersion, DiffusionEngine]:
         await self.server.repository.ensure_loaded(name)
         version = self.server.serving(name)
-        engine = engine_of(version)
+        engine = version.step_engine()
         if engine is None:
             raise APIError(
                 400,
@@ -187,7 +175,7 @@ def routes(server: Server) -> list[Route]:
 def engines(server: Server) -> Iterator[tuple[list[str], DiffusionEngine]]:
     for name, entry in sorted(server.repository.models.items()):
         for number, version in sorted(entry.versions.items()):
-            engine = engine_of(version)
+            engine = version.step_engine()
             if engine is not None:
                 yield [name, str(number)], engine
 

@@ -150,12 +150,6 @@ V2_BODY = json.dumps(
 ).encode()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="v2 infer's ticket cancel (repository/version.py, _cancel_queued) only takes back "
-    "a batch still queued; a diffusion batch already in DiffusionModel.predict keeps its "
-    "rows in the engine until they finish",
-)
 def test_a_v2_client_that_disconnects_frees_its_running_rows(server):
     _disconnect_while_running(server, "/v2/models/digits/infer", V2_BODY)
 
