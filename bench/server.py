@@ -42,7 +42,8 @@ def free_port() -> int:
 def bitserve_command(repository: Path, port: int, *args: str, threads: int = 1) -> list[str]:
     """`bitserve serve` on a repository, from this Python's environment."""
     command = [sys.executable, "-m", "bitserve.cli", "serve", "--repository", str(repository)]
-    return [*command, "--port", str(port), "--threads", str(threads), *args]
+    command += ["--port", str(port), "--threads", str(threads), *args]
+    return command if "--grpc-port" in args else [*command, "--grpc-port", "0"]
 
 
 def http_get(port: int, path: str, timeout: float = 2.0) -> int | None:

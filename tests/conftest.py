@@ -44,6 +44,8 @@ class Server:
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}))
         command = [sys.executable, "-m", "bitserve.cli", "serve", "--repository", str(repository)]
         command += ["--port", str(self.port), "--threads", "1", *args]
+        if "--grpc-port" not in args:  # gRPC only where a test asks: 8001 is not shared
+            command += ["--grpc-port", "0"]
         self.process = subprocess.Popen(
             command, stdout=self.log.open("w"), stderr=subprocess.STDOUT, env=env
         )

@@ -82,6 +82,7 @@ async def start(state: ServerState) -> list[asyncio.Task]:
         options=[
             ("grpc.max_receive_message_length", limit),
             ("grpc.max_send_message_length", limit),
+            ("grpc.so_reuseport", 0),  # a port another server holds fails here, as HTTP's does
         ]
     )
     pb_grpc.add_GRPCInferenceServiceServicer_to_server(Service(state), server)

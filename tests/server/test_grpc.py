@@ -357,3 +357,15 @@ def test_the_proto_is_tritonclients(tmp_path):
     for path in sorted(generated.iterdir()):
         committed = Path(ROOT / "bitserve" / "server" / "proto" / path.name)
         assert path.read_text() == committed.read_text(), f"{path.name}: run tools/grpc_proto.py"
+
+
+def test_a_grpc_port_another_server_holds_fails_the_start(server, tmp_path):
+    """grpcio shares a port by default (SO_REUSEPORT): a second server would silently take
+    half of the first one's calls. bitserve turns that off, so it fails at start, as a
+    taken HTTP port does."""
+    repo = tmp_path / "models"
+    repo.mkdir()
+    port = server.grpc.rsplit(":", 1)[1]
+    with pytest.raises(RuntimeError, match="exited"):
+        Server(repo, "--grpc-port", port)
+    assert tg.InferenceServerClient(server.grpc).is_server_live()
