@@ -30,7 +30,6 @@ import contextlib
 import functools
 import hmac
 import logging
-import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -51,12 +50,12 @@ from bitserve.server.errors import (
     Forbidden,
     Unauthorized,
     headers_of,
-    reason_of,
     status_of,
 )
 from bitserve.server.grpc_protocol import code_of, encode_response, parse_infer
 from bitserve.server.proto import grpc_service_pb2 as pb
 from bitserve.server.proto import grpc_service_pb2_grpc as pb_grpc
+from bitserve.server.record import recorded
 from bitserve.server.state import ServerState
 
 log = logging.getLogger("bitserve.server")
@@ -276,36 +275,18 @@ class Service(pb_grpc.GRPCInferenceServiceServicer):
     async def _infer(
         self, version: ModelVersion, route: Any, request: pb.ModelInferRequest, context: Any
     ) -> pb.ModelInferResponse:
-        """v2.py's `_infer` for gRPC: the same metrics and rollout statistics."""
-        labels = (version.config.name, str(version.version))
-        version.m["inflight"].inc()
-        started = time.perf_counter()
-        status, parsed, outputs = 500, None, None
-        try:
-            parsed = parse_infer(version.config, request, context.time_remaining())
-            ticket = version.start(parsed)
+        """v2.py's `_infer` for gRPC: the same bookkeeping (record.py)."""
+        with recorded(self.state, version, route) as record:
+            record.parsed = parse_infer(version.config, request, context.time_remaining())
+            ticket = version.start(record.parsed)
+            record.job = ticket.job
             try:
-                outputs = await ticket.result
+                record.outputs = await ticket.result
             except asyncio.CancelledError:  # the client cancelled, or its deadline passed
                 ticket.cancel(ClientGone("the client cancelled the call"))
                 raise
-            answer = classification.apply(version, parsed, outputs)
-            response = encode_response(labels[0], version.version, parsed, answer)
-            status = 200
-        except asyncio.CancelledError:
-            status = 499
-            raise
-        except Exception as exc:
-            status = status_of(exc)
-            self.state.metrics.failure.labels(*labels, reason_of(exc)).inc()
-            raise
-        finally:
-            version.m["inflight"].dec()
-            seconds = time.perf_counter() - started
-            version.m["duration"].observe(seconds)
-            if route is not None:
-                route.finish(status, seconds, parsed, outputs)
-        version.m["success"].inc()
+            answer = classification.apply(version, record.parsed, record.outputs)
+            response = encode_response(version.config.name, version.version, record.parsed, answer)
         return response
 
     # ---------------------------------------------------------------- stream

@@ -10,11 +10,9 @@ disconnects while its request is still queued takes it out of the queue.
 from __future__ import annotations
 
 import asyncio
-import time
 import zlib
-from typing import Any, TextIO
+from typing import Any
 
-import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
@@ -22,10 +20,11 @@ from starlette.routing import Route
 from bitserve import __version__
 from bitserve.inference import ClientGone, InvalidRequest
 from bitserve.repository.repository import ModelNotFound, ModelUnavailable
-from bitserve.repository.version import ModelVersion, Ticket
+from bitserve.repository.version import ModelVersion
 from bitserve.server import classification
-from bitserve.server.errors import BodyTooLarge, handle, reason_of, status_of
+from bitserve.server.errors import BodyTooLarge, handle
 from bitserve.server.http import json_response, pinned_version, until_disconnect
+from bitserve.server.record import recorded
 from bitserve.server.state import ServerState
 from bitserve.server.v2_protocol import HEADER_LENGTH, encode_response, parse_infer
 
@@ -154,44 +153,21 @@ class V2:
     async def _infer(
         self, http: Request, version: ModelVersion, body: bytes, route: Any
     ) -> Response:
-        labels = (version.config.name, str(version.version))
-        inflight = version.m["inflight"]
-        inflight.inc()
-        started = time.perf_counter()
-        ticket: Ticket | None = None
-        status = 500
-        parsed = outputs = None
-        try:
+        with recorded(self.state, version, route) as record:
             header_length = http.headers.get(HEADER_LENGTH)
             if header_length is not None and not header_length.isdigit():
                 raise InvalidRequest("header Inference-Header-Content-Length must be an integer")
             length = int(header_length) if header_length is not None else None
-            parsed = parse_infer(version.config, body, length)
-            ticket = version.start(parsed)
+            record.parsed = parse_infer(version.config, body, length)
+            ticket = version.start(record.parsed)
+            record.job = ticket.job
             gone = ClientGone("client disconnected")
             outputs = await until_disconnect(http, ticket.result, lambda: ticket.cancel(gone))
-            answer = classification.apply(version, parsed, outputs)
+            record.outputs = outputs
+            answer = classification.apply(version, record.parsed, outputs)
             payload, json_length = encode_response(
-                version.config.name, version.version, parsed, answer
+                version.config.name, version.version, record.parsed, answer
             )
-            status = 200
-        except asyncio.CancelledError:  # the client left while an LLM generated for it
-            status = 499
-            raise
-        except Exception as exc:
-            status = status_of(exc)
-            self.state.metrics.failure.labels(*labels, reason_of(exc)).inc()
-            raise
-        finally:
-            inflight.dec()
-            seconds = time.perf_counter() - started
-            version.m["duration"].observe(seconds)
-            if self.state.options.access_log is not None:
-                job = ticket.job if ticket is not None else None
-                _access_log(self.state.options.access_log, labels, status, seconds, job)
-            if route is not None:
-                route.finish(status, seconds, parsed, outputs)
-        version.m["success"].inc()
         if json_length is None:
             return Response(payload, media_type="application/json")
         return Response(
@@ -238,23 +214,6 @@ def _stats(name: str, number: int, version: ModelVersion) -> dict:
         "rejected_timeout": s.rejected_timeout,
         "cancelled": s.cancelled,
     }
-
-
-def _access_log(out: TextIO, labels: tuple, status: int, seconds: float, job: Any) -> None:
-    """One JSON line per infer request, for `bitserve plan fit` and friends."""
-    record = {
-        "time": time.time(),
-        "model": labels[0],
-        "version": labels[1],
-        "status": status,
-        "duration_ms": round(seconds * 1000, 3),
-        "queue_ms": round(job.queue_seconds * 1000, 3) if job else None,
-        "compute_ms": round(job.compute_seconds * 1000, 3) if job else None,
-        "batch_size": job.batch_rows if job else None,
-        "rows": job.rows if job else None,
-    }
-    out.write(orjson.dumps(record).decode() + "\n")
-    out.flush()
 
 
 def _decompress(body: bytes, encoding: str, limit: int) -> bytes:
