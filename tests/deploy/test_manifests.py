@@ -111,7 +111,8 @@ def test_the_image_runs_as_non_root_with_a_healthcheck_and_exec_form_commands():
     for word in ("CMD", "ENTRYPOINT"):
         (rest,) = [rest for w, rest in stage if w == word]
         assert isinstance(json.loads(rest), list), f"{word} must be exec form (a JSON array)"
-    assert ("EXPOSE", "8000") in stage
+    exposed = {port for word, rest in stage if word == "EXPOSE" for port in rest.split()}
+    assert {"8000", "8001"} <= exposed  # HTTP and gRPC
 
 
 def test_shutdown_timings_add_up():
