@@ -127,6 +127,8 @@ class Kernels:
         """weight [N, K] contiguous fp32, N a multiple of 16 -> the same shape holding
         `bs_pack`'s panels (16 output rows, column by column)."""
         n, k = weight.shape
+        if n % 16 or weight.dtype is not torch.float32 or not weight.is_contiguous():
+            raise ValueError(f"pack takes a contiguous fp32 [N, K] with N % 16 == 0, not {n}")
         packed = empty_huge_pages((n, k))
         self.lib.bs_pack(ptr(weight), n, k, ptr(packed))
         return packed
