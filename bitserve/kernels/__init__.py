@@ -109,6 +109,16 @@ def ptr(t: torch.Tensor | None, ctype: str = "float *") -> Any:
     return ffi().NULL if t is None else ffi().cast(ctype, t.data_ptr())
 
 
+def matmul(fn: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+    """y [M, N] = fn(x [M, K], weight [N, K] as fn reads it, bias) for bs_linear and
+    bs_linear_packed, which take the same arguments."""
+    m, k = x.shape
+    n = weight.shape[0]
+    y = torch.empty(m, n, dtype=torch.float32)
+    fn(ptr(x), x.stride(0), m, k, ptr(weight), n, ptr(bias), ptr(y))
+    return y
+
+
 class Kernels:
     """The loaded library: thin wrappers that take tensors."""
 
@@ -117,11 +127,7 @@ class Kernels:
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
         """x [M, K] fp32 with unit inner stride; weight [N, K] contiguous fp32."""
-        m, k = x.shape
-        n = weight.shape[0]
-        y = torch.empty(m, n, dtype=torch.float32)
-        self.lib.bs_linear(ptr(x), x.stride(0), m, k, ptr(weight), n, ptr(bias), ptr(y))
-        return y
+        return matmul(self.lib.bs_linear, x, weight, bias)
 
     def pack(self, weight: torch.Tensor) -> torch.Tensor:
         """weight [N, K] contiguous fp32, N a multiple of 16 -> the same shape holding
@@ -135,11 +141,7 @@ class Kernels:
 
     def linear_packed(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None):
         """x [M, K] fp32 with unit inner stride; packed: `pack()`'s [N, K] -> [M, N]."""
-        m, k = x.shape
-        n = packed.shape[0]
-        y = torch.empty(m, n, dtype=torch.float32)
-        self.lib.bs_linear_packed(ptr(x), x.stride(0), m, k, ptr(packed), n, ptr(bias), ptr(y))
-        return y
+        return matmul(self.lib.bs_linear_packed, x, packed, bias)
 
     def gemv(self, w: Any, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] fp32 with unit inner stride, through a `Weight` -> [M, N] fp32."""

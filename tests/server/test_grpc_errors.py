@@ -29,24 +29,17 @@ from prometheus_client.parser import text_string_to_metric_families
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
-from tests.conftest import ROOT, Server, free_port, write_model
+from tests.conftest import ROOT, XY_CONFIG, Server, free_port, write_model
 
 TOKEN = "errors-token"
 ADMIN = {"authorization": f"Bearer {TOKEN}"}
-GATE_CONFIG = """
-backend = "python"
-max_batch_size = 8
-[[input]]
-name = "x"
-datatype = "FP32"
-dims = [1]
-[[output]]
-name = "y"
-datatype = "FP32"
-dims = [1]
+GATE_CONFIG = (
+    XY_CONFIG
+    + """
 [dynamic_batching]
 max_queue_size = 1
 """
+)
 GATE_CODE = """
 import pathlib
 import time
