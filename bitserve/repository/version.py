@@ -258,12 +258,19 @@ class ModelVersion:
         return None
 
     def _diffuse(self, engine: DiffusionEngine, request: InferRequest) -> Ticket:
+        from bitserve.backends.diffusion import request_params
+
+        return self.diffuse(engine, request_params(self.config, request.inputs))  # 400s
+
+    def diffuse(self, engine: DiffusionEngine, params: list) -> Ticket:
+        """Images for `params` (GenerationParams) on the step loop; the result is
+        {"image": uint8 [n, H, W]}. A cancel (or an error) takes every row out of the
+        loop at its next step, running or queued. Raises Overloaded before anything
+        stays queued."""
         import torch
 
-        from bitserve.backends.diffusion import request_params
         from bitserve.diffusion.sampler import to_uint8
 
-        params = request_params(self.config, request.inputs)  # InvalidParams: a 400
         lease = self.begin()
         rows = []  # filled as submitted: an Overloaded midway still cancels the earlier ones
         try:

@@ -25,7 +25,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -39,7 +38,6 @@ from starlette.routing import Route
 from bitserve.backends.diffusion import defaults
 from bitserve.diffusion.engine import DiffusionEngine
 from bitserve.diffusion.params import GenerationParams, InvalidParams, parse_label
-from bitserve.diffusion.sampler import to_uint8
 from bitserve.repository.version import ModelVersion
 from bitserve.server.errors import APIError, handle
 from bitserve.server.http import json_object, json_response, until_disconnect
@@ -117,21 +115,9 @@ class Images:
         req = parse_request(await request.body())
         version, engine = await self._engine(req.model)
         params = image_params(req, defaults(version.config), engine)
-        lease = version.begin()  # no await since the lookup: a drain cannot miss it
-        rows = []  # filled as submitted: an Overloaded midway still cancels the earlier ones
-        try:
-            for p in params:
-                rows.append(engine.submit(p))
-            images = await until_disconnect(
-                request,
-                asyncio.gather(*(asyncio.wrap_future(r.future) for r in rows)),
-                lambda: [engine.cancel(r) for r in rows],
-            )
-        finally:
-            for row in rows:  # an error or a disconnect: the rest leave at the next step
-                engine.cancel(row)
-            lease.release()
-        pixels = await asyncio.to_thread(lambda: [png(a) for a in to_uint8(torch.stack(images))])
+        ticket = version.diffuse(engine, params)  # no await since the lookup: drain-safe
+        images = await until_disconnect(request, ticket.result, lambda: ticket.cancel(None))
+        pixels = await asyncio.to_thread(lambda: [png(a) for a in images["image"]])
         data = [
             {
                 "b64_json": base64.b64encode(p).decode(),
