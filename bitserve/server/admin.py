@@ -8,7 +8,6 @@ unload are refused (403), as in Triton; `explicit` and `poll` allow them.
 
 from __future__ import annotations
 
-import hmac
 from collections.abc import Callable
 from typing import Any
 
@@ -19,7 +18,7 @@ from starlette.routing import Route
 
 from bitserve.backends.base import LoadError
 from bitserve.inference import InvalidRequest
-from bitserve.server.errors import Forbidden, Unauthorized, handle
+from bitserve.server.errors import handle
 from bitserve.server.http import json_response
 from bitserve.server.state import ServerState
 
@@ -104,12 +103,7 @@ class Admin:
         """The admin token first, then the handler; errors map as everywhere else."""
 
         async def guarded(request: Request) -> Response:
-            token = self.server.options.admin_token
-            if not token:
-                raise Forbidden("repository management is off: start with --admin-token")
-            given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
-                raise Unauthorized("missing or wrong admin token")
+            self.server.authorize(request.headers.get("authorization", ""))
             try:
                 return await handler(request)
             except LoadError as e:
@@ -120,15 +114,8 @@ class Admin:
     async def index(self, request: Request) -> Response:
         return json_response(self.server.repository.index())
 
-    def _changes_allowed(self) -> None:
-        mode = self.server.options.model_control
-        if mode == "none":
-            raise Forbidden("model control mode is 'none': start with --model-control explicit")
-        if self.server.draining:
-            raise Forbidden("server is draining")
-
     async def load(self, request: Request) -> Response:
-        self._changes_allowed()
+        self.server.allow_changes()
         body = await request.body()
         try:
             params = (orjson.loads(body) if body.strip() else {}).get("parameters") or {}
@@ -143,6 +130,6 @@ class Admin:
         return Response(status_code=200)
 
     async def unload(self, request: Request) -> Response:
-        self._changes_allowed()
+        self.server.allow_changes()
         await self.server.repository.unload_model(request.path_params["model"])
         return Response(status_code=200)

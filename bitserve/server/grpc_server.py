@@ -28,7 +28,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import hmac
 import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -47,8 +46,6 @@ from bitserve.repository.version import ModelVersion
 from bitserve.server import classification
 from bitserve.server.errors import (
     EXPECTED,
-    Forbidden,
-    Unauthorized,
     headers_of,
     status_of,
 )
@@ -243,16 +240,9 @@ class Service(pb_grpc.GRPCInferenceServiceServicer):
 
     def _admin(self, context: Any, change: bool = False) -> None:
         """admin.py's guard, with the token in the call's metadata."""
-        token = self.state.options.admin_token
-        if not token:
-            raise Forbidden("repository management is off: start with --admin-token")
-        given = dict(context.invocation_metadata() or ()).get("authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
-            raise Unauthorized("missing or wrong admin token")
-        if change and self.state.options.model_control == "none":
-            raise Forbidden("model control mode is 'none': start with --model-control explicit")
-        if change and self.state.draining:
-            raise Forbidden("server is draining")
+        self.state.authorize(dict(context.invocation_metadata() or ()).get("authorization", ""))
+        if change:
+            self.state.allow_changes()
 
     # ----------------------------------------------------------------- infer
 

@@ -5,6 +5,7 @@ none imports another handler module or the app that assembles them."""
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import time
 from dataclasses import dataclass, field
@@ -16,7 +17,7 @@ from bitserve.repository.repository import Repository
 from bitserve.repository.version import ModelVersion
 from bitserve.rollout.state import Rollouts
 from bitserve.rollout.state import Route as RolloutRoute
-from bitserve.server.errors import Draining
+from bitserve.server.errors import Draining, Forbidden, Unauthorized
 
 log = logging.getLogger("bitserve.server")
 
@@ -66,6 +67,23 @@ class ServerState:
         if self.draining:
             raise Draining("server is draining; send requests elsewhere")
         return self.route_model(model)[0]
+
+    def authorize(self, authorization: str) -> None:
+        """The admin token check of every protocol: `authorization` is the
+        `Bearer <token>` the caller sent (HTTP header or gRPC metadata)."""
+        token = self.options.admin_token
+        if not token:
+            raise Forbidden("repository management is off: start with --admin-token")
+        if not hmac.compare_digest(authorization.encode(), f"Bearer {token}".encode()):
+            raise Unauthorized("missing or wrong admin token")
+
+    def allow_changes(self) -> None:
+        """Loading or unloading models: refused in --model-control none and while
+        draining."""
+        if self.options.model_control == "none":
+            raise Forbidden("model control mode is 'none': start with --model-control explicit")
+        if self.draining:
+            raise Forbidden("server is draining")
 
     def enter(self) -> None:
         """A request starts (the drain waits for it); refused while draining."""
