@@ -87,9 +87,11 @@ void bs_linear(const float *x, long ldx, long M, long K, const float *w, long N,
    to 12 rows of x by 32 outputs in 24 accumulators: per column, 2 weight loads and 12
    broadcasts of x feed 24 FMAs, no horizontal sums, and each output's sum runs in k
    order whatever the tile, so a row's result does not depend on the rows batched with
-   it. Above 24 rows, K is cut in blocks of KC and the rows in chunks of MC, so a panel
-   pair's block stays in L1 and the chunk's block of x in L2 (prefill); below, each
-   weight panel streams once, front to back.
+   it. Above 24 rows, K is cut in blocks of KC, the rows in chunks of MC and the outputs
+   in groups of NC panels, so a panel pair's block stays in L1 and the chunk's blocks of
+   x and y in L2 (prefill; without the groups, y of a wide layer such as a gate-up spilled
+   from L2 at every K block: 1.0-1.1x); below, each weight panel streams once, front to
+   back.
    `python -m bench.kernels` measures it against torch. */
 void bs_pack(const float *w, long N, long K, float *P) {
     for (long p = 0; p < N / 16; p++)
@@ -101,6 +103,7 @@ void bs_pack(const float *w, long N, long K, float *P) {
 #define PACKED_ROWS 12
 #define PACKED_KC 256
 #define PACKED_MC 120 /* 10 tiles of 12 rows: 120 x 256 floats of x, 120 KiB */
+#define PACKED_NC 64  /* panels: 1024 outputs, y 120 x 1024 floats, 480 KiB */
 
 /* rows r < R of x, columns k0 .. k1, against panels P0 (and P1 when NP is 2) */
 static inline __attribute__((always_inline)) void packed_tile(
@@ -144,26 +147,31 @@ static __attribute__((noinline)) void packed_panels(const float *x, long ldx, lo
                                                     const float *P, long N, const float *b,
                                                     float *y, long p0, long p1) {
     long kc = M <= 2 * PACKED_ROWS ? K : PACKED_KC;
-    for (long k0 = 0; k0 < K; k0 += kc) {
-        long k1 = k0 + kc < K ? k0 + kc : K;
-        int first = k0 == 0;
-        /* rows in chunks of PACKED_MC, so a chunk's block of x stays in L2 */
-        for (long c0 = 0; c0 < M; c0 += PACKED_MC) {
-            long mc = M - c0 < PACKED_MC ? M - c0 : PACKED_MC;
-            long blocks = (mc + PACKED_ROWS - 1) / PACKED_ROWS, rb = (mc + blocks - 1) / blocks;
-            for (long p = p0; p < p1; p += 2) {
-                int np = p + 1 < p1 ? 2 : 1;
-                const float *P0 = P + p * K * 16, *P1 = P0 + K * 16;
-                const float *b0 = b ? b + p * 16 : NULL;
-                const float *b1 = b && np == 2 ? b + p * 16 + 16 : NULL;
-                for (long m = c0; m < c0 + mc; m += rb) {
-                    long R = c0 + mc - m < rb ? c0 + mc - m : rb;
-                    const float *xm = x + m * ldx;
-                    float *ym = y + m * N + p * 16;
-                    switch (R) {
-                        PACKED_CASE(1) PACKED_CASE(2) PACKED_CASE(3) PACKED_CASE(4)
-                        PACKED_CASE(5) PACKED_CASE(6) PACKED_CASE(7) PACKED_CASE(8)
-                        PACKED_CASE(9) PACKED_CASE(10) PACKED_CASE(11) PACKED_CASE(12)
+    /* rows in chunks of PACKED_MC (a chunk's block of x stays in L2), outputs in groups
+       of PACKED_NC panels (the chunk's block of y stays in L2 across the K blocks) */
+    long nc = M <= 2 * PACKED_ROWS ? p1 - p0 : PACKED_NC;
+    for (long c0 = 0; c0 < M; c0 += PACKED_MC) {
+        long mc = M - c0 < PACKED_MC ? M - c0 : PACKED_MC;
+        long blocks = (mc + PACKED_ROWS - 1) / PACKED_ROWS, rb = (mc + blocks - 1) / blocks;
+        for (long g0 = p0; g0 < p1; g0 += nc) {
+            long g1 = g0 + nc < p1 ? g0 + nc : p1;
+            for (long k0 = 0; k0 < K; k0 += kc) {
+                long k1 = k0 + kc < K ? k0 + kc : K;
+                int first = k0 == 0;
+                for (long p = g0; p < g1; p += 2) {
+                    int np = p + 1 < g1 ? 2 : 1;
+                    const float *P0 = P + p * K * 16, *P1 = P0 + K * 16;
+                    const float *b0 = b ? b + p * 16 : NULL;
+                    const float *b1 = b && np == 2 ? b + p * 16 + 16 : NULL;
+                    for (long m = c0; m < c0 + mc; m += rb) {
+                        long R = c0 + mc - m < rb ? c0 + mc - m : rb;
+                        const float *xm = x + m * ldx;
+                        float *ym = y + m * N + p * 16;
+                        switch (R) {
+                            PACKED_CASE(1) PACKED_CASE(2) PACKED_CASE(3) PACKED_CASE(4)
+                            PACKED_CASE(5) PACKED_CASE(6) PACKED_CASE(7) PACKED_CASE(8)
+                            PACKED_CASE(9) PACKED_CASE(10) PACKED_CASE(11) PACKED_CASE(12)
+                        }
                     }
                 }
             }
