@@ -184,9 +184,18 @@ def _read_outputs(config: ModelConfig, asked: list) -> tuple[list[str], dict[str
 
 
 def encode_response(
-    model: str, version: int, request: InferRequest, outputs: dict[str, np.ndarray]
+    model: str,
+    version: int,
+    request: InferRequest,
+    outputs: dict[str, np.ndarray],
+    response: pb.ModelInferResponse | None = None,
 ) -> pb.ModelInferResponse:
-    response = pb.ModelInferResponse(model_name=model, model_version=str(version))
+    """The response message, or `response` filled in (a stream's `infer_response`,
+    which then needs no copy into its envelope)."""
+    if response is None:
+        response = pb.ModelInferResponse()
+    response.model_name = model
+    response.model_version = str(version)
     if request.id is not None:
         response.id = request.id
     for name in request.outputs:

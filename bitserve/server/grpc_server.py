@@ -29,6 +29,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -42,7 +43,7 @@ from bitserve import __version__
 from bitserve.backends.llm import sampling
 from bitserve.inference import ClientGone, InvalidRequest
 from bitserve.repository.repository import ModelNotFound, ModelUnavailable
-from bitserve.repository.version import ModelVersion
+from bitserve.repository.version import ModelVersion, Ticket
 from bitserve.server import classification
 from bitserve.server.errors import (
     EXPECTED,
@@ -52,7 +53,7 @@ from bitserve.server.errors import (
 from bitserve.server.grpc_protocol import code_of, encode_response, parse_infer
 from bitserve.server.proto import grpc_service_pb2 as pb
 from bitserve.server.proto import grpc_service_pb2_grpc as pb_grpc
-from bitserve.server.record import recorded
+from bitserve.server.record import Record
 from bitserve.server.state import ServerState
 
 log = logging.getLogger("bitserve.server")
@@ -262,21 +263,66 @@ class Service(pb_grpc.GRPCInferenceServiceServicer):
         # no await from here to the queue (v2.py's infer says why)
         return self.state.route_model(request.model_name, request.model_version or None)
 
+    def _route_now(self, request: pb.ModelInferRequest) -> tuple[ModelVersion, Any] | None:
+        """`_route` without its await: None for a lazy model, whose load must be awaited
+        (`ensure_loaded` returns at once for every other model)."""
+        if not request.model_name:
+            raise InvalidRequest("field 'model_name' is required")
+        entry = self.repository.models.get(request.model_name)
+        if entry is not None and entry.lazy():
+            return None
+        return self.state.route_model(request.model_name, request.model_version or None)
+
     async def _infer(
         self, version: ModelVersion, route: Any, request: pb.ModelInferRequest, context: Any
     ) -> pb.ModelInferResponse:
         """v2.py's `_infer` for gRPC: the same bookkeeping (record.py)."""
-        with recorded(self.state, version, route) as record:
+        ticket, record = self._begin(version, route, request, context)
+        try:
+            outputs = await ticket.result
+        except asyncio.CancelledError as exc:  # the client cancelled, or its deadline passed
+            ticket.cancel(ClientGone("the client cancelled the call"))
+            record.close(exc)
+            raise
+        except BaseException as exc:
+            record.close(exc)
+            raise
+        return self._answer(version, record, outputs)
+
+    def _begin(
+        self, version: ModelVersion, route: Any, request: pb.ModelInferRequest, context: Any
+    ) -> tuple[Ticket, Record]:
+        """Parse the request and start it; its record runs from here, closed here if
+        it fails to start, else by `_answer` or by whoever gives up on its result."""
+        record = Record(self.state, version, route)
+        try:
             record.parsed = parse_infer(version.config, request, context.time_remaining())
             ticket = version.start(record.parsed)
-            record.job = ticket.job
-            try:
-                record.outputs = await ticket.result
-            except asyncio.CancelledError:  # the client cancelled, or its deadline passed
-                ticket.cancel(ClientGone("the client cancelled the call"))
-                raise
-            answer = classification.apply(version, record.parsed, record.outputs)
-            response = encode_response(version.config.name, version.version, record.parsed, answer)
+        except BaseException as exc:
+            record.close(exc)
+            raise
+        record.job = ticket.job
+        return ticket, record
+
+    def _answer(
+        self,
+        version: ModelVersion,
+        record: Record,
+        outputs: dict,
+        into: pb.ModelInferResponse | None = None,
+    ) -> pb.ModelInferResponse:
+        """The response to a started request whose outputs came (written `into` a
+        message when given); closes the request's record."""
+        try:
+            record.outputs = outputs
+            answer = classification.apply(version, record.parsed, outputs)
+            response = encode_response(
+                version.config.name, version.version, record.parsed, answer, into
+            )
+        except BaseException as exc:
+            record.close(exc)
+            raise
+        record.close(None)
         return response
 
     # ---------------------------------------------------------------- stream
@@ -284,64 +330,45 @@ class Service(pb_grpc.GRPCInferenceServiceServicer):
     async def ModelStreamInfer(
         self, requests: AsyncIterator[pb.ModelInferRequest], context: Any
     ) -> AsyncIterator[pb.ModelStreamInferResponse]:
-        """Each request runs in its own task as soon as it is read; their responses
-        meet in one queue, closed by END once reading is over and no task is left."""
-        out: asyncio.Queue = asyncio.Queue()
-        tasks: set[asyncio.Task] = set()
-        reading = True
-
-        def finished(task: asyncio.Task) -> None:
-            tasks.discard(task)
-            if not reading and not tasks:
-                out.put_nowait(END)
-
-        async def read() -> None:
-            nonlocal reading
-            try:
-                async for request in requests:
-                    task = asyncio.create_task(self._stream_one(request, context, out))
-                    tasks.add(task)
-                    task.add_done_callback(finished)
-            finally:
-                reading = False
-                if not tasks:
-                    out.put_nowait(END)
-
-        reader = asyncio.create_task(read())
+        """Each request starts as soon as it is read, and is answered as soon as it is
+        done, in whatever order (a `_Stream`); the call ends once reading is over and
+        every request is answered."""
+        stream = _Stream(self, context)
+        reader = asyncio.create_task(stream.read(requests))
+        items, loop = stream.items, asyncio.get_running_loop()
         try:
-            while (item := await out.get()) is not END:
+            while True:
+                while not items:
+                    stream.waiter = loop.create_future()
+                    await stream.waiter
+                stream.waiter = None
+                item = items.popleft()
+                if item is END:
+                    break
                 yield item
             reader.result()  # a broken request stream ends the call with its error
         finally:
-            for task in (reader, *tasks):
-                task.cancel()
+            reader.cancel()
+            stream.close()
 
     async def _stream_one(
-        self, request: pb.ModelInferRequest, context: Any, out: asyncio.Queue
+        self, request: pb.ModelInferRequest, context: Any, stream: _Stream
     ) -> None:
+        """A stream's request that needs its own task: an LLM generation, or a lazy
+        model's first load. The caller entered the server state for it."""
         final = _bool_param(request, "triton_enable_empty_final_response")
-
-        def send(response: pb.ModelInferResponse) -> None:
-            out.put_nowait(pb.ModelStreamInferResponse(infer_response=response))
-
-        try:
-            self.state.enter()
-        except Exception as exc:
-            return out.put_nowait(pb.ModelStreamInferResponse(error_message=_message(exc)))
         try:
             version, route = await self._route(request)
             if version.llm is not None and _streams(request):
                 async for response in self._generate(version, request, context, final):
-                    send(response)
+                    stream.put(pb.ModelStreamInferResponse(infer_response=response))
             else:
                 response = await self._infer(version, route, request, context)
                 if final:
                     response.parameters[FINAL].bool_param = True
-                send(response)
+                stream.put(pb.ModelStreamInferResponse(infer_response=response))
         except Exception as exc:
-            if code_of(exc) == grpc.StatusCode.INTERNAL and not isinstance(exc, EXPECTED):
-                log.exception("internal error in a gRPC stream", exc_info=exc)
-            out.put_nowait(pb.ModelStreamInferResponse(error_message=_message(exc)))
+            stream.put(_stream_error(exc))
         finally:
             self.state.leave()
 
@@ -378,7 +405,117 @@ class Service(pb_grpc.GRPCInferenceServiceServicer):
             yield last
 
 
-END = object()  # ModelStreamInfer's last queue item: no request is left to answer
+END = object()  # a stream's last queue item: no request is left to answer
+
+
+class _Stream:
+    """One ModelStreamInfer call: its requests in flight and its responses' queue.
+
+    A request for a loaded model that does not stream tokens (every batched model's)
+    costs no task: it is parsed and queued as soon as it is read, and its result's
+    done-callback answers it, as `ModelInfer` does after its await. The others (an LLM
+    generation, a lazy model's load) run as tasks. Closing the stream cancels both
+    kinds: a queued request leaves the queue, a generation frees its KV."""
+
+    def __init__(self, service: Service, context: Any):
+        self.service, self.context = service, context
+        self.items: deque = deque()  # the responses, END last; the call's writer waits
+        self.waiter: asyncio.Future | None = None  # on `waiter` while there is none
+        self.tasks: set[asyncio.Task] = set()
+        # a started request's result future -> (version, ticket, record, final)
+        self.pending: dict[asyncio.Future, tuple[ModelVersion, Ticket, Record, bool]] = {}
+        self.reading = True
+
+    def put(self, item: Any) -> None:
+        self.items.append(item)
+        waiter = self.waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def read(self, requests: AsyncIterator[pb.ModelInferRequest]) -> None:
+        try:
+            async for request in requests:
+                self.start(request)
+        finally:
+            self.reading = False
+            self._check_end()
+
+    def start(self, request: pb.ModelInferRequest) -> None:
+        service = self.service
+        state = service.state
+        try:
+            state.enter()
+        except Exception as exc:
+            return self.put(_stream_error(exc))
+        try:
+            routed = service._route_now(request)
+            if routed is None or (routed[0].llm is not None and _streams(request)):
+                task = asyncio.create_task(service._stream_one(request, self.context, self))
+                self.tasks.add(task)
+                task.add_done_callback(self._task_done)
+                return
+            version, route = routed
+            ticket, record = service._begin(version, route, request, self.context)
+        except BaseException as exc:
+            state.leave()
+            if not isinstance(exc, Exception):
+                raise
+            return self.put(_stream_error(exc))
+        final = _bool_param(request, "triton_enable_empty_final_response")
+        self.pending[ticket.result] = (version, ticket, record, final)
+        ticket.result.add_done_callback(self._answer)
+
+    def _answer(self, result: asyncio.Future) -> None:
+        version, _, record, final = self.pending.pop(result)
+        service = self.service
+        try:
+            if result.cancelled():
+                record.close(asyncio.CancelledError())
+                return
+            error = result.exception()
+            if error is not None:
+                record.close(error)
+                self.put(_stream_error(error))
+                return
+            message = pb.ModelStreamInferResponse()
+            try:
+                response = service._answer(version, record, result.result(), message.infer_response)
+            except Exception as exc:
+                self.put(_stream_error(exc))
+                return
+            if final:
+                response.parameters[FINAL].bool_param = True
+            self.put(message)
+        finally:
+            service.state.leave()
+            self._check_end()
+
+    def _task_done(self, task: asyncio.Task) -> None:
+        self.tasks.discard(task)
+        self._check_end()
+
+    def _check_end(self) -> None:
+        if not self.reading and not self.tasks and not self.pending:
+            self.put(END)
+
+    def close(self) -> None:
+        """The call is over (done, or the client left): stop whatever still runs."""
+        for task in self.tasks:
+            task.cancel()
+        pending, self.pending = self.pending, {}
+        for result, (_, ticket, record, _) in pending.items():
+            result.remove_done_callback(self._answer)
+            result.cancel()
+            ticket.cancel(ClientGone("the client cancelled the call"))
+            record.close(asyncio.CancelledError())
+            self.service.state.leave()
+
+
+def _stream_error(exc: BaseException) -> pb.ModelStreamInferResponse:
+    """A failed request's answer on a stream, which goes on."""
+    if code_of(exc) == grpc.StatusCode.INTERNAL and not isinstance(exc, EXPECTED):
+        log.exception("internal error in a gRPC stream", exc_info=exc)
+    return pb.ModelStreamInferResponse(error_message=_message(exc))
 
 
 def _bool_param(request: pb.ModelInferRequest, key: str) -> bool:

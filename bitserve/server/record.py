@@ -5,15 +5,15 @@ histogram, the success and failure counters (the failure's reason from errors.py
 access log line `bitserve plan fit` reads, and the rollout statistics of its route. The
 front-end fills in what it learns (`parsed`, `job`, `outputs`); the status comes from
 how the block ends: 200, 499 (the client left) or the error's mapped status.
+
+A front-end that answers from a callback instead of a block (gRPC's streams) calls
+`record.close(error)` itself, once, with None on success; the block calls it on exit.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any, TextIO
 
 import orjson
@@ -23,39 +23,58 @@ from bitserve.server.errors import reason_of, status_of
 from bitserve.server.state import ServerState
 
 
-@dataclass
 class Record:
-    status: int = 500
-    parsed: Any = None  # the InferRequest, once parsed
-    job: Any = None  # the batcher's request (queue and compute times), when batched
-    outputs: Any = None
+    """The request's bookkeeping from its creation (in flight, the clock running) to
+    `close`. A plain class rather than a generator context manager: it runs on every
+    request of every protocol."""
 
+    __slots__ = ("job", "outputs", "parsed", "route", "started", "state", "status", "version")
 
-@contextlib.contextmanager
-def recorded(state: ServerState, version: ModelVersion, route: Any) -> Iterator[Record]:
-    labels = (version.config.name, str(version.version))
-    record = Record()
-    version.m["inflight"].inc()
-    started = time.perf_counter()
-    try:
-        yield record
-        record.status = 200
-    except asyncio.CancelledError:  # the client left (or its deadline passed)
-        record.status = 499
-        raise
-    except Exception as exc:
-        record.status = status_of(exc)
-        state.metrics.failure.labels(*labels, reason_of(exc)).inc()
-        raise
-    finally:
-        version.m["inflight"].dec()
-        seconds = time.perf_counter() - started
-        version.m["duration"].observe(seconds)
+    def __init__(self, state: ServerState, version: ModelVersion, route: Any):
+        self.state, self.version, self.route = state, version, route
+        self.status = 500
+        self.parsed: Any = None  # the InferRequest, once parsed
+        self.job: Any = None  # the batcher's request (queue and compute times), when batched
+        self.outputs: Any = None
+        version.m["inflight"].inc()
+        self.started = time.perf_counter()
+
+    def __enter__(self) -> Record:
+        return self
+
+    def __exit__(self, kind: Any, exc: BaseException | None, tb: Any) -> None:
+        self.close(exc)
+
+    def close(self, exc: BaseException | None) -> None:
+        """Count the request: a success when `exc` is None, else a failure (499 for a
+        client that left)."""
+        version, state = self.version, self.state
+        m = version.m
+        if exc is None:
+            self.status = 200
+        elif isinstance(exc, asyncio.CancelledError):  # the client left (or its deadline passed)
+            self.status = 499
+        elif isinstance(exc, Exception):
+            self.status = status_of(exc)
+            state.metrics.failure.labels(*_labels(version), reason_of(exc)).inc()
+        m["inflight"].dec()
+        seconds = time.perf_counter() - self.started
+        m["duration"].observe(seconds)
         if state.options.access_log is not None:
-            access_log(state.options.access_log, labels, record.status, seconds, record.job)
-        if route is not None:
-            route.finish(record.status, seconds, record.parsed, record.outputs)
-    version.m["success"].inc()
+            access_log(state.options.access_log, _labels(version), self.status, seconds, self.job)
+        if self.route is not None:
+            self.route.finish(self.status, seconds, self.parsed, self.outputs)
+        if exc is None:
+            m["success"].inc()
+
+
+def recorded(state: ServerState, version: ModelVersion, route: Any) -> Record:
+    """`with recorded(...) as record:` the request's block."""
+    return Record(state, version, route)
+
+
+def _labels(version: ModelVersion) -> tuple[str, str]:
+    return version.config.name, str(version.version)
 
 
 def access_log(out: TextIO, labels: tuple, status: int, seconds: float, job: Any) -> None:

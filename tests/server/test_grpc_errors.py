@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import shutil
 import signal
 import subprocess
@@ -290,6 +291,55 @@ def test_a_cancelled_call_leaves_the_queue(server, client, gate):
     until(lambda: held)
     client.infer("gate", x_input(8))
     assert gate.ran() == [1, 8]
+    assert client.is_server_live()
+
+
+def test_a_stream_answers_each_request_when_done_and_a_cancelled_one_leaves_the_queue(
+    server, client, gate
+):
+    """A stream's batched requests are answered by callback, not awaited in order: an
+    error for a later request comes while an earlier one waits in the queue; closing
+    the stream takes the waiting one off the queue, as a cancelled call's."""
+    held = hold(client, gate)
+    before = stats(server)["cancelled"]
+    sent: queue.SimpleQueue = queue.SimpleQueue()
+
+    def requests():
+        while (request := sent.get()) is not None:
+            yield request
+
+    with grpc.insecure_channel(server.grpc) as channel:
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        answers = stub.ModelStreamInfer(requests())
+        queued = request_x([1, 1], fp32_contents=[9.0])
+        queued.id = "queued"
+        sent.put(queued)
+        until(lambda: stats(server)["queue_depth"] == 1)
+        later = request_x([1, 1], model="no_such_model", fp32_contents=[1.0])
+        later.id = "later"
+        sent.put(later)
+        assert "no_such_model" in next(answers).error_message
+        answers.cancel()
+        until(lambda: stats(server)["cancelled"] == before + 1)
+        assert stats(server)["queue_depth"] == 0
+    gate.open()
+    until(lambda: held)
+    assert held == [None]
+    # the stream's own answers: in order of completion, the final flag when asked
+    with grpc.insecure_channel(server.grpc) as channel:
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        flagged = request_x([1, 1], fp32_contents=[4.0])
+        flagged.id = "flagged"
+        flagged.parameters["triton_enable_empty_final_response"].bool_param = True
+        bad = request_x([1, 2], fp32_contents=[1.0, 2.0])
+        answers = list(stub.ModelStreamInfer(iter([flagged, bad])))
+    assert len(answers) == 2
+    errors = [a.error_message for a in answers if a.error_message]
+    assert len(errors) == 1 and "shape" in errors[0]
+    (ok,) = [a.infer_response for a in answers if not a.error_message]
+    assert ok.id == "flagged" and ok.parameters["triton_final_response"].bool_param
+    assert np.frombuffer(ok.raw_output_contents[0], "<f4").tolist() == [8.0]  # y = 2x
+    assert gate.ran() == [1, 4]
     assert client.is_server_live()
 
 
