@@ -69,6 +69,11 @@ def _lazy(name: str) -> click.Command | None:
 @click.version_option(__version__, prog_name="bitserve")
 def main() -> None:
     """bitserve: an inference server. serve, batch, bench, quantize, eval, plan."""
+    # Before torch loads libgomp: its idle workers spin ~1000 rounds, not 300,000 (about
+    # ms), after each parallel torch op. Spinning, they held the cores the kernels' pool
+    # (bitserve/kernels/csrc/pool.c) and the server's own threads run on: 58M Llama
+    # served with 2 threads, 1020 against 550 tok/s (bench/llm_serving.py).
+    os.environ.setdefault("GOMP_SPINCOUNT", "1000")
 
 
 @main.command()

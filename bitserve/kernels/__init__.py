@@ -5,9 +5,10 @@ as its `cdef`, so there is one statement of each signature and layout (no hand-k
 ctypes mirrors), and tests/llm/test_kernels.py holds cffi's layout to the compiler's.
 The `.c` files are compiled with `-march=native -ffast-math` (vectorised `expf` and
 reductions) and linked without fast-math, so loading the library does not switch the
-process to flush-to-zero. They use OpenMP (libgomp, the runtime torch's CPU build loads
-too, so there is one thread pool): the packed GEMM and the decode attention split their
-work over `torch.get_num_threads()` threads, set when a model is attached. The shared
+process to flush-to-zero. The packed GEMM and the decode attention split their work
+over `torch.get_num_threads()` threads, set when a model is attached, through their own
+small pool (csrc/pool.c: tasks claimed from a counter, so a descheduled thread never
+holds up a step, as an OpenMP team's join does on a shared box). The shared
 object lands in `$BITSERVE_KERNEL_CACHE` (default `~/.cache/bitserve/kernels`) under a
 hash of the sources, flags, compiler and CPU.
 
@@ -37,7 +38,7 @@ from cffi import FFI
 
 CSRC = Path(__file__).parent / "csrc"
 HEADER = CSRC / "bitserve.h"
-COMPILE_FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-fPIC"]
+COMPILE_FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp-simd", "-fPIC"]
 FAST_MATH = ["-ffast-math"]  # compile step only
 
 
@@ -95,7 +96,7 @@ def build(cc: str) -> Path:
             subprocess.run([*command, "-o", str(obj)], **run)
             objects.append(str(obj))
         lib = Path(tmp) / "bitserve.so"
-        link = [cc, "-shared", "-fopenmp", *objects, "-o", str(lib)]
+        link = [cc, "-shared", "-pthread", *objects, "-o", str(lib)]
         try:  # the vectorised expf lives in libmvec (glibc); plain libm otherwise
             subprocess.run([*link, "-lmvec", "-lm"], **run)
         except subprocess.CalledProcessError:

@@ -3,6 +3,8 @@ the clean fallback to torch when no compiler is there."""
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -234,14 +236,17 @@ def test_loading_packs_every_own_weight_but_a_tied_head(model_dirs):
 
 
 @needs_kernels
-def test_a_team_of_two_threads_gives_the_same_bits():
-    """The packed GEMM splits the weights and the decode attention the (sequence, head)
-    pairs over the team: neither changes an output's arithmetic."""
+@pytest.mark.parametrize("threads", [2, 3])
+def test_the_pool_gives_the_same_bits(threads):
+    """The packed GEMM splits the weights (and, above 24 rows, the row chunks) and the
+    decode attention the (sequence, head) pairs over the pool's threads: whichever thread
+    claims a task, no output's arithmetic changes. Also while a second Python thread
+    calls the kernels at the same time (it runs its tasks alone)."""
     lib = kernels.get()
     g = torch.Generator().manual_seed(4)
-    w = torch.randn(512, 300, generator=g)
+    w = torch.randn(2080, 300, generator=g)  # 130 panels: three groups of up to 64
     packed = lib.pack(w)
-    xs = [torch.randn(m, 300, generator=g) for m in (1, 16, 100)]
+    xs = [torch.randn(m, 300, generator=g) for m in (1, 16, 100, 250)]
     q = torch.randn(8, 8, 64, generator=g)
     pools = [torch.randn(2, 20, 16, 64, generator=g) for _ in range(2)]
     tables = torch.arange(20, dtype=torch.int32).view(4, 5)
@@ -255,9 +260,13 @@ def test_a_team_of_two_threads_gives_the_same_bits():
         lib.paged_decode(q, out, rows, *pools, tables, lens, 0.125)
         return [lib.linear_packed(x, packed, None) for x in xs] + [out]
 
+    alone = run()
     try:
-        lib.lib.bs_set_threads(2)
-        team = run()
+        lib.lib.bs_set_threads(threads)
+        pooled = [run() for _ in range(3)]
+        with ThreadPoolExecutor(2) as side:
+            both = list(side.map(lambda _: run(), range(4)))
     finally:
         lib.lib.bs_set_threads(1)
-    assert all(torch.equal(a, b) for a, b in zip(team, run(), strict=True))
+    for result in pooled + both:
+        assert all(torch.equal(a, b) for a, b in zip(alone, result, strict=True))

@@ -47,26 +47,39 @@ static inline void block_scores(const float *qh, const float *kb, long n, long D
 }
 #endif
 
-/* Decode attention over a paged, head-major pool, for sequence i in row rows[i].
-   q: row stride ldq, heads of D; out: row stride ldo; kpool, vpool: [Hkv, nblk, bs, D];
-   tables: [B, max_blocks] int32; lens[i]: context length of sequence i (including its
-   new token, already written to the pool). window > 0: only the last `window` keys
-   (sliding-window layers; blocks before them are never read, they may be freed);
-   softcap > 0: scores become softcap * tanh(score / softcap) (Gemma 2). */
-void bs_attend(const float *q, long ldq, float *out, long ldo, const int *rows,
-                         long B, long Hq, long Hkv, long D, const float *kpool,
-                         const float *vpool, long nblk, long bs, const int *tables,
-                         long max_blocks, const int *lens, float scale, long window,
-                         float softcap) {
-    long group = Hq / Hkv, max_len = max_blocks * bs;
-    int team = bs_threads > 1 && B * Hq >= 4 * bs_threads ? bs_threads : 1;
-    /* every (sequence, head) pair is independent: the team splits them */
-#pragma omp parallel num_threads(team) if (team > 1)
-    {
+typedef struct {
+    const float *q;
+    long ldq;
+    float *out;
+    long ldo;
+    const int *rows;
+    long B, Hq, Hkv, D;
+    const float *kpool, *vpool;
+    long nblk, bs;
+    const int *tables;
+    long max_blocks;
+    const int *lens;
+    float scale;
+    long window;
+    float softcap;
+    long per; /* (sequence, head) items a task */
+} Attend;
+
+/* Task t of bs_attend: items [t * per, (t + 1) * per) of the B * Hq (sequence, head)
+   pairs, each independent of the others. */
+static void attend_task(void *job, long t) {
+    const Attend *J = job;
+    const float *q = J->q, *kpool = J->kpool, *vpool = J->vpool;
+    float *out = J->out;
+    const int *rows = J->rows, *tables = J->tables, *lens = J->lens;
+    long ldq = J->ldq, ldo = J->ldo, B = J->B, Hq = J->Hq, D = J->D, bs = J->bs;
+    long nblk = J->nblk, max_blocks = J->max_blocks, window = J->window;
+    float scale = J->scale, softcap = J->softcap;
+    long group = Hq / J->Hkv, max_len = max_blocks * bs;
+    long first = t * J->per, last = first + J->per < B * Hq ? first + J->per : B * Hq;
     float *scores = (float *)malloc(sizeof(float) * (max_len > 0 ? max_len : 1));
     float *acc = (float *)malloc(sizeof(float) * D);
-#pragma omp for schedule(static)
-    for (long item = 0; item < B * Hq; item++) {
+    for (long item = first; item < last; item++) {
         long i = item / Hq, h = item % Hq;
         const int *table = tables + i * max_blocks;
         long len = lens[i], nb = (len + bs - 1) / bs;
@@ -154,7 +167,25 @@ void bs_attend(const float *q, long ldq, float *out, long ldo, const int *rows,
     }
     free(acc);
     free(scores);
-    }
+}
+
+/* Decode attention over a paged, head-major pool, for sequence i in row rows[i].
+   q: row stride ldq, heads of D; out: row stride ldo; kpool, vpool: [Hkv, nblk, bs, D];
+   tables: [B, max_blocks] int32; lens[i]: context length of sequence i (including its
+   new token, already written to the pool). window > 0: only the last `window` keys
+   (sliding-window layers; blocks before them are never read, they may be freed);
+   softcap > 0: scores become softcap * tanh(score / softcap) (Gemma 2). The pool's
+   threads share the (sequence, head) pairs, a few tasks per thread. */
+void bs_attend(const float *q, long ldq, float *out, long ldo, const int *rows, long B, long Hq,
+               long Hkv, long D, const float *kpool, const float *vpool, long nblk, long bs,
+               const int *tables, long max_blocks, const int *lens, float scale, long window,
+               float softcap) {
+    long items = B * Hq, tasks = 4 * bs_get_threads();
+    Attend job = {q,    ldq,   out,        ldo,  rows,  B,      Hq,      Hkv,
+                  D,    kpool, vpool,      nblk, bs,    tables, max_blocks, lens,
+                  scale, window, softcap, (items + tasks - 1) / tasks};
+    if (job.per < 1) job.per = 1;
+    bs_parallel(attend_task, &job, (items + job.per - 1) / job.per);
 }
 
 void bs_paged_decode(const float *q, float *out, const int *rows, long B, long Hq, long Hkv,

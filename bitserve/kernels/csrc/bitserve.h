@@ -54,7 +54,8 @@ void bs_pack(const float *w, long N, long K, float *P);
 void bs_linear_packed(const float *x, long ldx, long M, long K, const float *P, long N,
                       const float *b, float *y);
 
-/* How many threads the packed GEMM and the decode attention may use (default 1) */
+/* How many threads (the caller and n - 1 pool workers) the packed GEMM and the decode
+   attention may use (default 1) */
 void bs_set_threads(long n);
 
 /* y [M, N] = x [M, K] (row stride ldx) @ W.T + bias, for any kind of Weight */

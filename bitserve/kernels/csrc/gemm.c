@@ -6,7 +6,6 @@
    Measured by `python -m bench.llm_throughput --kernels`. */
 #include "internal.h"
 
-#include <omp.h>
 
 #ifdef __AVX512F__
 /* From 4 rows of x up, a 4x4 register tile: 4 weight rows against 4 rows of x, 16
@@ -178,30 +177,52 @@ static __attribute__((noinline)) void packed_panels(const float *x, long ldx, lo
         }
     }
 }
+
+/* One task of a packed GEMM on the pool: with few rows, a range of `per` panels for
+   every row (each thread streams its own weights); with many, one chunk of PACKED_MC rows
+   against one group of `per` panels (chunk-major, so a chunk's x is read while warm). */
+typedef struct {
+    const float *x;
+    long ldx, M, K;
+    const float *P;
+    long N;
+    const float *b;
+    float *y;
+    long per, groups; /* panels a task; panel groups a row chunk (0: every row a task) */
+} Packed;
+
+static void packed_task(void *job, long t) {
+    const Packed *J = job;
+    long panels = J->N / 16, c0 = 0, M = J->M, g = t;
+    if (J->groups) {
+        c0 = t / J->groups * PACKED_MC, g = t % J->groups;
+        M = J->M - c0 < PACKED_MC ? J->M - c0 : PACKED_MC;
+    }
+    long p0 = g * J->per, p1 = p0 + J->per < panels ? p0 + J->per : panels;
+    packed_panels(J->x + c0 * J->ldx, J->ldx, M, J->K, J->P, J->N, J->b, J->y + c0 * J->N, p0,
+                  p1);
+}
 #endif
-
-int bs_threads = 1; /* bs_set_threads: the OpenMP team of the GEMM and attention */
-
-void bs_set_threads(long n) { bs_threads = n > 1 ? (int)n : 1; }
 
 void bs_linear_packed(const float *x, long ldx, long M, long K, const float *P, long N,
                       const float *b, float *y) {
     long panels = N / 16;
 #ifdef __AVX512F__
-    int team = bs_threads > 1 && panels >= 4 * bs_threads ? bs_threads : 1;
-    if (team == 1) {
+    if (bs_get_threads() == 1) {
         packed_panels(x, ldx, M, K, P, N, b, y, 0, panels);
         return;
     }
-    /* each thread owns a range of panel pairs (its outputs, its weights) for all of K
-       and every row: no thread waits for another until the end */
-    long pairs = (panels + 1) / 2;
-#pragma omp parallel num_threads(team)
-    {
-        long t = omp_get_thread_num(), n = omp_get_num_threads();
-        long lo = 2 * (pairs * t / n), hi = 2 * (pairs * (t + 1) / n);
-        packed_panels(x, ldx, M, K, P, N, b, y, lo, hi < panels ? hi : panels);
+    Packed job = {x, ldx, M, K, P, N, b, y, PACKED_NC, 0};
+    long tasks;
+    if (M <= 2 * PACKED_ROWS) { /* ~256 KiB of weights a task, in whole panel pairs */
+        long pairs = (256 * 1024) / (32 * K * (long)sizeof(float));
+        job.per = 2 * (pairs > 1 ? pairs : 1);
+        tasks = (panels + job.per - 1) / job.per;
+    } else {
+        job.groups = (panels + PACKED_NC - 1) / PACKED_NC;
+        tasks = (M + PACKED_MC - 1) / PACKED_MC * job.groups;
     }
+    bs_parallel(packed_task, &job, tasks);
 #else
     for (long m = 0; m < M; m++)
         for (long p = 0; p < panels; p++)

@@ -35,8 +35,11 @@ static inline float dot(const float *a, const float *b, long K) {
     return s;
 }
 
-/* the OpenMP team size the kernels may use (bs_set_threads; 1: no team) */
-extern int bs_threads;
+/* pool.c: run fn(ctx, 0) .. fn(ctx, n - 1) on the pool (any order, any thread, each once;
+   returns when all are done), and how many threads the pool has (bs_set_threads) */
+typedef void (*bs_task)(void *ctx, long i);
+void bs_parallel(bs_task fn, void *ctx, long n);
+long bs_get_threads(void);
 
 /* bs_paged_decode with row strides for q (ldq) and out (ldo): the decode layer reads q
    straight out of its fused qkv rows. */
