@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import os
 import statistics
@@ -105,7 +106,15 @@ def http_point(
 def grpc_point(
     port: int, bodies: list[bytes], concurrency: int, seconds: float, stream: bool
 ) -> dict:
-    return asyncio.run(_grpc_loop(f"127.0.0.1:{port}", bodies, concurrency, seconds, stream))
+    """On the HTTP client's footing (loadgen.run): uvloop, the collector off while timed."""
+    gc.collect()
+    gc.disable()
+    try:
+        with asyncio.Runner(loop_factory=loadgen._loop_factory()) as runner:
+            address = f"127.0.0.1:{port}"
+            return runner.run(_grpc_loop(address, bodies, concurrency, seconds, stream))
+    finally:
+        gc.enable()
 
 
 async def _grpc_loop(
