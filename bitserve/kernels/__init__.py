@@ -218,7 +218,8 @@ def attach(model: torch.nn.Module, kernels: Kernels | None) -> None:
     if kernels is not None:
         kernels.lib.bs_set_threads(torch.get_num_threads())
     uses = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
-    for module in model.modules():
+    # children first: a model deciding from its layers (fuse_rows) sees them packed
+    for module in reversed(list(model.modules())):
         if hasattr(type(module), "kernels"):
             module.kernels = kernels
             own = all(uses[id(p)] == 1 for p in module.parameters(recurse=False))

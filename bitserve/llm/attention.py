@@ -5,12 +5,14 @@ Layout: each layer's pool is head-major,
 along dim 1 leaves every head's keys contiguous, which is what SDPA wants. Gathers go
 into preallocated buffers (a fresh allocation page-faults and costs up to 10x).
 
-Decodes (one new token after cached context) go, when the C kernels are built
-(`bitserve/kernels`), to one `paged_decode` call for all of them per layer: it reads K/V in
-place through the block tables, so there is neither a gather nor per-sequence Python
-(`python -m bench.llm_throughput --attention` compares it with the per-sequence gather + SDPA
-loop and with a contiguous cache).
-Otherwise, and for every prefill, three cases per sequence, chosen so SDPA keeps its
+With the C kernels (`bitserve/kernels`, the CPU), every row of a step goes to one
+`paged_decode` call per layer, decodes and prompt rows alike: the row at position p
+attends keys 0 .. p of its sequence, read in place through the block tables (its own
+chunk's K/V are written first), so there is neither a gather, a mask nor per-sequence
+Python, and windows and soft-capping are the kernel's too. For 100-token prompts this
+is ~5x the per-sequence SDPA below (`python -m bench.llm_throughput --attention`
+compares the decode case).
+Otherwise (a GPU, or no compiler), three cases per sequence, chosen so SDPA keeps its
 fast paths:
 - a fresh prefill (nothing cached before this chunk): attend to the new K/V directly,
   `is_causal=True`, no gather;
@@ -61,11 +63,14 @@ class SeqSlice:
 
 @dataclass
 class DecodeBatch:
-    """The one-token decodes of a step, for the C kernel (all int32)."""
+    """Every row of a step, for the C attention (all int32): a row is one query that
+    attends the first context_lens keys of its sequence's blocks, a decode's and a
+    prompt's alike (a prompt row at position p: p + 1, its chunk's K/V written first)."""
 
-    rows: torch.Tensor  # [B]: each sequence's row in the flattened batch
-    block_tables: torch.Tensor  # [B, max blocks], padded with 0
-    context_lens: torch.Tensor  # [B]: tokens in the cache after this step
+    rows: torch.Tensor  # [B]: the row of each query in the flattened batch
+    block_tables: torch.Tensor  # [B, max blocks], its sequence's, padded with 0
+    context_lens: torch.Tensor  # [B]: keys it attends
+    seq_lens: torch.Tensor  # [B]: its sequence's tokens in the cache after this step
 
 
 @dataclass
@@ -83,7 +88,7 @@ class AttentionMetadata:
             lens[s.start : s.end] = s.context_len
         if self.decode is not None:
             rows = self.decode.rows.to(device=positions.device, dtype=torch.int64)
-            lens[rows] = self.decode.context_lens.to(device=positions.device, dtype=lens.dtype)
+            lens[rows] = self.decode.seq_lens.to(device=positions.device, dtype=lens.dtype)
         return lens
 
 

@@ -65,8 +65,9 @@ class StepInput:
     slots: list[int] = field(default_factory=list)
     seqs: list[tuple[int, int, int, list[int]]] = field(default_factory=list)
     # (start, end, context_len, block table): the sequences attended one by one
-    decode: tuple[list[int], list[list[int]], list[int]] | None = None
-    # (rows, block tables padded with 0, context lens): decodes for the C kernel
+    decode: tuple[list[int], list[list[int]], list[int], list[int], list[int]] | None = None
+    # with the C kernels, every row: (rows, each sequence's block table padded with 0,
+    # the table of each row, the keys each row attends, its sequence's context_len)
     sample_rows: list[int] = field(default_factory=list)
     prompt_rows: list[tuple[str, int, list[int]]] = field(default_factory=list)
     # (request_id, first position predicted, rows) for prompt logprobs
@@ -181,7 +182,7 @@ class ModelRunner:
     def plan_one(self, scheduled: list[tuple[Sequence, int]], out: ModelOutput) -> StepInput:
         step = StepInput()
         input_ids, positions, slots = step.input_ids, step.positions, step.slots
-        dec_rows, dec_tables, dec_lens = [], [], []
+        dec_rows, dec_tables, dec_table_of, dec_lens, dec_ends = [], [], [], [], []
         batched_decode = self.kernels is not None
         bs, row = self.config.block_size, 0
         for seq, n in scheduled:
@@ -199,10 +200,12 @@ class ModelRunner:
                 input_ids.extend(seq.token_ids[start:end])
                 positions.extend(range(start, end))
                 slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            if batched_decode and n == 1 and start > 0:
-                dec_rows.append(row)
+            if batched_decode:  # the row at position p attends keys 0 .. p
+                dec_rows.extend(range(row, row + n))
+                dec_table_of.extend([len(dec_tables)] * n)
                 dec_tables.append(table[:num_ctx_blocks])
-                dec_lens.append(end)
+                dec_lens.extend(range(start + 1, end + 1))
+                dec_ends.extend([end] * n)
             else:
                 step.seqs.append((row, row + n, end, table[:num_ctx_blocks]))
             if end == seq.num_tokens:
@@ -216,7 +219,8 @@ class ModelRunner:
             row += n
         if dec_rows:  # only with the C kernel, so only on the CPU
             width = max(len(t) for t in dec_tables)
-            step.decode = (dec_rows, [t + [0] * (width - len(t)) for t in dec_tables], dec_lens)
+            tables = [t + [0] * (width - len(t)) for t in dec_tables]
+            step.decode = (dec_rows, tables, dec_table_of, dec_lens, dec_ends)
         return step
 
     def build(self, step: StepInput) -> tuple[tuple[torch.Tensor, ...], AttentionMetadata]:
@@ -230,7 +234,10 @@ class ModelRunner:
         ]
         meta = AttentionMetadata(tensors[2], slices, self.workspace, flash=self.flash)
         if step.decode is not None:
-            meta.decode = DecodeBatch(*(torch.tensor(x, dtype=torch.int32) for x in step.decode))
+            rows, tables, table_of, lens, ends = step.decode
+            tables = torch.tensor(tables, dtype=torch.int32)[table_of]
+            rows, lens, ends = (torch.tensor(x, dtype=torch.int32) for x in (rows, lens, ends))
+            meta.decode = DecodeBatch(rows, tables, lens, ends)
         return tensors, meta
 
     @torch.inference_mode()

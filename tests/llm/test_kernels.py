@@ -144,7 +144,8 @@ def test_fused_decode_is_token_exact(model, llama64_dir, model_dirs, fused_calls
     folder = llama64_dir if model == "llama64" else model_dirs[model]
     engine = make_engine(folder, num_kv_blocks=64, max_num_seqs=4)
     assert_parity(folder, MIXED, generate(engine, MIXED))
-    assert calls and max(calls) <= 4  # decode steps went through the fused layer
+    # decode steps and the prompts' rows alike went through the fused layer
+    assert 4 in calls and max(calls) > 4
 
 
 @needs_kernels
@@ -156,7 +157,7 @@ def test_fused_decode_of_a_big_batch_matches_torch(model_dirs, fused_calls, rest
     folder, prompts = model_dirs["llama"], random_prompts([5 + i % 7 for i in range(72)], seed=3)
     calls = fused_calls
     fused = generate(make_engine(folder, num_kv_blocks=128, max_num_seqs=72), prompts)
-    assert max(calls) == 72  # every sequence decoding in one fused step
+    assert 72 in calls  # every sequence decoding in one fused step
     kernels.reset(enabled=False)
     assert fused == generate(make_engine(folder, num_kv_blocks=128, max_num_seqs=72), prompts)
 

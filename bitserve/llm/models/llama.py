@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from bitserve import kernels as c
-from bitserve.llm.attention import AttentionMetadata
+from bitserve.llm.attention import AttentionMetadata, DecodeBatch
 from bitserve.llm.config import layer_types, layer_windows
 from bitserve.llm.models.layers import (
     NO_TP,
@@ -71,6 +71,7 @@ ACTIVATIONS = {
 
 
 C_ACTIVATIONS = {"silu": 0, "swish": 0, "gelu_pytorch_tanh": 1}  # the C layer's `act`
+FUSED_CHUNK = 512  # rows a C layer call at most (a prompt's rows in chunks)
 
 
 class MLP(nn.Module):
@@ -360,16 +361,27 @@ class LlamaForCausalLM(nn.Module):
         )
 
     def fused_decode(self, x, positions, meta: AttentionMetadata) -> torch.Tensor:
+        """Every layer as one C call per chunk of up to FUSED_CHUNK rows (prompt rows
+        too: a row needs only the K/V of its own sequence's earlier rows, which an earlier
+        chunk or its own wrote), so the scratch stays bounded."""
         layer = self.layers[self.stage.start]
         attn = layer.self_attn
         per_row = 2 * self.hf["hidden_size"] + 2 * (attn.q_size + attn.kv_size)
         per_row += 3 * layer.mlp.intermediate
+        rows = min(x.shape[0], FUSED_CHUNK)
         scratch = getattr(self, "_scratch", None)
-        if scratch is None or scratch.numel() < per_row * x.shape[0]:
-            scratch = self._scratch = torch.empty(per_row * max(SMALL_M, x.shape[0]))
+        if scratch is None or scratch.numel() < per_row * rows:
+            scratch = self._scratch = torch.empty(per_row * max(SMALL_M, rows))
         x = x.contiguous()
+        d, slots, chunks = meta.decode, meta.slot_mapping, []
+        for a in range(0, len(x), FUSED_CHUNK):  # d.rows is 0 .. T - 1: every row, in order
+            b = min(a + FUSED_CHUNK, len(x))
+            tables, lens, ends = d.block_tables[a:b], d.context_lens[a:b], d.seq_lens[a:b]
+            batch = DecodeBatch(d.rows[: b - a], tables, lens, ends)
+            chunks.append((x[a:b], positions[a:b], slots[a:b], batch))
         for params in self.layer_params():
-            self.kernels.decode_layer(params, x, positions, meta.slot_mapping, meta.decode, scratch)
+            for rows_x, rows_pos, rows_slots, rows_d in chunks:
+                self.kernels.decode_layer(params, rows_x, rows_pos, rows_slots, rows_d, scratch)
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
