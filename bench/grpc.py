@@ -13,7 +13,8 @@ hits both alike (the table keeps every round; the ratios use the mean):
   keep-alive connections, the v2 JSON body built once;
 - gRPC (`grpc_raw`): grpcio's asyncio client on one channel, one ModelInfer call per
   request, the `ModelInferRequest` serialized once with its tensor in
-  `raw_input_contents` (what tritonclient.grpc sends), sent as bytes;
+  `raw_input_contents` (what tritonclient.grpc sends), sent as bytes; on uvloop with
+  the collector off while timed, as the HTTP load generator runs;
 - gRPC streaming (`grpc_stream`): the same messages, each user sending its next one on
   its own ModelStreamInfer stream (perf_analyzer's `--streaming`).
 
