@@ -3,8 +3,11 @@
 The HTTP server's event loop must never wait on a forward pass, and the forward pass
 must not wait on the event loop. So `LLMEngine.step()` runs on a dedicated thread;
 each request has an `asyncio.Queue` that the engine thread feeds through
-`call_soon_threadsafe`. A lock orders engine mutations (add, abort) against steps:
-an abort waits at most for the step in flight, then frees the request's blocks.
+`call_soon_threadsafe`. A lock orders engine mutations (abort) against steps: an abort
+waits at most for the step in flight, then frees the request's blocks. A new request is
+tokenized and validated on the caller's worker thread and handed over without that lock:
+the loop admits every request that arrived during a step before it plans the next, so a
+burst of requests starts together (waiting on the lock, they trickled in a few a step).
 
 A request that fails inside a step raises `RequestFailed` to its caller alone. If the
 loop itself dies, every waiting request gets `EngineDead` (503, retry), `on_death` tells
@@ -41,6 +44,8 @@ class AsyncLLMEngine:
     def __init__(self, model: str | Path, **kwargs: Any):
         self.engine = LLMEngine(model, **kwargs)
         self._lock = threading.Lock()
+        self._pending: dict[str, Any] = {}  # prepared requests for the next step
+        self._pending_lock = threading.Lock()  # held for a dict operation only
         self._work = threading.Event()
         # request id -> (its event loop, its queue, whether it wants every step's output)
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue, bool]] = {}
@@ -63,6 +68,8 @@ class AsyncLLMEngine:
             raise RuntimeError("the engine loop is still running")
         with self._lock:
             self.engine.reset()
+            with self._pending_lock:
+                self._pending.clear()
             self._error = None
         self._thread = self._start_loop()
 
@@ -77,6 +84,7 @@ class AsyncLLMEngine:
     def _loop(self) -> None:
         while not self._stopped:
             with self._lock:
+                self._admit_pending()
                 busy = self.engine.has_unfinished_requests()
                 try:
                     outputs = self.engine.step() if busy else []
@@ -91,6 +99,16 @@ class AsyncLLMEngine:
                 self._work.wait(timeout=1.0)
                 self._work.clear()
             self._deliver_step(outputs)
+
+    def _admit_pending(self) -> None:
+        """Under the lock: queue the requests that arrived since the last step."""
+        with self._pending_lock:
+            pending, self._pending = self._pending, {}
+        for request_id, state in pending.items():
+            try:
+                self.engine.admit(state)
+            except ValueError as error:
+                self._deliver(request_id, error)
 
     def _deliver_step(self, outputs: list[RequestOutput]) -> None:
         """One wake-up per event loop per step, carrying every output it waits for:
@@ -128,6 +146,8 @@ class AsyncLLMEngine:
         if self._error is not None:
             raise EngineDead(f"the LLM engine loop failed: {self._error!r}")
         request_id = request_id or f"async-{next(self._ids)}"
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already running")
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), queue, stream)
         finished = False
@@ -147,14 +167,19 @@ class AsyncLLMEngine:
                 await asyncio.shield(asyncio.to_thread(self._abort, request_id))
 
     def _add(self, request_id, prompt, params, priority, stream=True) -> None:
-        with self._lock:  # the loop fails its streams under this lock: checked here too
+        state = self.engine.prepare(request_id, prompt, params, priority, stream)
+        with self._pending_lock:
+            # the loop fails every stream (pending ones too) once it has set _error
             if self._error is not None:
                 raise EngineDead(f"the LLM engine loop failed: {self._error!r}")
-            self.engine.add_request(request_id, prompt, params, priority, stream)
+            self._pending[request_id] = state
         self._work.set()
 
     def _abort(self, request_id: str) -> RequestOutput | None:
         with self._lock:
+            with self._pending_lock:
+                if self._pending.pop(request_id, None) is not None:
+                    return None  # never admitted: nothing to free
             return self.engine.abort_request(request_id)
 
     async def abort(self, request_id: str) -> None:

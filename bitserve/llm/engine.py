@@ -125,9 +125,19 @@ class LLMEngine:
         stream: bool = True,
     ) -> str:
         """Validate and queue a request; raises ValueError if it can never run."""
+        return self.admit(self.prepare(request_id, prompt, params, priority, stream))
+
+    def prepare(
+        self,
+        request_id: str | None,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        priority: int = 0,
+        stream: bool = True,
+    ) -> RequestState:
+        """Tokenize and validate a request without touching the engine's state (raises
+        ValueError if it can never run): safe on any thread while a step runs."""
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
-        if request_id in self.requests:
-            raise ValueError(f"request id {request_id!r} is already running")
         params = params or SamplingParams()
         text = prompt if isinstance(prompt, str) else None
         token_ids = self.encode(prompt)
@@ -139,12 +149,19 @@ class LLMEngine:
         seq = Sequence(request_id, token_ids, params, priority=priority, device=self.config.device)
         if params.guide is not None:
             seq.matcher = self.grammars().matcher(params.guide)  # GuideError: a 400
-        self.scheduler.add(seq)
         detok = None
         if self.tokenizer is not None:
             detok = IncrementalDetokenizer(self.tokenizer, token_ids, params)
-        self.requests[request_id] = RequestState(seq, text, detok, stream=stream)
-        self.prompt_tokens_total += len(token_ids)
+        return RequestState(seq, text, detok, stream=stream)
+
+    def admit(self, state: RequestState) -> str:
+        """Queue a prepared request for the next step."""
+        request_id = state.seq.request_id
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already running")
+        self.scheduler.add(state.seq)
+        self.requests[request_id] = state
+        self.prompt_tokens_total += state.seq.num_prompt_tokens
         return request_id
 
     def grammars(self) -> Grammars:

@@ -96,3 +96,41 @@ async def test_leaving_the_stream_early_aborts_the_request(engine):
 async def test_a_bad_request_fails_at_once(engine):
     with pytest.raises(ValueError, match="max_model_len"):
         await collect(engine, [5] * 500, SamplingParams(max_tokens=100), "too-long")
+
+
+async def test_a_burst_of_requests_during_a_step_starts_together(engine):
+    """Requests that arrive while a step runs are tokenized and handed over without
+    waiting for it, and the next step takes them all (behind the step's lock they were
+    admitted a few a step). Shown with a step held on purpose, as above."""
+    original = engine.engine.step
+    sizes: list[int] = []
+    running, release = threading.Event(), threading.Event()
+
+    def step():
+        running.set()
+        release.wait(5)
+        out = original()
+        sizes.append(len(engine.engine.scheduler.running))
+        return out
+
+    engine.engine.step = step
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    first = asyncio.create_task(collect(engine, MIXED[0], params, "first"))
+    try:
+        await asyncio.to_thread(running.wait, 5)
+        running.clear()
+        burst = [
+            asyncio.create_task(collect(engine, p, params, f"burst{i}"))
+            for i, p in enumerate(MIXED[1:])
+        ]
+        # every request is queued while the step is still held
+        for _ in range(500):
+            with engine._pending_lock:
+                if len(engine._pending) == len(burst):
+                    break
+            await asyncio.sleep(0.01)
+        assert len(engine._pending) == len(burst) and not first.done()
+    finally:
+        release.set()
+    await asyncio.gather(first, *burst)
+    assert sizes[1] == 1 + len(burst)  # the step after the held one ran them all

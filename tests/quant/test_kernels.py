@@ -93,7 +93,8 @@ def test_fused_decode_layers_match_the_torch_path(quantized_tinylm, monkeypatch,
     original = kernels.Kernels.decode_layer
     monkeypatch.setattr(kernels.Kernels, "decode_layer", lambda *a: calls.append(1) or original(*a))
     fast = llm.generate(prompt, greedy)[0].outputs[0]
-    assert len(calls) == 15 * len(model.layers)  # every decode step, every layer
+    # every decode step, every layer; int4 (up to 256 rows) runs the prompt's step too
+    assert len(calls) == (15 if method == "int8" else 16) * len(model.layers)
     monkeypatch.setattr(model, "fuse_rows", 0)  # the torch path, layer by layer
     slow = llm.generate(prompt, greedy)[0].outputs[0]
     assert fast.token_ids == slow.token_ids
@@ -118,7 +119,7 @@ def test_batched_decode_is_fused_and_matches(quantized_tinylm, monkeypatch, meth
         lambda s, p, x, *a: rows.append(x.shape[0]) or original(s, p, x, *a),
     )
     fast = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
-    assert max(rows) == len(prompts)  # all decodes in one call per layer
+    assert len(prompts) in rows  # all decodes in one call per layer
     monkeypatch.setattr(llm.engine.runner.model, "fuse_rows", 0)
     slow = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
     assert fast == slow
