@@ -140,8 +140,8 @@ static inline __attribute__((always_inline)) void packed_tile(
             packed_tile(xm, ldx, k0, k1, P0, P1, ym, N, b0, b1, first, n, 1);               \
         break;
 
-/* Panels [p0, p1) (p0 even) of y = x @ W.T + b, every row: one thread's share. Kept out
-   of the OpenMP region (noinline), where the outlined loop ran ~25% slower. */
+/* Panels [p0, p1) (p0 even) of y = x @ W.T + b, for rows 0 .. M - 1: one task. Kept a
+   function of its own (noinline): outlined into an OpenMP region it ran ~25% slower. */
 static __attribute__((noinline)) void packed_panels(const float *x, long ldx, long M, long K,
                                                     const float *P, long N, const float *b,
                                                     float *y, long p0, long p1) {
