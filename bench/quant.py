@@ -115,12 +115,22 @@ def measure(engines: dict[str, LLMEngine], batches: list[int], tokens: int, repe
 
 
 def step_bytes(engine: LLMEngine) -> int:
-    """What a batch-1 decode step reads: every weight but the embedding table (one row of
-    it), unless the LM head is that table."""
+    """What a batch-1 decode step reads: the bytes of every weight tensor (not their
+    storages, which a packed weight pads to whole 2 MiB pages) but the embedding table
+    (one row of it), unless the LM head is that table."""
     model = engine.runner.model
     embed, head = getattr(model, "embed_tokens", None), getattr(model, "lm_head", None)
     tied = head is not None and getattr(head, "weight", None) is getattr(embed, "weight", 0)
-    return weight_bytes(model) - (weight_bytes(embed) if embed is not None and not tied else 0)
+    skip = set() if embed is None or tied else {id(m) for m in embed.modules()}
+    seen: dict[int, int] = {}
+    for module in model.modules():
+        if id(module) in skip:
+            continue
+        tensors = list(module.parameters(recurse=False)) + list(module.buffers(recurse=False))
+        tensors += [v for v in vars(module).values() if isinstance(v, torch.Tensor)]
+        for t in tensors:
+            seen[t.data_ptr()] = t.numel() * t.element_size()
+    return sum(seen.values())
 
 
 def read_gb_s(nbytes: int) -> float:
