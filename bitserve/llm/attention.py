@@ -9,9 +9,9 @@ With the C kernels (`bitserve/kernels`, the CPU), every row of a step goes to on
 `paged_decode` call per layer, decodes and prompt rows alike: the row at position p
 attends keys 0 .. p of its sequence, read in place through the block tables (its own
 chunk's K/V are written first), so there is neither a gather, a mask nor per-sequence
-Python, and windows and soft-capping are the kernel's too. For 100-token prompts this
-is ~5x the per-sequence SDPA below (`python -m bench.llm_throughput --attention`
-compares the decode case).
+Python, and windows and soft-capping are the kernel's too (with the C layer around it, a
+16 x 100-token prefill of a 58M Llama went from 0.57 to 0.47 s; `python -m
+bench.llm_throughput --attention` compares the decode case with the loop below).
 Otherwise (a GPU, or no compiler), three cases per sequence, chosen so SDPA keeps its
 fast paths:
 - a fresh prefill (nothing cached before this chunk): attend to the new K/V directly,
