@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from transformers import LlamaConfig
 
 from bitserve import kernels
+from bitserve.llm import LLM, SamplingParams
 from tests.llm.conftest import COMMON, build_model, make_engine
 from tests.llm.test_engine import GREEDY, MIXED, assert_parity, generate
 
@@ -271,3 +272,23 @@ def test_the_pool_gives_the_same_bits(threads):
         lib.lib.bs_set_threads(1)
     for result in pooled + both:
         assert all(torch.equal(a, b) for a, b in zip(alone, result, strict=True))
+
+
+@needs_kernels
+def test_steps_on_the_pool_give_the_same_bits(llama64_dir):
+    """A prompt step (224 rows) and decode steps with their GEMMs, attention and
+    elementwise rows split over three threads give the tokens and log-probabilities of
+    one thread, bit for bit."""
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=3)
+
+    def run(threads):
+        llm = LLM.__new__(LLM)
+        llm.engine = make_engine(llama64_dir, num_kv_blocks=64)
+        kernels.get().lib.bs_set_threads(threads)  # after load: attach sets torch's count
+        try:
+            outputs = llm.generate(MIXED, params)
+        finally:
+            kernels.get().lib.bs_set_threads(1)
+        return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs]
+
+    assert run(3) == run(1)

@@ -52,40 +52,72 @@ static void rope_and_store(float *qkv, long M, long Hq, long Hkv, long D, const 
     }
 }
 
-/* bs_decode_layer: RMSNorm, fused qkv, (qk-norm), RoPE, K/V into the pool, paged
-   attention, o_proj, (post-attention norm), residual, RMSNorm, fused gate/up, the gated
-   activation, down, (post-MLP norm), residual. A decode step is one call a layer instead
-   of ~60 torch ops. */
-void bs_decode_layer(const LayerParams *p, float *x, long M, const int64_t *positions,
-                     const int64_t *slots, const int *rows, const int *tables, long max_blocks,
-                     const int *lens, float *scratch) {
-    long H = p->H, D = p->D, Hq = p->Hq, Hkv = p->Hkv, I = p->I;
-    long QKV = (Hq + 2 * Hkv) * D;
-    float *h = scratch, *qkv = h + M * H, *att = qkv + M * QKV, *gu = att + M * Hq * D,
-          *act = gu + M * 2 * I;
-    rmsnorm(x, p->ln1, h, M, H, p->eps);
-    bs_gemv(&p->qkv, h, H, M, qkv);
+/* The layer's elementwise steps, row by row (a row's arithmetic is the same whichever
+   thread runs it): on the pool in blocks of rows when a prefill brings many, on the
+   caller when a decode step's rows are one block. */
+typedef struct {
+    const LayerParams *p;
+    float *x, *h, *qkv, *gu, *act;
+    const int64_t *positions, *slots;
+} Rows;
+
+typedef void (*row_fn)(const Rows *r, long lo, long hi);
+
+typedef struct {
+    row_fn fn;
+    const Rows *rows;
+    long M, per;
+} RowJob;
+
+static void row_task(void *job, long t) {
+    const RowJob *J = job;
+    long lo = t * J->per, hi = lo + J->per < J->M ? lo + J->per : J->M;
+    J->fn(J->rows, lo, hi);
+}
+
+static void for_rows(row_fn fn, const Rows *rows, long M) {
+    long tasks = 4 * bs_get_threads(), per = (M + tasks - 1) / tasks;
+    RowJob job = {fn, rows, M, per < 32 ? 32 : per};
+    bs_parallel(row_task, &job, (M + job.per - 1) / job.per);
+}
+
+static void attn_norm(const Rows *r, long lo, long hi) {
+    long H = r->p->H;
+    rmsnorm(r->x + lo * H, r->p->ln1, r->h + lo * H, hi - lo, H, r->p->eps);
+}
+
+/* (qk-norm), RoPE, and K/V into the pool */
+static void qk_rope_store(const Rows *r, long lo, long hi) {
+    const LayerParams *p = r->p;
+    long D = p->D, Hq = p->Hq, Hkv = p->Hkv, QKV = (Hq + 2 * Hkv) * D;
     if (p->qnorm)
-        for (long m = 0; m < M; m++) {
-            float *row = qkv + m * QKV;
+        for (long m = lo; m < hi; m++) {
+            float *row = r->qkv + m * QKV;
             for (long hd = 0; hd < Hq; hd++)
                 rmsnorm(row + hd * D, p->qnorm, row + hd * D, 1, D, p->eps);
             for (long hd = Hq; hd < Hq + Hkv; hd++)
                 rmsnorm(row + hd * D, p->knorm, row + hd * D, 1, D, p->eps);
         }
-    rope_and_store(qkv, M, Hq, Hkv, D, positions, p->cos, p->sin, slots, p->kpool, p->vpool,
-                   p->nblk, p->bs);
-    bs_attend(qkv, QKV, att, Hq * D, rows, M, Hq, Hkv, D, p->kpool, p->vpool, p->nblk, p->bs,
-              tables, max_blocks, lens, p->scale, p->window, p->softcap);
-    bs_gemv(&p->o, att, Hq * D, M, h);
-    if (p->post_attn) rmsnorm(h, p->post_attn, h, M, H, p->eps);
-    for (long i = 0; i < M * H; i++) x[i] = x[i] + h[i];
-    rmsnorm(x, p->ln2, h, M, H, p->eps);
-    bs_gemv(&p->gu, h, H, M, gu);
-    for (long m = 0; m < M; m++) {
-        const float *g = gu + m * 2 * I, *u = g + I;
-        float *a = act + m * I;
-        if (p->act == 1) /* tanh-GELU, torch's approximate="tanh" */
+    rope_and_store(r->qkv + lo * QKV, hi - lo, Hq, Hkv, D, r->positions + lo, p->cos, p->sin,
+                   r->slots + lo, p->kpool, p->vpool, p->nblk, p->bs);
+}
+
+/* (post-attention norm), residual, RMSNorm */
+static void attn_residual(const Rows *r, long lo, long hi) {
+    const LayerParams *p = r->p;
+    long H = p->H;
+    float *x = r->x + lo * H, *h = r->h + lo * H;
+    if (p->post_attn) rmsnorm(h, p->post_attn, h, hi - lo, H, p->eps);
+    for (long i = 0; i < (hi - lo) * H; i++) x[i] = x[i] + h[i];
+    rmsnorm(x, p->ln2, h, hi - lo, H, p->eps);
+}
+
+static void gated_act(const Rows *r, long lo, long hi) {
+    long I = r->p->I;
+    for (long m = lo; m < hi; m++) {
+        const float *g = r->gu + m * 2 * I, *u = g + I;
+        float *a = r->act + m * I;
+        if (r->p->act == 1) /* tanh-GELU, torch's approximate="tanh" */
             for (long i = 0; i < I; i++) {
                 float v = g[i], inner = 0.7978845608028654f * (v + 0.044715f * v * v * v);
                 a[i] = (0.5f * v * (1.f + tanhf(inner))) * u[i];
@@ -93,9 +125,40 @@ void bs_decode_layer(const LayerParams *p, float *x, long M, const int64_t *posi
         else
             for (long i = 0; i < I; i++) a[i] = (g[i] / (1.f + expf(-g[i]))) * u[i];
     }
+}
+
+/* (post-MLP norm), residual */
+static void mlp_residual(const Rows *r, long lo, long hi) {
+    const LayerParams *p = r->p;
+    long H = p->H;
+    float *x = r->x + lo * H, *h = r->h + lo * H;
+    if (p->post_mlp) rmsnorm(h, p->post_mlp, h, hi - lo, H, p->eps);
+    for (long i = 0; i < (hi - lo) * H; i++) x[i] = x[i] + h[i];
+}
+
+/* bs_decode_layer: RMSNorm, fused qkv, (qk-norm), RoPE, K/V into the pool, paged
+   attention, o_proj, (post-attention norm), residual, RMSNorm, fused gate/up, the gated
+   activation, down, (post-MLP norm), residual. A step is one call a layer instead of ~60
+   torch ops; its rows may be decodes or a prompt's (each attends its own context). */
+void bs_decode_layer(const LayerParams *p, float *x, long M, const int64_t *positions,
+                     const int64_t *slots, const int *rows, const int *tables, long max_blocks,
+                     const int *lens, float *scratch) {
+    long H = p->H, D = p->D, Hq = p->Hq, Hkv = p->Hkv, I = p->I;
+    long QKV = (Hq + 2 * Hkv) * D;
+    float *h = scratch, *qkv = h + M * H, *att = qkv + M * QKV, *gu = att + M * Hq * D,
+          *act = gu + M * 2 * I;
+    Rows r = {p, x, h, qkv, gu, act, positions, slots};
+    for_rows(attn_norm, &r, M);
+    bs_gemv(&p->qkv, h, H, M, qkv);
+    for_rows(qk_rope_store, &r, M);
+    bs_attend(qkv, QKV, att, Hq * D, rows, M, Hq, Hkv, D, p->kpool, p->vpool, p->nblk, p->bs,
+              tables, max_blocks, lens, p->scale, p->window, p->softcap);
+    bs_gemv(&p->o, att, Hq * D, M, h);
+    for_rows(attn_residual, &r, M);
+    bs_gemv(&p->gu, h, H, M, gu);
+    for_rows(gated_act, &r, M);
     bs_gemv(&p->down, act, I, M, h);
-    if (p->post_mlp) rmsnorm(h, p->post_mlp, h, M, H, p->eps);
-    for (long i = 0; i < M * H; i++) x[i] = x[i] + h[i];
+    for_rows(mlp_residual, &r, M);
 }
 
 /* Prefill's elementwise steps in one pass each (torch makes 3-4 passes and temporaries):
