@@ -257,8 +257,9 @@ class Service(pb_grpc.GRPCInferenceServiceServicer):
             self.state.leave()
 
     async def _route(self, request: pb.ModelInferRequest) -> tuple[ModelVersion, Any]:
-        if not request.model_name:
-            raise InvalidRequest("field 'model_name' is required")
+        routed = self._route_now(request)
+        if routed is not None:
+            return routed
         await self.repository.ensure_loaded(request.model_name)
         # no await from here to the queue (v2.py's infer says why)
         return self.state.route_model(request.model_name, request.model_version or None)
