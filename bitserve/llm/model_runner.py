@@ -65,9 +65,10 @@ class StepInput:
     slots: list[int] = field(default_factory=list)
     seqs: list[tuple[int, int, int, list[int]]] = field(default_factory=list)
     # (start, end, context_len, block table): the sequences attended one by one
-    decode: tuple[list[int], list[list[int]], list[int], list[int], list[int]] | None = None
-    # with the C kernels, every row: (rows, each sequence's block table padded with 0,
-    # the table of each row, the keys each row attends, its sequence's context_len)
+    decode: tuple[list[list[int]], list[int], list[int]] | None = None
+    # with the C kernels, every row in order: (each sequence's block table padded with 0,
+    # its context_len after the step, the sequence of each row); a row attends keys
+    # 0 .. its position
     sample_rows: list[int] = field(default_factory=list)
     prompt_rows: list[tuple[str, int, list[int]]] = field(default_factory=list)
     # (request_id, first position predicted, rows) for prompt logprobs
@@ -182,7 +183,7 @@ class ModelRunner:
     def plan_one(self, scheduled: list[tuple[Sequence, int]], out: ModelOutput) -> StepInput:
         step = StepInput()
         input_ids, positions, slots = step.input_ids, step.positions, step.slots
-        dec_rows, dec_tables, dec_table_of, dec_lens, dec_ends = [], [], [], [], []
+        dec_tables, dec_ends, dec_seq_of = [], [], []
         batched_decode = self.kernels is not None
         bs, row = self.config.block_size, 0
         for seq, n in scheduled:
@@ -200,12 +201,10 @@ class ModelRunner:
                 input_ids.extend(seq.token_ids[start:end])
                 positions.extend(range(start, end))
                 slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            if batched_decode:  # the row at position p attends keys 0 .. p
-                dec_rows.extend(range(row, row + n))
-                dec_table_of.extend([len(dec_tables)] * n)
+            if batched_decode:
+                dec_seq_of.extend([len(dec_tables)] * n)
                 dec_tables.append(table[:num_ctx_blocks])
-                dec_lens.extend(range(start + 1, end + 1))
-                dec_ends.extend([end] * n)
+                dec_ends.append(end)
             else:
                 step.seqs.append((row, row + n, end, table[:num_ctx_blocks]))
             if end == seq.num_tokens:
@@ -217,10 +216,10 @@ class ModelRunner:
                     rows = list(range(row, row + last - start))
                     step.prompt_rows.append((seq.request_id, start + 1, rows))
             row += n
-        if dec_rows:  # only with the C kernel, so only on the CPU
+        if dec_tables:  # only with the C kernel, so only on the CPU
             width = max(len(t) for t in dec_tables)
             tables = [t + [0] * (width - len(t)) for t in dec_tables]
-            step.decode = (dec_rows, tables, dec_table_of, dec_lens, dec_ends)
+            step.decode = (tables, dec_ends, dec_seq_of)
         return step
 
     def build(self, step: StepInput) -> tuple[tuple[torch.Tensor, ...], AttentionMetadata]:
@@ -234,10 +233,15 @@ class ModelRunner:
         ]
         meta = AttentionMetadata(tensors[2], slices, self.workspace, flash=self.flash)
         if step.decode is not None:
-            rows, tables, table_of, lens, ends = step.decode
-            tables = torch.tensor(tables, dtype=torch.int32)[table_of]
-            rows, lens, ends = (torch.tensor(x, dtype=torch.int32) for x in (rows, lens, ends))
-            meta.decode = DecodeBatch(rows, tables, lens, ends)
+            tables, ends, seq_of = step.decode
+            seq_of = torch.tensor(seq_of)
+            positions = tensors[1].to(torch.int32)
+            meta.decode = DecodeBatch(
+                torch.arange(len(positions), dtype=torch.int32),
+                torch.tensor(tables, dtype=torch.int32)[seq_of],
+                positions + 1,  # a row at position p attends keys 0 .. p
+                torch.tensor(ends, dtype=torch.int32)[seq_of],
+            )
         return tensors, meta
 
     @torch.inference_mode()
