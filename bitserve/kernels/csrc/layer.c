@@ -102,14 +102,19 @@ static void qk_rope_store(const Rows *r, long lo, long hi) {
                    r->slots + lo, p->kpool, p->vpool, p->nblk, p->bs);
 }
 
+/* x += h for rows lo .. hi, h RMSNorm-ed by `norm` first when there is one (Gemma) */
+static void residual(const Rows *r, const float *norm, long lo, long hi) {
+    long H = r->p->H;
+    float *x = r->x + lo * H, *h = r->h + lo * H;
+    if (norm) rmsnorm(h, norm, h, hi - lo, H, r->p->eps);
+    for (long i = 0; i < (hi - lo) * H; i++) x[i] = x[i] + h[i];
+}
+
 /* (post-attention norm), residual, RMSNorm */
 static void attn_residual(const Rows *r, long lo, long hi) {
-    const LayerParams *p = r->p;
-    long H = p->H;
-    float *x = r->x + lo * H, *h = r->h + lo * H;
-    if (p->post_attn) rmsnorm(h, p->post_attn, h, hi - lo, H, p->eps);
-    for (long i = 0; i < (hi - lo) * H; i++) x[i] = x[i] + h[i];
-    rmsnorm(x, p->ln2, h, hi - lo, H, p->eps);
+    long H = r->p->H;
+    residual(r, r->p->post_attn, lo, hi);
+    rmsnorm(r->x + lo * H, r->p->ln2, r->h + lo * H, hi - lo, H, r->p->eps);
 }
 
 static void gated_act(const Rows *r, long lo, long hi) {
@@ -128,13 +133,7 @@ static void gated_act(const Rows *r, long lo, long hi) {
 }
 
 /* (post-MLP norm), residual */
-static void mlp_residual(const Rows *r, long lo, long hi) {
-    const LayerParams *p = r->p;
-    long H = p->H;
-    float *x = r->x + lo * H, *h = r->h + lo * H;
-    if (p->post_mlp) rmsnorm(h, p->post_mlp, h, hi - lo, H, p->eps);
-    for (long i = 0; i < (hi - lo) * H; i++) x[i] = x[i] + h[i];
-}
+static void mlp_residual(const Rows *r, long lo, long hi) { residual(r, r->p->post_mlp, lo, hi); }
 
 /* bs_decode_layer: RMSNorm, fused qkv, (qk-norm), RoPE, K/V into the pool, paged
    attention, o_proj, (post-attention norm), residual, RMSNorm, fused gate/up, the gated
