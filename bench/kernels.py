@@ -45,6 +45,7 @@ def main() -> None:
     lib = kernels.get()
     if lib is None:
         raise SystemExit("no C kernels here (no compiler, or BITSERVE_NO_KERNELS=1)")
+    lib.lib.bs_set_threads(args.threads)  # the kernels' pool, as kernels.attach sets it
     head = ("shape", "N x K", "rows", "row ms", "packed ms", "torch ms", "GB/s", "read GB/s")
     widths = (6, 12, 5, 8, 9, 9, 6, 9)
     print(" ".join(f"{h:>{w}}" for h, w in zip(head, widths, strict=True)), "GFLOP/s vs torch")
