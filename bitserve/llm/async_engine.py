@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -98,7 +99,17 @@ class AsyncLLMEngine:
             if not busy:
                 self._work.wait(timeout=1.0)
                 self._work.clear()
+                self._gather()
             self._deliver_step(outputs)
+
+    def _gather(self) -> None:
+        """Idle, and requests arrived: give the ones arriving with them (a burst the
+        event loop is still parsing) a short wait to share their step (batch_wait)."""
+        with self._pending_lock:
+            tokens = sum(state.seq.num_prompt_tokens for state in self._pending.values())
+        wait = self.engine.batch_wait(tokens) if tokens else 0.0
+        if wait > 0:
+            time.sleep(wait)
 
     def _admit_pending(self) -> None:
         """Under the lock: queue the requests that arrived since the last step."""

@@ -117,6 +117,9 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # overrides kv_cache_memory (tests, benchmarks)
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
+    # an idle engine holds a new prompt for this share of its predicted prefill time (at
+    # most MAX_BATCH_WAIT_S) so that requests arriving with it share its step; 0: never
+    batch_wait: float = 0.05
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"
@@ -154,6 +157,8 @@ class EngineConfig:
             )
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
+        if not 0 <= self.batch_wait <= 1:
+            raise ValueError(f"batch_wait must be in [0, 1], got {self.batch_wait}")
         self.device = resolve_device(self.device)
         if self.model is not None:
             self.model = Path(self.model)

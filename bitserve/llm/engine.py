@@ -47,6 +47,9 @@ log = logging.getLogger("bitserve.llm")
 # A test hook called with each (sub-)batch's sequences just before the forward pass:
 # what it raises is what a fault inside the step would raise.
 FaultHook = Callable[[list[Sequence]], None]
+# batch_wait: steps of at least this many tokens time a prompt token; no wait is longer
+PREFILL_TOKENS = 32
+MAX_BATCH_WAIT_S = 0.05
 
 
 def load_tokenizer(folder: Path) -> Any | None:
@@ -106,6 +109,7 @@ class LLMEngine:
         self.fault_hook: FaultHook | None = None
         self._grammars: Grammars | None = None
         self._masker = ThreadPoolExecutor(1, thread_name_prefix="bitserve-grammar")
+        self.seconds_per_prompt_token: float | None = None  # measured on large steps
 
     def reset(self) -> None:
         """No request and every block free, over the loaded weights: the start, and a
@@ -196,6 +200,26 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch:
             return []
+        start = time.perf_counter()
+        outputs = self.run(batch)
+        if batch.num_tokens >= PREFILL_TOKENS:
+            rate = (time.perf_counter() - start) / batch.num_tokens
+            last = self.seconds_per_prompt_token
+            self.seconds_per_prompt_token = rate if last is None else 0.7 * last + 0.3 * rate
+        return outputs
+
+    def batch_wait(self, num_tokens: int) -> float:
+        """How long an idle engine holds new prompts of `num_tokens` in all before their
+        step: config.batch_wait of their predicted prefill time, at most MAX_BATCH_WAIT_S
+        (nothing before a large step was timed). Requests that arrive meanwhile (a burst
+        that a client sends at once) share that step instead of waiting it out."""
+        if self.seconds_per_prompt_token is None:
+            return 0.0
+        predicted = num_tokens * self.seconds_per_prompt_token
+        return min(self.config.batch_wait * predicted, MAX_BATCH_WAIT_S)
+
+    def run(self, batch: SchedulerOutput) -> list[RequestOutput]:
+        """One scheduled step: the forward pass, then sampling and the requests' update."""
         masks = self.start_masks(batch)
         if self.workers is not None:  # a failure here is the workers': not attributable
             with self.workers.collective():

@@ -8,7 +8,8 @@ import threading
 
 import pytest
 
-from bitserve.llm import SamplingParams
+import bitserve.llm.engine as engine_module
+from bitserve.llm import LLMEngine, SamplingParams
 from bitserve.llm.async_engine import AsyncLLMEngine
 from tests.llm.test_engine import GREEDY, MIXED, reference
 
@@ -134,3 +135,44 @@ async def test_a_burst_of_requests_during_a_step_starts_together(engine):
         release.set()
     await asyncio.gather(first, *burst)
     assert sizes[1] == 1 + len(burst)  # the step after the held one ran them all
+
+
+async def test_an_idle_engine_holds_a_new_prompt_for_the_burst_behind_it(llama_dir, monkeypatch):
+    """A client that sends a wave of requests at once: the first wakes the idle engine,
+    the rest are still being parsed. With batch_wait the first step waits a share of
+    the prompt's predicted prefill time and takes the whole wave; without it the first
+    request's step runs alone and the rest wait it out."""
+    monkeypatch.setattr(engine_module, "MAX_BATCH_WAIT_S", 1.0)  # room for a slow CI box
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    for batch_wait, first_step in ((1.0, len(MIXED)), (0.0, 1)):
+        engine = AsyncLLMEngine(llama_dir, num_kv_blocks=64, batch_wait=batch_wait)
+        engine.engine.seconds_per_prompt_token = 1.0  # as if measured: 1 s a token
+        original, sizes, started = engine.engine.run, [], threading.Event()
+
+        def run(batch, original=original, sizes=sizes, started=started):
+            started.set()
+            sizes.append(len(batch.scheduled))
+            return original(batch)
+
+        engine.engine.run = run
+        try:
+            first = asyncio.create_task(collect(engine, MIXED[0], params, "first"))
+            if batch_wait == 0:  # the lone request's step has begun
+                await asyncio.to_thread(started.wait, 5)
+            else:
+                await asyncio.sleep(0.05)
+            burst = [collect(engine, p, params, f"b{i}") for i, p in enumerate(MIXED[1:])]
+            await asyncio.gather(first, *burst)
+        finally:
+            engine.shutdown()
+        assert sizes[0] == first_step
+
+
+def test_batch_wait_is_a_share_of_the_predicted_prefill_and_bounded(llama_dir):
+    engine = LLMEngine(llama_dir, num_kv_blocks=16, batch_wait=0.05)
+    assert engine.batch_wait(100) == 0.0  # nothing timed yet: never wait blind
+    engine.seconds_per_prompt_token = 2e-3
+    assert engine.batch_wait(100) == pytest.approx(0.05 * 100 * 2e-3)
+    assert engine.batch_wait(100_000) == engine_module.MAX_BATCH_WAIT_S
+    with pytest.raises(ValueError, match="batch_wait"):
+        LLMEngine(llama_dir, num_kv_blocks=16, batch_wait=2)
