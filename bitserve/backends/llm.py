@@ -14,8 +14,8 @@ ready again. `restarts` counts it for the metrics.
     backend = "llm"
     [parameters]
     max_model_len = 256            # and any other EngineConfig field, e.g.
-    batch_wait = 0.05              # an idle engine holds a new prompt 5% of its predicted
-                                   # prefill (at most 50 ms) for requests arriving with it
+    batch_wait = 0.05              # new prompts wait 5% of their predicted prefill (at
+                                   # most 50 ms) for requests arriving with them
     max_queued_requests = 64       # requests admitted but not yet generating
     max_queued_tokens = 65536      # their prompt tokens
     stall_timeout_s = 60           # a step loop silent this long with work = not live

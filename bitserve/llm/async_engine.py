@@ -84,6 +84,7 @@ class AsyncLLMEngine:
     # -- the engine thread ------------------------------------------------------------
     def _loop(self) -> None:
         while not self._stopped:
+            self._gather()
             with self._lock:
                 self._admit_pending()
                 busy = self.engine.has_unfinished_requests()
@@ -99,12 +100,12 @@ class AsyncLLMEngine:
             if not busy:
                 self._work.wait(timeout=1.0)
                 self._work.clear()
-                self._gather()
             self._deliver_step(outputs)
 
     def _gather(self) -> None:
-        """Idle, and requests arrived: give the ones arriving with them (a burst the
-        event loop is still parsing) a short wait to share their step (batch_wait)."""
+        """New prompts arrived: before the step that starts them, give the requests
+        arriving with them (a burst the event loop is still parsing) a short wait to
+        share it (batch_wait); past it, they would wait out the whole step."""
         with self._pending_lock:
             tokens = sum(state.seq.num_prompt_tokens for state in self._pending.values())
         wait = self.engine.batch_wait(tokens) if tokens else 0.0

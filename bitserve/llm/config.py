@@ -117,8 +117,8 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # overrides kv_cache_memory (tests, benchmarks)
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
-    # an idle engine holds a new prompt for this share of its predicted prefill time (at
-    # most MAX_BATCH_WAIT_S) so that requests arriving with it share its step; 0: never
+    # a step that starts new prompts waits this share of their predicted prefill time (at
+    # most MAX_BATCH_WAIT_S) so that requests arriving with them share it; 0: never
     batch_wait: float = 0.05
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     enable_prefix_caching: bool = True

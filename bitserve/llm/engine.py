@@ -209,10 +209,11 @@ class LLMEngine:
         return outputs
 
     def batch_wait(self, num_tokens: int) -> float:
-        """How long an idle engine holds new prompts of `num_tokens` in all before their
-        step: config.batch_wait of their predicted prefill time, at most MAX_BATCH_WAIT_S
+        """How long new prompts of `num_tokens` in all wait before the step that starts
+        them: config.batch_wait of their predicted prefill time, at most MAX_BATCH_WAIT_S
         (nothing before a large step was timed). Requests that arrive meanwhile (a burst
-        that a client sends at once) share that step instead of waiting it out."""
+        that a client sends at once) share that step instead of waiting it out; everyone
+        in it pays at most that share of its time."""
         if self.seconds_per_prompt_token is None:
             return 0.0
         predicted = num_tokens * self.seconds_per_prompt_token

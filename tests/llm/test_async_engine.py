@@ -137,35 +137,46 @@ async def test_a_burst_of_requests_during_a_step_starts_together(engine):
     assert sizes[1] == 1 + len(burst)  # the step after the held one ran them all
 
 
-async def test_an_idle_engine_holds_a_new_prompt_for_the_burst_behind_it(llama_dir, monkeypatch):
-    """A client that sends a wave of requests at once: the first wakes the idle engine,
-    the rest are still being parsed. With batch_wait the first step waits a share of
-    the prompt's predicted prefill time and takes the whole wave; without it the first
-    request's step runs alone and the rest wait it out."""
+@pytest.mark.parametrize("busy", [False, True], ids=["idle", "decoding"])
+async def test_new_prompts_wait_for_the_burst_behind_them(llama_dir, monkeypatch, busy):
+    """A client sends a wave of requests at once; the first ones wake the engine (idle,
+    or between decode steps), the rest are still being parsed. With batch_wait the step
+    that starts the first ones waits a share of their predicted prefill time and takes
+    the whole wave; without it the first ones' step runs and the rest wait it out."""
     monkeypatch.setattr(engine_module, "MAX_BATCH_WAIT_S", 1.0)  # room for a slow CI box
     params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
-    for batch_wait, first_step in ((1.0, len(MIXED)), (0.0, 1)):
+    long = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+    wave = [f"w{i}" for i in range(len(MIXED) - 1)]
+    for batch_wait, together in ((1.0, True), (0.0, False)):
         engine = AsyncLLMEngine(llama_dir, num_kv_blocks=64, batch_wait=batch_wait)
-        engine.engine.seconds_per_prompt_token = 1.0  # as if measured: 1 s a token
-        original, sizes, started = engine.engine.run, [], threading.Event()
+        original, prompts, started = engine.engine.run, [], threading.Event()
 
-        def run(batch, original=original, sizes=sizes, started=started):
-            started.set()
-            sizes.append(len(batch.scheduled))
+        def run(batch, original=original, prompts=prompts, started=started):
+            new = {seq.request_id for seq, n in batch.scheduled if seq.num_computed_tokens == 0}
+            if new & set(wave):
+                started.set()
+                prompts.append(new)
             return original(batch)
 
         engine.engine.run = run
         try:
-            first = asyncio.create_task(collect(engine, MIXED[0], params, "first"))
-            if batch_wait == 0:  # the lone request's step has begun
+            if busy:  # a request decoding the whole time
+                runner = engine.generate(MIXED[4], long, "runner")
+                await anext(runner)
+            engine.engine.seconds_per_prompt_token = 1.0  # as if measured: 1 s a token
+            first = asyncio.create_task(collect(engine, MIXED[0], params, wave[0]))
+            if batch_wait == 0:  # the first one's step has begun
                 await asyncio.to_thread(started.wait, 5)
             else:
                 await asyncio.sleep(0.05)
-            burst = [collect(engine, p, params, f"b{i}") for i, p in enumerate(MIXED[1:])]
-            await asyncio.gather(first, *burst)
+            pairs = zip(wave[1:], MIXED[1:4], strict=True)
+            rest = [collect(engine, p, params, r) for r, p in pairs]
+            await asyncio.gather(first, *rest)
+            if busy:
+                await runner.aclose()  # aborts it
         finally:
             engine.shutdown()
-        assert sizes[0] == first_step
+        assert (prompts[0] == set(wave)) == together
 
 
 def test_batch_wait_is_a_share_of_the_predicted_prefill_and_bounded(llama_dir):
