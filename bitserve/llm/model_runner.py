@@ -67,8 +67,8 @@ class StepInput:
     # (start, end, context_len, block table): the sequences attended one by one
     decode: tuple[list[list[int]], list[int], list[int]] | None = None
     # with the C kernels, every row in order: (each sequence's block table padded with 0,
-    # its context_len after the step, the sequence of each row); a row attends keys
-    # 0 .. its position
+    # its context_len after the step, its number of rows); a row attends keys 0 .. its
+    # position
     sample_rows: list[int] = field(default_factory=list)
     prompt_rows: list[tuple[str, int, list[int]]] = field(default_factory=list)
     # (request_id, first position predicted, rows) for prompt logprobs
@@ -183,7 +183,7 @@ class ModelRunner:
     def plan_one(self, scheduled: list[tuple[Sequence, int]], out: ModelOutput) -> StepInput:
         step = StepInput()
         input_ids, positions, slots = step.input_ids, step.positions, step.slots
-        dec_tables, dec_ends, dec_seq_of = [], [], []
+        dec_tables, dec_ends, dec_rows = [], [], []
         batched_decode = self.kernels is not None
         bs, row = self.config.block_size, 0
         for seq, n in scheduled:
@@ -202,9 +202,9 @@ class ModelRunner:
                 positions.extend(range(start, end))
                 slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             if batched_decode:
-                dec_seq_of.extend([len(dec_tables)] * n)
                 dec_tables.append(table[:num_ctx_blocks])
                 dec_ends.append(end)
+                dec_rows.append(n)
             else:
                 step.seqs.append((row, row + n, end, table[:num_ctx_blocks]))
             if end == seq.num_tokens:
@@ -219,7 +219,7 @@ class ModelRunner:
         if dec_tables:  # only with the C kernel, so only on the CPU
             width = max(len(t) for t in dec_tables)
             tables = [t + [0] * (width - len(t)) for t in dec_tables]
-            step.decode = (tables, dec_ends, dec_seq_of)
+            step.decode = (tables, dec_ends, dec_rows)
         return step
 
     def build(self, step: StepInput) -> tuple[tuple[torch.Tensor, ...], AttentionMetadata]:
@@ -233,8 +233,8 @@ class ModelRunner:
         ]
         meta = AttentionMetadata(tensors[2], slices, self.workspace, flash=self.flash)
         if step.decode is not None:
-            tables, ends, seq_of = step.decode
-            seq_of = torch.tensor(seq_of)
+            tables, ends, rows = step.decode
+            seq_of = torch.repeat_interleave(torch.tensor(rows))  # each row's sequence
             positions = tensors[1].to(torch.int32)
             meta.decode = DecodeBatch(
                 torch.arange(len(positions), dtype=torch.int32),
