@@ -157,8 +157,8 @@ class EngineConfig:
             )
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
-        if not 0 <= self.batch_wait <= 1:
-            raise ValueError(f"batch_wait must be in [0, 1], got {self.batch_wait}")
+        if not isinstance(self.batch_wait, int | float) or not 0 <= self.batch_wait <= 1:
+            raise ValueError(f"batch_wait must be a number in [0, 1], got {self.batch_wait!r}")
         self.device = resolve_device(self.device)
         if self.model is not None:
             self.model = Path(self.model)

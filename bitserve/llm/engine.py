@@ -202,7 +202,9 @@ class LLMEngine:
             return []
         start = time.perf_counter()
         outputs = self.run(batch)
-        if batch.num_tokens >= PREFILL_TOKENS:
+        # a step that is mostly prompt tokens times them (decode rows cost another rate)
+        prompt_tokens = sum(n for _, n in batch.scheduled if n > 1)
+        if prompt_tokens >= PREFILL_TOKENS and 2 * prompt_tokens >= batch.num_tokens:
             rate = (time.perf_counter() - start) / batch.num_tokens
             last = self.seconds_per_prompt_token
             self.seconds_per_prompt_token = rate if last is None else 0.7 * last + 0.3 * rate

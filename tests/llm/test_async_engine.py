@@ -185,5 +185,6 @@ def test_batch_wait_is_a_share_of_the_predicted_prefill_and_bounded(llama_dir):
     engine.seconds_per_prompt_token = 2e-3
     assert engine.batch_wait(100) == pytest.approx(0.05 * 100 * 2e-3)
     assert engine.batch_wait(100_000) == engine_module.MAX_BATCH_WAIT_S
-    with pytest.raises(ValueError, match="batch_wait"):
-        LLMEngine(llama_dir, num_kv_blocks=16, batch_wait=2)
+    for bad in (2, -0.1, float("nan"), float("inf"), "0.1", None, [0.05]):
+        with pytest.raises(ValueError, match="batch_wait"):
+            LLMEngine(llama_dir, num_kv_blocks=16, batch_wait=bad)
