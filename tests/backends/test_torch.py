@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from bitserve import kernels
 from bitserve.backends.base import LoadError
 from bitserve.backends.torch import TorchModel, _to_tensor
 from bitserve.config import ModelConfig
@@ -86,6 +87,56 @@ def test_pt2_matches_eager_at_any_batch(mlp_pt2) -> None:
         x = np.random.default_rng(batch).normal(size=(batch, 6)).astype(np.float32)
         out = model.predict({"x": x})
         torch.testing.assert_close(out["y"], module(torch.from_numpy(x)))
+
+
+class Wide(torch.nn.Module):
+    """Linears the packed GEMM takes (N % 16 == 0: a; c twice; b without bias) and one
+    it leaves to torch (d: N = 5), over a 3-D input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(20, 32)
+        self.c = torch.nn.Linear(32, 32)
+        self.b = torch.nn.Linear(32, 48, bias=False)
+        self.d = torch.nn.Linear(32, 5)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.c(self.c(torch.relu(self.a(x))))
+        return self.b(h), self.d(h)
+
+
+@pytest.mark.parametrize("use_kernels", [True, False])
+def test_pt2_linears_run_the_packed_gemm_and_match_eager(tmp_path: Path, use_kernels) -> None:
+    lib = kernels.get()
+    if use_kernels and (lib is None or not lib.lib.bs_packed_vectorised()):
+        pytest.skip("the packed GEMM is not vectorised on this CPU, so torch keeps its own")
+    torch.manual_seed(2)
+    module = Wide().eval()
+    export(module, (torch.randn(2, 3, 20),), tmp_path / "model.pt2")
+    y_and_z = [
+        {"name": "y", "datatype": "FP32", "dims": [3, 48]},
+        {"name": "z", "datatype": "FP32", "dims": [3, 5]},
+    ]
+    config = make_config([{"name": "x", "datatype": "FP32", "dims": [3, 20]}], y_and_z)
+    kernels.reset(enabled=None if use_kernels else False)
+    try:
+        model = TorchModel(config, tmp_path)
+        model.load()
+    finally:
+        kernels.reset()
+    params = dict(model.module.named_parameters())
+    if use_kernels:
+        assert model.packed_linears == 4  # a, c twice, b; not d
+        assert "a.weight" not in params and "b.weight" not in params  # the packed copy only
+    else:
+        assert model.packed_linears == 0 and "a.weight" in params
+    assert "d.weight" in params
+    for batch in (1, 7, 64):
+        x = np.random.default_rng(batch).normal(size=(batch, 3, 20)).astype(np.float32)
+        out = model.predict({"x": x})
+        y, z = module(torch.from_numpy(x))
+        torch.testing.assert_close(out["y"], y)
+        torch.testing.assert_close(out["z"], z)
 
 
 def test_torchscript_matches_eager(tmp_path: Path) -> None:

@@ -54,6 +54,10 @@ void bs_pack(const float *w, long N, long K, float *P);
 void bs_linear_packed(const float *x, long ldx, long M, long K, const float *P, long N,
                       const float *b, float *y);
 
+/* 1 when bs_linear_packed runs its vectorised tiles, 0 where it falls back to a plain
+   loop (no AVX-512 at build time): only then does it beat a BLAS */
+int bs_packed_vectorised(void);
+
 /* How many threads (the caller and n - 1 pool workers) the packed GEMM and the decode
    attention may use (default 1) */
 void bs_set_threads(long n);

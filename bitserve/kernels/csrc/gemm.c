@@ -211,6 +211,14 @@ static void packed_task(void *job, long t) {
 }
 #endif
 
+int bs_packed_vectorised(void) {
+#ifdef __AVX512F__
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 void bs_linear_packed(const float *x, long ldx, long M, long K, const float *P, long N,
                       const float *b, float *y) {
     long panels = N / 16;
