@@ -9,6 +9,7 @@ row-major bytes; a BYTES element is a 4-byte little-endian length then the bytes
 from __future__ import annotations
 
 import struct
+import sys
 
 import ml_dtypes
 import numpy as np
@@ -30,6 +31,9 @@ DATATYPES: dict[str, np.dtype] = {
     "BYTES": np.dtype(object),
 }
 _BY_DTYPE = {v: k for k, v in DATATYPES.items()}
+_LITTLE = sys.byteorder == "little"
+# each numeric datatype as the wire lays it out: little-endian
+_WIRE = {k: v.newbyteorder("<") for k, v in DATATYPES.items() if k != "BYTES"}
 
 
 class TensorError(ValueError):
@@ -146,13 +150,13 @@ def from_binary(name: str, datatype: str, shape: list[int], raw: bytes | memoryv
         out = np.empty(count, dtype=object)
         out[:] = items
         return out.reshape(shape)
-    dtype = DATATYPES[datatype]
+    dtype = _WIRE[datatype]
     if len(raw) != count * dtype.itemsize:
         raise TensorError(
             f"input '{name}': shape {shape} of {datatype} needs {count * dtype.itemsize} "
             f"bytes, binary_data_size gives {len(raw)}"
         )
-    return np.frombuffer(raw, dtype=dtype.newbyteorder("<")).reshape(shape)
+    return np.frombuffer(raw, dtype=dtype).reshape(shape)
 
 
 def to_binary(array: np.ndarray) -> bytes:
@@ -164,6 +168,8 @@ def to_binary(array: np.ndarray) -> bytes:
             parts.append(struct.pack("<I", len(b)))
             parts.append(b)
         return b"".join(parts)
+    if array.dtype.byteorder == "<" or (array.dtype.byteorder in "=|" and _LITTLE):
+        return array.tobytes()  # row-major bytes, whatever the strides
     return np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<")).tobytes()
 
 
