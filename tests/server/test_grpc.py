@@ -7,11 +7,14 @@ classification extension answers the same top k on both protocols."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import os
 import queue
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import grpc
@@ -374,3 +377,27 @@ def test_a_grpc_port_another_server_holds_fails_the_start(server, tmp_path):
         second.stop()
         pytest.fail(f"a second server started on the gRPC port {port} the first one holds")
     assert tg.InferenceServerClient(server.grpc).is_server_live()
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="SCHED_BATCH is Linux's")
+def test_grpc_helper_threads_do_not_preempt_the_loop(server, client):
+    """grpcio's event-engine threads and its asyncio poller run SCHED_BATCH
+    (grpc_server.yield_to_loop), so their wakeups never preempt the event loop; the loop
+    and the model threads keep the default policy."""
+    assert client.is_server_live()
+    pid = server.process.pid
+    deadline = time.monotonic() + 10  # the health loop applies it every 0.25 s
+    while True:
+        policies = {}
+        for tid in map(int, os.listdir(f"/proc/{pid}/task")):
+            with contextlib.suppress(OSError):
+                name = Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip()
+                policies[tid] = (name, os.sched_getscheduler(tid))
+        engine = [p for name, p in policies.values() if name == "event_engine"]
+        if (engine and set(engine) == {os.SCHED_BATCH}) or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert engine and set(engine) == {os.SCHED_BATCH}, policies
+    others = [p for name, p in policies.values() if name != "event_engine"]
+    assert others.count(os.SCHED_BATCH) == 1, policies  # the poller, and no other thread
+    assert policies[pid][1] == os.SCHED_OTHER  # the event loop
