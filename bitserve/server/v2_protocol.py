@@ -153,7 +153,7 @@ def _check_range(spec: TensorSpec, array: np.ndarray) -> None:
     if spec.value_range is None or not array.size:
         return
     low, high = spec.value_range
-    if array.min() < low or array.max() > high:
+    if not (array.min() >= low and array.max() <= high):  # NaN is in no range
         raise InvalidRequest(
             f"input '{spec.name}': values must be in [{low:g}, {high:g}], got "
             f"[{array.min()}, {array.max()}]"

@@ -117,6 +117,24 @@ def repo(tmp_path_factory):
     )
     write_model(
         root,
+        "unit",
+        """
+        backend = "python"
+        max_batch_size = 8
+        [[input]]
+        name = "x"
+        datatype = "FP32"
+        dims = [3]
+        value_range = [0, 1]
+        [[output]]
+        name = "y"
+        datatype = "FP32"
+        dims = [3]
+        """,
+        ECHO,
+    )
+    write_model(
+        root,
         "slow",
         """
         backend = "python"
@@ -214,6 +232,29 @@ def test_every_datatype_round_trips(client, datatype, binary):
         )
     else:
         np.testing.assert_array_equal(out, data)
+
+
+@pytest.mark.parametrize("datatype", ["FP16", "FP32", "FP64"])
+def test_json_nan_and_infinities_read_as_triton_reads_them(client, datatype):
+    """tritonclient.http writes such floats as NaN/Infinity/-Infinity (Python's json), and
+    Triton's parser reads them (rapidjson's kParseNanAndInfFlag); strict JSON has none."""
+    data = np.array([[np.nan, np.inf, -np.inf], [1.5, -0.0, 2.0]], dtype=DATATYPES[datatype])
+    given = triton.InferInput("x", list(data.shape), datatype)
+    given.set_data_from_numpy(data, binary_data=False)
+    wanted = triton.InferRequestedOutput("y", binary_data=True)
+    result = client.infer(f"echo_{datatype.lower()}", [given], outputs=[wanted])
+    np.testing.assert_array_equal(result.as_numpy("y"), data)
+
+
+@pytest.mark.parametrize("binary", [False, True])
+def test_nan_is_outside_every_value_range(client, binary):
+    data = np.array([[0.5, np.nan, 1.0]], dtype=np.float32)
+    given = triton.InferInput("x", list(data.shape), "FP32")
+    given.set_data_from_numpy(data, binary_data=binary)
+    with pytest.raises(InferenceServerException, match=r"input 'x': values must be in \[0, 1\]"):
+        client.infer("unit", [given])
+    given.set_data_from_numpy(np.array([[0.5, 0.0, 1.0]], dtype=np.float32), binary_data=binary)
+    assert client.infer("unit", [given]).as_numpy("y").tolist() == [[0.5, 0.0, 1.0]]
 
 
 def test_bf16_binary_and_json(server):
