@@ -98,11 +98,18 @@ def test_fused_decode_layers_match_the_torch_path(quantized_tinylm, monkeypatch,
     monkeypatch.setattr(model, "fuse_rows", 0)  # the torch path, layer by layer
     slow = llm.generate(prompt, greedy)[0].outputs[0]
     assert fast.token_ids == slow.token_ids
+    diffs = []
     for a, b in zip(fast.logprobs, slow.logprobs, strict=True):
         assert a.keys() == b.keys()
-        # int4 quantizes activations to int8 (per 32 columns), which turns fp32
-        # op-order noise into ~1e-3
-        assert max(abs(a[t] - b[t]) for t in a) < (1e-3 if method == "int8" else 1e-2)
+        diffs += [abs(a[t] - b[t]) for t in a]
+    if method == "int8":
+        assert max(diffs) < 1e-3
+    else:
+        # int4 quantizes activations to int8 (per 32 columns): where the two paths' fp32
+        # op orders put an activation on either side of a rounding boundary, one code
+        # differs, and the step's logprob moves by up to ~1e-2 (1.3e-2 measured on an
+        # AVX512-VNNI machine); most steps differ by far less, and a wrong layer by far more
+        assert sorted(diffs)[len(diffs) // 2] < 2e-3 and max(diffs) < 3e-2
 
 
 @pytest.mark.parametrize("method", ["int8", "int4"])
