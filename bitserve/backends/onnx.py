@@ -14,6 +14,7 @@ import numpy as np
 import onnxruntime as ort
 
 from bitserve.backends.base import LoadError, Model
+from bitserve.config import ModelConfig
 
 # onnxruntime's type strings and the numpy dtype each takes.
 _ORT_DTYPES: dict[str, np.dtype] = {
@@ -35,6 +36,18 @@ _ORT_DTYPES: dict[str, np.dtype] = {
 }
 
 
+def providers(config: ModelConfig, device: str) -> list[Any]:
+    """onnxruntime's execution providers for an instance placed on `device`: CUDA first
+    when that is a GPU (and the instance group is not kind "cpu") and this onnxruntime
+    build has CUDA, the CPU always (for the operators CUDA lacks). Every backend that runs
+    an onnxruntime session takes them from here."""
+    wants_gpu = device.startswith("cuda") and config.instance_group.kind != "cpu"
+    if wants_gpu and "CUDAExecutionProvider" in ort.get_available_providers():
+        index = int(device.partition(":")[2] or 0)
+        return [("CUDAExecutionProvider", {"device_id": index}), "CPUExecutionProvider"]
+    return ["CPUExecutionProvider"]
+
+
 class OnnxModel(Model):
     platform = "onnxruntime_onnx"
 
@@ -46,7 +59,7 @@ class OnnxModel(Model):
             options.intra_op_num_threads = threads
         try:
             self.session = ort.InferenceSession(
-                str(path), sess_options=options, providers=self._providers()
+                str(path), sess_options=options, providers=providers(self.config, self.device)
             )
         except Exception as e:
             raise LoadError(f"{path}: onnxruntime cannot load it: {type(e).__name__}: {e}") from e
@@ -54,14 +67,6 @@ class OnnxModel(Model):
         # Inputs whose declared dtype differs from the config's get cast before each run.
         self.input_types = {i.name: i.type for i in self.session.get_inputs()}
         self.output_names = [spec.name for spec in self.config.output]
-
-    def _providers(self) -> list[Any]:
-        """CUDA first when the instance is placed on a GPU and onnxruntime has CUDA."""
-        wants_gpu = self.device.startswith("cuda") and self.config.instance_group.kind != "cpu"
-        if wants_gpu and "CUDAExecutionProvider" in ort.get_available_providers():
-            index = int(self.device.partition(":")[2] or 0)
-            return [("CUDAExecutionProvider", {"device_id": index}), "CPUExecutionProvider"]
-        return ["CPUExecutionProvider"]
 
     def _check_names(self, path: Any) -> None:
         declared = [spec.name for spec in self.config.input]

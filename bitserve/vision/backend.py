@@ -38,6 +38,8 @@ class DetectorModel(Model):
     def load(self) -> None:
         import onnxruntime as ort
 
+        from bitserve.backends.onnx import providers
+
         path = self.require_file("model.onnx")
         options = ort.SessionOptions()
         if self.config.instance_group.threads > 0:
@@ -45,7 +47,7 @@ class DetectorModel(Model):
             options.inter_op_num_threads = 1
         try:
             self.session = ort.InferenceSession(
-                str(path), sess_options=options, providers=["CPUExecutionProvider"]
+                str(path), sess_options=options, providers=providers(self.config, self.device)
             )
         except Exception as e:
             raise LoadError(f"{path}: onnxruntime cannot load it: {type(e).__name__}: {e}") from e

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from bitserve.backends import onnx
 from bitserve.backends.base import LoadError
 from bitserve.backends.onnx import OnnxModel
 from bitserve.config import ModelConfig, load_config
@@ -120,3 +121,23 @@ def test_load_errors_name_the_file(repo: Path, tmp_path: Path) -> None:
     other_output = raw | {"output": [raw["output"][0] | {"name": "logits"}]}
     with pytest.raises(LoadError, match=r"outputs \['probs'\]"):
         OnnxModel(ModelConfig.model_validate(other_output), repo / "1").load()
+
+
+def test_providers_put_cuda_first_only_on_a_gpu_instance(repo: Path, monkeypatch) -> None:
+    raw = load_config(repo / "config.toml").model_dump()
+    auto = ModelConfig.model_validate(raw)
+    on_cpu = ModelConfig.model_validate(raw | {"instance_group": {"kind": "cpu"}})
+    assert onnx.providers(auto, "cuda:1") == ["CPUExecutionProvider"]  # no CUDA build here
+    monkeypatch.setattr(
+        onnx.ort,
+        "get_available_providers",
+        lambda: ["CUDAExecutionProvider", "CPUExecutionProvider"],
+    )
+    cuda = ("CUDAExecutionProvider", {"device_id": 1})
+    assert onnx.providers(auto, "cuda:1") == [cuda, "CPUExecutionProvider"]
+    assert onnx.providers(auto, "cuda") == [
+        ("CUDAExecutionProvider", {"device_id": 0}),
+        "CPUExecutionProvider",
+    ]
+    assert onnx.providers(on_cpu, "cuda:1") == ["CPUExecutionProvider"]
+    assert onnx.providers(auto, "cpu") == ["CPUExecutionProvider"]

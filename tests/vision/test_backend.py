@@ -47,3 +47,20 @@ def test_select_thresholds_caps_and_pads_per_row():
     assert out["scores"][0].tolist() == pytest.approx([0.9, 0.8, 0.0])
     assert out["boxes"][0, 0].tolist() == [0.0, 10.0, 40.0, 100.0]  # clipped to the image
     assert not out["boxes"][1, 1:].any()
+
+
+def test_the_session_takes_the_onnx_backends_providers(detector_graphs, tmp_path, monkeypatch):
+    """The detector's session runs where the onnx backend's would (CUDA on a GPU instance)."""
+    from bitserve.backends import onnx
+
+    asked = []
+
+    def providers(config, device):
+        asked.append(device)
+        return ["CPUExecutionProvider"]
+
+    monkeypatch.setattr(onnx, "providers", providers)
+    (tmp_path / "model.onnx").write_bytes(detector_graphs["teacher"].read_bytes())
+    model = DetectorModel(CONFIG, tmp_path, device="cuda:0")
+    model.load()
+    assert asked == ["cuda:0"] and model.session.get_providers() == ["CPUExecutionProvider"]
