@@ -83,6 +83,21 @@ class PromptTooLong(ValueError):
     """Prompt plus max_tokens exceeds the model's context (400)."""
 
 
+def _param(params: dict, name: str, kind: type, default: Any, where: Path) -> Any:
+    """A service parameter of the model's config.toml, refused naming it when it is not
+    a `kind` (an integer is a float too; true is no number; a float must be finite)."""
+    value = params.get(name, default)
+    if value is default:
+        return value
+    number = kind in (int, float) and not isinstance(value, bool)
+    kinds = (int, float) if kind is float else kind
+    if (kind in (int, float) and not number) or not isinstance(value, kinds):
+        raise LoadError(f"{where}: parameter {name!r} must be {kind.__name__}, got {value!r}")
+    if kind is float and not math.isfinite(value):
+        raise LoadError(f"{where}: parameter {name!r} must be finite, got {value!r}")
+    return value
+
+
 class NoChatTemplate(ValueError):
     """The model's tokenizer_config.json has no chat template (400)."""
 
@@ -99,15 +114,16 @@ class LLMService:
             )
         self.folder = _folder(params.get("path"), version_dir)
         self.engine_args = {k: v for k, v in params.items() if k in ENGINE_KEYS}
-        self.max_queued_requests = int(params.get("max_queued_requests", 256))
-        self.max_queued_tokens = int(params.get("max_queued_tokens", 1 << 20))
-        self.stall_timeout = float(params.get("stall_timeout_s", 60.0))
-        self.restart_backoff = float(params.get("restart_backoff_s", 0.0))
-        self.tool_parser = str(params.get("tool_parser", "hermes"))
+        where = version_dir.parent / "config.toml"
+        self.max_queued_requests = _param(params, "max_queued_requests", int, 256, where)
+        self.max_queued_tokens = _param(params, "max_queued_tokens", int, 1 << 20, where)
+        self.stall_timeout = float(_param(params, "stall_timeout_s", float, 60.0, where))
+        self.restart_backoff = float(_param(params, "restart_backoff_s", float, 0.0, where))
+        self.tool_parser = _param(params, "tool_parser", str, "hermes", where)
         if self.tool_parser not in SYNTAXES:
             raise LoadError(f"tool_parser {self.tool_parser!r} is not one of {sorted(SYNTAXES)}")
-        self.system_prompt: str | None = params.get("system_prompt")
-        self.few_shot: list[dict] = list(params.get("few_shot", []))
+        self.system_prompt: str | None = _param(params, "system_prompt", str, None, where)
+        self.few_shot: list[dict] = _param(params, "few_shot", list, [], where)
         self.engine: AsyncLLMEngine | None = None
         self.tokenizer: Any = None
         self.max_model_len = 0

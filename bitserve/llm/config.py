@@ -7,13 +7,16 @@ runner never take long argument lists.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from types import UnionType
+from typing import Any, Union, get_args, get_origin, get_type_hints
 
 import torch
+from pydantic import TypeAdapter, ValidationError
 
 from bitserve.llm.parallel import STARTUP_TIMEOUT_S, check_parallel
 
@@ -22,6 +25,20 @@ DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "auto
 KV_CACHE_MEMORY_CAP = 8 << 30  # never take more than 8 GiB for KV by default
 KV_CACHE_MEMORY_FRACTION = 0.25  # of the memory that is available when the engine starts
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+
+
+@functools.cache
+def _adapter(name: str) -> TypeAdapter:
+    return TypeAdapter(get_type_hints(EngineConfig)[name])
+
+
+def _words(hint: Any) -> str:
+    """`int | None` as "int or None"."""
+    parts = get_args(hint) if get_origin(hint) in (Union, UnionType) else (hint,)
+    return " or ".join(
+        "None" if p is type(None) else getattr(get_origin(p) or p, "__name__", str(p))
+        for p in parts
+    )
 
 
 def available_memory() -> int:
@@ -146,6 +163,7 @@ class EngineConfig:
     gguf_file: Path | None = None
 
     def __post_init__(self) -> None:
+        self.check_types()
         self.dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
@@ -178,6 +196,18 @@ class EngineConfig:
             self.kv_cache_memory = default_kv_cache_memory(self.device)
             if self.on_cpu:  # the ranks share this host's memory (a GPU each has its own)
                 self.kv_cache_memory //= self.world_size
+
+    def check_types(self) -> None:
+        """Each field holds its annotated type, strictly (no "8" for 8, no true for 1), so
+        a config file's wrong type is refused naming the field, not met later as a
+        TypeError from a comparison."""
+        for f in fields(self):
+            value = getattr(self, f.name)
+            try:
+                _adapter(f.name).validate_python(value, strict=True)
+            except ValidationError:
+                hint = get_type_hints(EngineConfig)[f.name]
+                raise ValueError(f"{f.name} must be {_words(hint)}, got {value!r}") from None
 
     def read_gguf(self) -> None:
         """A .gguf file (or a folder holding one instead of config.json) is served from

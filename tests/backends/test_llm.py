@@ -68,3 +68,34 @@ def test_unknown_parameters_are_refused(folder):
 
     with pytest.raises(LoadError, match="unknown llm parameters"):
         service(folder, max_queue=3)
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("max_queued_requests", "8"),
+        ("max_queued_tokens", 2.5),
+        ("stall_timeout_s", True),
+        ("restart_backoff_s", float("inf")),
+        ("tool_parser", 3),
+        ("system_prompt", ["be brief"]),
+        ("few_shot", "Q: hi A: hello"),
+    ],
+)
+def test_a_service_parameter_of_the_wrong_type_is_refused_naming_it(folder, name, value):
+    from bitserve.backends.base import LoadError
+
+    with pytest.raises(LoadError, match=f"parameter '{name}' must be"):
+        service(folder, **{name: value})
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [("max_num_seqs", "8"), ("block_size", 2.5), ("enable_prefix_caching", "yes"), ("seed", None)],
+)
+def test_an_engine_parameter_of_the_wrong_type_fails_the_load_naming_it(folder, name, value):
+    """Not a TypeError from inside the engine: the load error names the field."""
+    from bitserve.backends.base import LoadError
+
+    with pytest.raises(LoadError, match=f"{name} must be"):
+        asyncio.run(service(folder, **{name: value}).start())
