@@ -98,7 +98,7 @@ async def _run(server: grpc.aio.Server, health: HealthServicer, state: ServerSta
     try:
         while True:
             yield_to_loop(helpers)
-            ready = not state.draining and state.repository.not_ready_reason() is None
+            ready = state.not_ready() is None
             for service in ("", SERVICE):
                 await health.set(service, SERVING if ready else NOT_SERVING)
             for name in list(state.repository.models):
@@ -192,13 +192,11 @@ class Service(pb_grpc.GRPCInferenceServiceServicer):
 
     @rpc
     async def ServerLive(self, request: Any, context: Any) -> pb.ServerLiveResponse:
-        versions = [v for e in self.repository.models.values() for v in e.versions.values()]
-        return pb.ServerLiveResponse(live=not any(v.problem() for v in versions))
+        return pb.ServerLiveResponse(live=not self.state.problems())
 
     @rpc
     async def ServerReady(self, request: Any, context: Any) -> pb.ServerReadyResponse:
-        reason = self.repository.not_ready_reason()
-        return pb.ServerReadyResponse(ready=not self.state.draining and reason is None)
+        return pb.ServerReadyResponse(ready=self.state.not_ready() is None)
 
     @rpc
     async def ModelReady(self, request: Any, context: Any) -> pb.ModelReadyResponse:

@@ -45,18 +45,11 @@ class Health:
         self.server = state
 
     async def live(self, request: Request) -> Response:
-        sick = [
-            f"model '{name}' version {v.version}: {problem}"
-            for name, entry in self.server.repository.models.items()
-            for v in entry.versions.values()
-            if (problem := v.problem())
-        ]
+        sick = self.server.problems()
         return _answer(200 if not sick else 503, "; ".join(sick))
 
     async def ready(self, request: Request) -> Response:
-        if self.server.draining:
-            return _answer(503, "draining")
-        reason = self.server.repository.not_ready_reason()
+        reason = self.server.not_ready()
         lazy = self.server.repository.lazy_models()
         degraded = [
             f"model '{name}' version {v.version}: {why}"

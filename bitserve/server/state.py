@@ -51,6 +51,20 @@ class ServerState:
         self._idle = asyncio.Event()
         self._idle.set()
 
+    def problems(self) -> list[str]:
+        """Why the process is not live: each loaded version's problem (none: live)."""
+        return [
+            f"model '{name}' version {v.version}: {problem}"
+            for name, entry in self.repository.models.items()
+            for v in entry.versions.values()
+            if (problem := v.problem())
+        ]
+
+    def not_ready(self) -> str | None:
+        """Why the server should get no traffic (None: ready): draining, else the
+        repository's reason (loading, a failed model, a restart)."""
+        return "draining" if self.draining else self.repository.not_ready_reason()
+
     def route_model(
         self, model: str, pinned: str | None = None
     ) -> tuple[ModelVersion, RolloutRoute | None]:
