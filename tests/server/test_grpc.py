@@ -399,5 +399,5 @@ def test_grpc_helper_threads_do_not_preempt_the_loop(server, client):
         time.sleep(0.1)
     assert engine and set(engine) == {os.SCHED_BATCH}, policies
     others = [p for name, p in policies.values() if name != "event_engine"]
-    assert others.count(os.SCHED_BATCH) == 1, policies  # the poller, and no other thread
-    assert policies[pid][1] == os.SCHED_OTHER  # the event loop
+    assert os.SCHED_BATCH in others, policies  # the poller (threads it starts inherit it)
+    assert policies[pid][1] == os.SCHED_OTHER  # the event loop, and what it starts
