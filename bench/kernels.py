@@ -1,6 +1,6 @@
 """The C kernels (`bs_linear`, `bs_linear_packed`) against torch's F.linear (MKL) at LLM shapes.
 
-    .venv/bin/python -m bench.kernels [--threads 1] [--rows 1,4,16,64] [--shapes 58m,1b]
+    .venv/bin/python -m bench.kernels [--threads 1] [--rows 1,4,16,64] [--shapes 58m,1b,mlp]
 
 For each weight shape and row count: time per call (best of --repeat) of the row kernel
 (`bs_linear`), the packed-panel GEMM every fp32 linear runs once loaded
@@ -20,8 +20,14 @@ import torch.nn.functional as F
 
 from bitserve import kernels
 
-# (hidden, intermediate) of the bench's models: the 58M Llama, a ~250M and a ~1B one
-SHAPES = {"58m": (512, 1536), "250m": (1024, 2816), "1b": (2048, 5632)}
+# Weights [N, K]: gate_up and down of the bench's Llamas (58M, ~250M, ~1B), and the
+# default repository's mlp, whose linears a torch.export program runs packed
+SHAPES = {
+    "58m": [(3072, 512), (512, 1536)],
+    "250m": [(5632, 1024), (1024, 2816)],
+    "1b": [(11264, 2048), (2048, 5632)],
+    "mlp": [(1024, 512), (1024, 1024), (512, 1024)],
+}
 
 
 def best_ms(fn, repeat: int) -> float:
@@ -50,8 +56,7 @@ def main() -> None:
     widths = (6, 12, 5, 8, 9, 9, 6, 9)
     print(" ".join(f"{h:>{w}}" for h, w in zip(head, widths, strict=True)), "GFLOP/s vs torch")
     for name in args.shapes.split(","):
-        hidden, inter = SHAPES[name]
-        for n, k in ((2 * inter, hidden), (hidden, inter)):  # gate_up, down
+        for n, k in SHAPES[name]:
             w = torch.randn(n, k)
             packed = lib.pack(w)
             gb = w.numel() * 4 / 1e9

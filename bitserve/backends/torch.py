@@ -22,9 +22,9 @@ operators: torch's own verifier refuses any other callable when the program is b
 
 On the CPU, a torch.export program's fp32 `aten.linear` layers whose weights are constants
 run bitserve's packed GEMM (`_pack_linears`): the weights are packed once at load, where
-torch's BLAS packs them again on every call. At the 8-64 rows a dynamic batch holds this
-is 1.4-2.5x faster (`python -m bench.kernels` times the GEMM). BITSERVE_NO_KERNELS=1
-keeps torch's own.
+torch's BLAS packs them again on every call. At the 8-64 rows a dynamic batch holds, the
+mlp's layers run 1.2-2.8x faster (`python -m bench.kernels --shapes mlp`), the same at
+one row. BITSERVE_NO_KERNELS=1 keeps torch's own.
 
 TorchScript (`torch.jit.load`) uses TorchScript's own unpickler, which builds tensors
 and TorchScript types only and resolves no Python globals; its code is TorchScript IR,
