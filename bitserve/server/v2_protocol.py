@@ -10,6 +10,7 @@ The handlers are in v2.py; the request they hand a model is `bitserve.inference`
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import numpy as np
@@ -200,8 +201,13 @@ def _read_outputs(
 def encode_response(
     model: str, version: int, request: InferRequest, outputs: dict[str, np.ndarray]
 ) -> tuple[bytes, int | None]:
-    """The response body and, when some output is binary, the JSON header's length."""
+    """The response body and, when some output is binary, the JSON header's length.
+
+    JSON data holding NaN or an infinity is written `NaN`, `Infinity`, `-Infinity`, as
+    Triton's writer does (rapidjson's kWriteNanAndInfFlag) and Python's json and
+    tritonclient read them; orjson, strict JSON, would write null."""
     entries, blobs = [], []
+    finite = True
     for name in request.outputs:
         array = outputs[name]
         entry: dict[str, Any] = {
@@ -215,14 +221,19 @@ def encode_response(
             blobs.append(blob)
         else:
             try:
-                entry["data"] = to_json(array)
+                entry["data"] = data = to_json(array)
             except TensorError as e:
                 raise InvalidRequest(f"output '{name}': {e}") from None
+            if isinstance(data, np.ndarray) and data.dtype.kind == "f":
+                finite = finite and bool(np.isfinite(data).all())
         entries.append(entry)
     doc: dict[str, Any] = {"model_name": model, "model_version": str(version), "outputs": entries}
     if request.id is not None:
         doc["id"] = request.id
-    header = orjson.dumps(doc, option=orjson.OPT_SERIALIZE_NUMPY)
+    if finite:
+        header = orjson.dumps(doc, option=orjson.OPT_SERIALIZE_NUMPY)
+    else:
+        header = json.dumps(doc, separators=(",", ":"), default=np.ndarray.tolist).encode()
     if not blobs:
         return header, None
     return b"".join([header, *blobs]), len(header)

@@ -234,14 +234,16 @@ def test_every_datatype_round_trips(client, datatype, binary):
         np.testing.assert_array_equal(out, data)
 
 
+@pytest.mark.parametrize("binary_out", [False, True])
 @pytest.mark.parametrize("datatype", ["FP16", "FP32", "FP64"])
-def test_json_nan_and_infinities_read_as_triton_reads_them(client, datatype):
+def test_json_nan_and_infinities_as_triton_reads_and_writes_them(client, datatype, binary_out):
     """tritonclient.http writes such floats as NaN/Infinity/-Infinity (Python's json), and
-    Triton's parser reads them (rapidjson's kParseNanAndInfFlag); strict JSON has none."""
+    Triton reads and writes them so (rapidjson's kParseNanAndInfFlag, kWriteNanAndInfFlag);
+    strict JSON has none, and orjson would write null."""
     data = np.array([[np.nan, np.inf, -np.inf], [1.5, -0.0, 2.0]], dtype=DATATYPES[datatype])
     given = triton.InferInput("x", list(data.shape), datatype)
     given.set_data_from_numpy(data, binary_data=False)
-    wanted = triton.InferRequestedOutput("y", binary_data=True)
+    wanted = triton.InferRequestedOutput("y", binary_data=binary_out)
     result = client.infer(f"echo_{datatype.lower()}", [given], outputs=[wanted])
     np.testing.assert_array_equal(result.as_numpy("y"), data)
 
