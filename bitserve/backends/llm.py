@@ -47,7 +47,7 @@ from bitserve.backends.base import LoadError
 from bitserve.config import ModelConfig
 from bitserve.inference import InvalidRequest
 from bitserve.llm.async_engine import AsyncLLMEngine, EngineDead
-from bitserve.llm.config import EngineConfig
+from bitserve.llm.config import EngineConfig, check_type
 from bitserve.llm.outputs import RequestOutput
 from bitserve.llm.sampling_params import SamplingError, SamplingParams
 from bitserve.llm.structured import GUIDED_FIELDS, GuideError, guide_from
@@ -83,17 +83,15 @@ class PromptTooLong(ValueError):
     """Prompt plus max_tokens exceeds the model's context (400)."""
 
 
-def _param(params: dict, name: str, kind: type, default: Any, where: Path) -> Any:
+def _param(params: dict, name: str, hint: Any, default: Any, where: Path) -> Any:
     """A service parameter of the model's config.toml, refused naming it when it is not
-    a `kind` (an integer is a float too; true is no number; a float must be finite)."""
+    a `hint` (strictly, as EngineConfig's fields) or is a float that is not finite."""
     value = params.get(name, default)
-    if value is default:
-        return value
-    number = kind in (int, float) and not isinstance(value, bool)
-    kinds = (int, float) if kind is float else kind
-    if (kind in (int, float) and not number) or not isinstance(value, kinds):
-        raise LoadError(f"{where}: parameter {name!r} must be {kind.__name__}, got {value!r}")
-    if kind is float and not math.isfinite(value):
+    try:
+        check_type(f"parameter {name!r}", value, hint)
+    except ValueError as e:
+        raise LoadError(f"{where}: {e}") from None
+    if isinstance(value, float) and not math.isfinite(value):
         raise LoadError(f"{where}: parameter {name!r} must be finite, got {value!r}")
     return value
 
@@ -122,7 +120,7 @@ class LLMService:
         self.tool_parser = _param(params, "tool_parser", str, "hermes", where)
         if self.tool_parser not in SYNTAXES:
             raise LoadError(f"tool_parser {self.tool_parser!r} is not one of {sorted(SYNTAXES)}")
-        self.system_prompt: str | None = _param(params, "system_prompt", str, None, where)
+        self.system_prompt: str | None = _param(params, "system_prompt", str | None, None, where)
         self.few_shot: list[dict] = _param(params, "few_shot", list, [], where)
         self.engine: AsyncLLMEngine | None = None
         self.tokenizer: Any = None

@@ -27,9 +27,18 @@ KV_CACHE_MEMORY_FRACTION = 0.25  # of the memory that is available when the engi
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 
 
+def check_type(name: str, value: Any, hint: Any) -> None:
+    """`value` is a `hint`, strictly (no "8" for 8, no true for 1), else a ValueError
+    that names it: "max_num_seqs must be int, got '8'"."""
+    try:
+        _adapter(hint).validate_python(value, strict=True)
+    except ValidationError:
+        raise ValueError(f"{name} must be {_words(hint)}, got {value!r}") from None
+
+
 @functools.cache
-def _adapter(name: str) -> TypeAdapter:
-    return TypeAdapter(get_type_hints(EngineConfig)[name])
+def _adapter(hint: Any) -> TypeAdapter:
+    return TypeAdapter(hint)
 
 
 def _words(hint: Any) -> str:
@@ -175,7 +184,7 @@ class EngineConfig:
             )
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
-        if not isinstance(self.batch_wait, int | float) or not 0 <= self.batch_wait <= 1:
+        if not 0 <= self.batch_wait <= 1:  # (NaN too)
             raise ValueError(f"batch_wait must be a number in [0, 1], got {self.batch_wait!r}")
         self.device = resolve_device(self.device)
         if self.model is not None:
@@ -201,13 +210,9 @@ class EngineConfig:
         """Each field holds its annotated type, strictly (no "8" for 8, no true for 1), so
         a config file's wrong type is refused naming the field, not met later as a
         TypeError from a comparison."""
+        hints = get_type_hints(EngineConfig)
         for f in fields(self):
-            value = getattr(self, f.name)
-            try:
-                _adapter(f.name).validate_python(value, strict=True)
-            except ValidationError:
-                hint = get_type_hints(EngineConfig)[f.name]
-                raise ValueError(f"{f.name} must be {_words(hint)}, got {value!r}") from None
+            check_type(f.name, getattr(self, f.name), hints[f.name])
 
     def read_gguf(self) -> None:
         """A .gguf file (or a folder holding one instead of config.json) is served from
