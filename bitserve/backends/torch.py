@@ -138,6 +138,7 @@ def _pack_linears(module: torch.fx.GraphModule, lib: kernels.Kernels) -> int:
     BLAS's, so results differ from torch's in the last bits, as between two BLAS builds.
     """
     graph = module.graph
+    linear = _packed_linear(lib)
     packed: dict[str, torch.fx.Node] = {}
     count = 0
     for node in list(graph.nodes):
@@ -153,7 +154,7 @@ def _pack_linears(module: torch.fx.GraphModule, lib: kernels.Kernels) -> int:
             with graph.inserting_before(node):
                 packed[w.target] = graph.get_attr(name)
         with graph.inserting_before(node):
-            new = graph.call_function(_packed_linear(lib), (x, packed[w.target], b))
+            new = graph.call_function(linear, (x, packed[w.target], b))
         new.meta = dict(node.meta)
         node.replace_all_uses_with(new)
         graph.erase_node(node)
@@ -170,10 +171,7 @@ def _pack_linears(module: torch.fx.GraphModule, lib: kernels.Kernels) -> int:
 
 
 def _packable(module: torch.nn.Module, x: Any, w: Any, b: Any) -> bool:
-    val = getattr(x, "meta", {}).get("val")
-    if not isinstance(val, torch.Tensor) or val.dtype != torch.float32 or val.is_cuda:
-        return False
-    if getattr(w, "op", None) != "get_attr":
+    if not _fp32_cpu(getattr(x, "meta", {}).get("val")) or getattr(w, "op", None) != "get_attr":
         return False
     weight = _attr(module, w.target)
     if not _fp32_cpu(weight) or weight.dim() != 2 or weight.shape[0] % 16 or not weight.numel():
