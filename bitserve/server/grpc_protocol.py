@@ -79,7 +79,7 @@ def parse_infer(
         inputs[tensor.name] = _read_input(config, tensor, raw[i] if raw else None)
     rows = _check_inputs(config, inputs)
     params = request.parameters
-    timeout_us = _int_param(params, "timeout") if params else 0
+    timeout_us = _int_param(params, "timeout")
     if deadline_s is not None:
         left = max(1, int(deadline_s * 1e6))
         timeout_us = min(timeout_us, left) if timeout_us else left
@@ -91,7 +91,7 @@ def parse_infer(
         id=request.id or None,
         outputs=outputs,
         classification=classification,
-        priority=_int_param(params, "priority") if params else 0,
+        priority=_int_param(params, "priority"),
         timeout_us=timeout_us,
     )
 
@@ -105,7 +105,7 @@ def _read_input(
         raise InvalidRequest(
             f"input '{name}': datatype {datatype!r}, model '{config.name}' expects {spec.datatype}"
         )
-    if shape and min(shape) < 0:
+    if any(d < 0 for d in shape):
         raise InvalidRequest(f"input '{name}': 'shape' must hold non-negative sizes, got {shape}")
     _check_shape(config, spec, shape)
     try:

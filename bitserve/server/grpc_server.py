@@ -563,8 +563,7 @@ def _stream_error(exc: BaseException) -> pb.ModelStreamInferResponse:
 
 
 def _bool_param(request: pb.ModelInferRequest, key: str) -> bool:
-    params = request.parameters
-    value = params.get(key) if params else None
+    value = request.parameters.get(key)
     return (
         value is not None
         and value.WhichOneof("parameter_choice") == "bool_param"
