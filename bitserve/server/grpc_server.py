@@ -124,20 +124,21 @@ def yield_to_loop(done: set[int]) -> None:
     """
     if not hasattr(os, "SCHED_BATCH"):
         return
-    helpers = [t.native_id for t in threading.enumerate() if t.name.endswith("(_poll_wrapper)")]
+    try:
+        tids = set(map(int, os.listdir("/proc/self/task")))
+    except OSError:
+        return
+    done.intersection_update(tids)  # an ended thread's id may come back on a new one
+    poller = {t.native_id for t in threading.enumerate() if t.name.endswith("(_poll_wrapper)")}
     unnamed = _thread_name(os.getpid())  # what a thread is called until it names itself
-    with contextlib.suppress(OSError):
-        for tid in map(int, os.listdir("/proc/self/task")):
-            name = None if tid in done else _thread_name(tid)
-            if name == "event_engine":
-                helpers.append(tid)
-            elif name is not None and name != unnamed:
-                done.add(tid)  # named, and not grpc's: never look again
-    for tid in helpers:
-        if tid is not None and tid not in done:
+    for tid in tids - done:
+        name = _thread_name(tid)
+        if tid in poller or name == "event_engine":
             with contextlib.suppress(OSError):
                 os.sched_setscheduler(tid, os.SCHED_BATCH, os.sched_param(0))
             done.add(tid)
+        elif name is not None and name != unnamed:
+            done.add(tid)  # named, and not grpc's: never look again
 
 
 def _thread_name(tid: int) -> str | None:
