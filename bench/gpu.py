@@ -415,6 +415,18 @@ def features(args, work: Path) -> dict:
             assert image.size == 2 * 16 * 16 and image.std() > 5, "blank image"
             return {}
 
+        def detector():
+            image = np.random.default_rng(0).integers(0, 255, (1, 64, 64, 3)).tolist()
+            out = infer(
+                "detector",
+                [{"name": "image", "datatype": "UINT8", "shape": [1, 64, 64, 3], "data": image}],
+            )
+            names = {o["name"] for o in out}
+            assert {"boxes", "scores", "classes", "num_detections"} <= names, names
+            import onnxruntime
+
+            return {"ort_providers": onnxruntime.get_available_providers()}
+
         check(results, "chat_greedy", greedy)
         check(results, "chat_seeded", seeded)
         check(results, "logprobs", logprobs)
@@ -424,6 +436,7 @@ def features(args, work: Path) -> dict:
         if "minilm_embeddings" not in results:
             check(results, "minilm_embeddings", minilm)
         check(results, "diffusion_digits", digits)
+        check(results, "detector", detector)
         check(results, "grpc", lambda: grpc_checks(grpc_target))
         check(results, "model_devices", lambda: {"log": devices_in_log(log)})
     return results
