@@ -5,7 +5,7 @@
 
 Every server runs as its own process pinned (with all its children) to the server core
 and one torch/OMP/MKL thread; the load generator is pinned to the other core. Load is
-`bitserve bench`'s closed loop (bitserve/bench/loadgen.py): N virtual clients, one
+`bitserve bench`'s closed loop (bitserve/loadtest/loadgen.py): N virtual clients, one
 keep-alive connection each, each sending its next request when the previous one
 answers, for a fixed duration per point. Compared:
 
@@ -41,9 +41,9 @@ from typing import Any
 import numpy as np
 
 from bench.server import THREAD_ENV, Server, free_port
-from bitserve.bench import loadgen, metrics
-from bitserve.bench.client import build_request
-from bitserve.bench.workloads import Request
+from bitserve.loadtest import loadgen, metrics
+from bitserve.loadtest.client import build_request
+from bitserve.loadtest.workloads import Request
 
 ROOT = Path(__file__).resolve().parent.parent
 PEERS = ROOT / "bench" / "peers"
@@ -65,7 +65,7 @@ LITSERVE_DEFAULT = (32, 0.005, 1, False)
 # Set by SIGINT/SIGTERM. Inside the event loop an exception from a signal handler can be
 # swallowed (uvloop logs exceptions raised in protocol callbacks), so the loop polls this.
 STOP = threading.Event()
-CLIENT = "bitserve.bench"  # the load generator: bitserve/bench/loadgen.py
+CLIENT = "bitserve.loadtest"  # the load generator: bitserve/loadtest/loadgen.py
 
 
 # ---------------------------------------------------------------- request bodies
@@ -102,7 +102,7 @@ def float_rows(n: int, width: int) -> list[list[float]]:
 
 
 # ---------------------------------------------------------------- load generator
-# The closed loop itself is `bitserve bench`'s (bitserve/bench/loadgen.py): N virtual
+# The closed loop itself is `bitserve bench`'s (bitserve/loadtest/loadgen.py): N virtual
 # clients on raw-asyncio keep-alive connections. This script only adds CPU accounting.
 
 

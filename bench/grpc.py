@@ -9,7 +9,7 @@ the other core. Each point is a closed loop of N users for a fixed duration afte
 warm-up, and the protocols alternate for `--rounds` rounds so that drift on a shared box
 hits both alike (the table keeps every round; the ratios use the mean):
 
-- HTTP/JSON: `bitserve bench`'s load generator (bitserve/bench/loadgen.py), raw asyncio
+- HTTP/JSON: `bitserve bench`'s load generator (bitserve/loadtest/loadgen.py), raw asyncio
   keep-alive connections, the v2 JSON body built once;
 - gRPC (`grpc_raw`): grpcio's asyncio client on one channel, one ModelInfer call per
   request, the `ModelInferRequest` serialized once with its tensor in
@@ -45,9 +45,9 @@ import numpy as np
 
 from bench.batching import copy_model, float_rows, mlp_repo, sentences, v2_body
 from bench.server import Server, free_port
-from bitserve.bench import loadgen, metrics
-from bitserve.bench.client import build_request
-from bitserve.bench.workloads import Request
+from bitserve.loadtest import loadgen, metrics
+from bitserve.loadtest.client import build_request
+from bitserve.loadtest.workloads import Request
 from bitserve.server.proto import grpc_service_pb2 as pb
 
 ROOT = Path(__file__).resolve().parent.parent

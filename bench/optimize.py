@@ -37,11 +37,11 @@ from pathlib import Path
 import numpy as np
 
 from bench.server import ROOT, Server
-from bitserve.bench import loadgen
-from bitserve.bench.workloads import Request
-from bitserve.optimize import report
-from bitserve.optimize.run import OptimizeConfig, optimize
+from bitserve.loadtest import loadgen
+from bitserve.loadtest.workloads import Request
 from bitserve.vision import data
+from bitserve.vision.optimize import report
+from bitserve.vision.optimize.run import OptimizeConfig, optimize
 
 
 def prepare(work: Path) -> Path:
@@ -96,7 +96,7 @@ def goals(result: dict) -> list[tuple[str, bool, str]]:
 
 def served(repository: Path, versions: dict[str, int], best: str, seconds: float) -> dict:
     """Every version's output shapes through tritonclient; then req/s at concurrency 1
-    and 16 for every version, from the repo's load generator (bitserve.bench.loadgen on
+    and 16 for every version, from the repo's load generator (bitserve.loadtest.loadgen on
     its raw asyncio client: it costs far less per request than tritonclient, which would
     otherwise be the bottleneck). c=1 and c=16 alternate in pairs (three for the teacher
     and the best variant, one for the others); a version's ratio is the median of its

@@ -38,13 +38,13 @@ from bench.llm_throughput import SHAPE, build_model
 from bitserve.llm.config import EngineConfig
 from bitserve.llm.engine import LLMEngine
 from bitserve.llm.models import load_model
-from bitserve.llm.sampling_params import SamplingParams
-from bitserve.quant.quantize import (
+from bitserve.llm.quant.quantize import (
     quantize_model,
     save_weights,
     weight_bytes,
     write_config,
 )
+from bitserve.llm.sampling_params import SamplingParams
 
 VARIANTS = ("fp32", "bf16", "int8", "int4")
 

@@ -8,7 +8,7 @@ is 8 floats in and out, and the work is `--work` passes through a 512x512 layer 
 row, so the bytes on the wire are tiny and nearly all the time is matrix multiplies
 that fit in cache. One local Ray cluster (started here) holds the replicas, each
 `num_cpus = 1`; one `bitserve serve --ray ADDRESS` routes to them with the dynamic
-batcher in front. The load is `bitserve bench`'s closed loop (bitserve/bench/loadgen.py)
+batcher in front. The load is `bitserve bench`'s closed loop (bitserve/loadtest/loadgen.py)
 at the same concurrency for both points. Before the points, the same computation runs
 on one thread (no HTTP, no Ray), then in two processes at once: the per-core ceiling,
 and how much a second core gives on this machine right now (on a shared machine, other

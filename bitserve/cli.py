@@ -26,13 +26,13 @@ def _size(text: str) -> int:
 # Subcommands that live with their concept, imported only when used: "name" ->
 # "module:attribute" of a click command. A module not written yet is simply not listed.
 LAZY_COMMANDS = {
-    "bench": "bitserve.bench.command:bench",
+    "bench": "bitserve.loadtest.command:bench",
     "batch": "bitserve.offline.command:batch",
     "quantize": "bitserve.quantize.command:quantize",
     "eval": "bitserve.quantize.command:evaluate",
     "plan": "bitserve.plan.command:plan",
     "rollout": "bitserve.rollout.command:rollout",
-    "optimize": "bitserve.optimize.command:optimize_command",
+    "optimize": "bitserve.vision.optimize.command:optimize_command",
 }
 
 

@@ -58,7 +58,8 @@ def test_no_handler_imports_the_app():
 
 def test_domain_packages_never_reach_up_into_the_server():
     edges = graph()
-    for package in ("rollout", "repository", "backends", "batching", "llm", "quant", "kernels"):
+    domain = ("rollout", "repository", "backends", "batching", "llm", "quantize", "kernels")
+    for package in (*domain, "vision", "diffusion", "plan", "loadtest"):
         assert not imports(edges, f"bitserve.{package}", "bitserve.server"), package
 
 

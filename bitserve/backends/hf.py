@@ -60,7 +60,7 @@ class HfModel(Model):
             self.tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
             quant = (_read_json(folder / "config.json") or {}).get("quantization_config")
             if (quant or {}).get("quant_method") == "bitserve":  # `bitserve quantize`
-                from bitserve.quant.encoder import load_encoder
+                from bitserve.llm.quant.encoder import load_encoder
 
                 model = load_encoder(folder, auto, quant)
             else:

@@ -218,7 +218,7 @@ def load_weights(model: nn.Module, file: Path, hf: dict[str, Any]) -> str | None
         model.load_weight(params, name, weight)
     method = quant_method(reader)
     if method is not None:
-        from bitserve.quant.quantize import prepare_kernels, quantize_model
+        from bitserve.llm.quant.quantize import prepare_kernels, quantize_model
 
         quantize_model(model, method, group_size=32)
         prepare_kernels(model)

@@ -43,7 +43,7 @@ class MemoryPlan:
 
 def weight_bytes(shape: ModelShape, dtype: str, quant: str | None) -> int:
     """The weights as the engine holds them. Quantized as `bitserve quantize` writes them
-    (bitserve/quant): the decoder's linear layers at the quantized width, the embedding
+    (bitserve/llm/quant): the decoder's linear layers at the quantized width, the embedding
     in int8 with an fp32 scale per row, the LM head int8 (shared with a tied embedding)
     or, for int4, its own int4 copy; MoE experts at the quantized width like any linear
     layer; norms and biases stay in the model dtype."""

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from bitserve.quant.quantize import quantizable
+from bitserve.llm.quant.quantize import quantizable
 from bitserve.quantize.scoring import text_token_ids, window_logits, windows
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import click
 
-from bitserve.quant.quantize import GROUP_SIZES, METHODS
+from bitserve.llm.quant.quantize import GROUP_SIZES, METHODS
 
 log = logging.getLogger("bitserve.quant")
 
@@ -133,7 +133,7 @@ def _quantize_llm(
 ):
     from bitserve.llm.config import EngineConfig
     from bitserve.llm.models import load_model
-    from bitserve.quant.quantize import is_quantized, quantize_model, save_weights, write_config
+    from bitserve.llm.quant.quantize import is_quantized, quantize_model, save_weights, write_config
     from bitserve.quantize.folders import copy_companions, destination
 
     config = EngineConfig(model=source.weights, device="cpu", num_kv_blocks=1)
@@ -158,8 +158,8 @@ def _quantize_llm(
 
 
 def _quantize_encoder(source, out_dir, method, group_size, version, activations="bf16"):
-    from bitserve.quant.encoder import ENCODER_METHODS, quantize_encoder, save_encoder
-    from bitserve.quant.quantize import write_config
+    from bitserve.llm.quant.encoder import ENCODER_METHODS, quantize_encoder, save_encoder
+    from bitserve.llm.quant.quantize import write_config
     from bitserve.quantize.folders import copy_companions, destination
 
     if method not in ENCODER_METHODS:

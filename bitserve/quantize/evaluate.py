@@ -63,7 +63,7 @@ def score_llm(
     folder: Path, name: str, text: str, window: int, max_tokens: int | None, new_tokens: int
 ) -> LLMScores:
     from bitserve.llm.engine import LLMEngine
-    from bitserve.quant.quantize import weight_bytes
+    from bitserve.llm.quant.quantize import weight_bytes
 
     engine = LLMEngine(folder, device="cpu", num_kv_blocks=64, max_model_len=None)
     model = engine.runner.model
@@ -140,7 +140,7 @@ def load_embedder(folder: Path):
     from transformers import AutoTokenizer
 
     from bitserve.backends.hf import _sentence_transformers_settings
-    from bitserve.quant.encoder import auto_class, load_encoder
+    from bitserve.llm.quant.encoder import auto_class, load_encoder
 
     quant = json.loads((folder / "config.json").read_text()).get("quantization_config")
     auto = auto_class(folder)
@@ -178,7 +178,7 @@ def embed(model, tokenizer, settings: dict, texts: list[str], batch: int = 32) -
 
 
 def score_encoder(folder: Path, texts: list[str]) -> tuple[dict, torch.Tensor]:
-    from bitserve.quant.quantize import weight_bytes
+    from bitserve.llm.quant.quantize import weight_bytes
 
     model, tokenizer, settings = load_embedder(folder)
     embed(model, tokenizer, settings, texts[:8])  # warm-up, kernel choice

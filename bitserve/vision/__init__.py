@@ -6,4 +6,5 @@
   training loss, and the ONNX export whose graph also resizes the image and picks peaks.
 - `evaluate`: mAP@[.5:.95] and mAP@.5 with pycocotools' COCOeval.
 - `backend`: the `detector` backend that serves an exported graph through v2.
+- `optimize/`: `bitserve optimize`, faster variants of the detector measured against mAP.
 """

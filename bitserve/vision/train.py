@@ -1,5 +1,5 @@
 """Training loops shared by the teacher (tools/train_detector.py), the pruned network's
-fine-tune and the distilled student (bitserve/optimize).
+fine-tune and the distilled student (bitserve/vision/optimize).
 
 Each step draws a fresh batch of synthetic canvases from a seeded generator and a
 random input resolution (half at 128, the rest at 96 or 64), so one set of weights

@@ -11,7 +11,7 @@ from torch import nn
 
 from bitserve import kernels
 from bitserve.llm import LLM, SamplingParams
-from bitserve.quant.linear import Int4Linear, Int8Linear, qweight
+from bitserve.llm.quant.linear import Int4Linear, Int8Linear, qweight
 from bitserve.quantize.folders import resolve_source
 
 pytestmark = pytest.mark.skipif(kernels.get() is None, reason="no C compiler")

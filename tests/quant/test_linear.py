@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from bitserve import kernels as c
-from bitserve.quant.linear import (
+from bitserve.llm.quant.linear import (
     SMALL_M,
     Int4Linear,
     Int8Embedding,
@@ -103,7 +103,7 @@ def test_int8_embedding_rows(linear) -> None:
 
 
 def test_kernel_choice_can_fall_back_to_dequantize(linear, monkeypatch, caplog) -> None:
-    from bitserve.quant import linear as module
+    from bitserve.llm.quant import linear as module
 
     def missing(*args):
         raise NotImplementedError("no such kernel here")

@@ -19,8 +19,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from bitserve.llm import LLM, SamplingParams
+from bitserve.llm.quant.linear import Int4Linear, Int8Linear
 from bitserve.plan import memory, shape
-from bitserve.quant.linear import Int4Linear, Int8Linear
 from bitserve.quantize.command import _quantize_llm
 from bitserve.quantize.evaluate import score_llm
 from bitserve.quantize.folders import Source

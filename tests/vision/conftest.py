@@ -18,8 +18,8 @@ def detector_graphs(tmp_path_factory) -> dict[str, Path]:
     """{"teacher": fp32 graph at 128 px, "int8": its QDQ int8 quantization}."""
     import torch
 
-    from bitserve.optimize import techniques
     from bitserve.vision import export, weights
+    from bitserve.vision.optimize import techniques
 
     torch.set_num_threads(1)
     folder = tmp_path_factory.mktemp("graphs")

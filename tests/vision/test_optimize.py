@@ -11,9 +11,9 @@ from click.testing import CliRunner
 
 from bitserve.cli import main
 from bitserve.config import load_config
-from bitserve.optimize import report
 from bitserve.vision import data
 from bitserve.vision.backend import DetectorModel
+from bitserve.vision.optimize import report
 
 from .conftest import DETECTOR
 

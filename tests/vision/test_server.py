@@ -163,7 +163,7 @@ def test_concurrent_requests_share_batches(server):
 
 
 async def _send_all(port: int, raws: list[bytes], concurrency: int) -> list[int]:
-    from bitserve.bench.client import connect
+    from bitserve.loadtest.client import connect
 
     connections = [await connect("127.0.0.1", port) for _ in range(concurrency)]
 

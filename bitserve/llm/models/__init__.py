@@ -58,7 +58,7 @@ def load_model(config: EngineConfig, parallel: Parallel = SINGLE) -> nn.Module:
     cls = model_class(config)
     quant = config.hf_config.get("quantization_config")  # written by `bitserve quantize`
     if quant is not None:
-        from bitserve.quant import quantize as quantized
+        from bitserve.llm.quant import quantize as quantized
     previous = torch.get_default_dtype()
     torch.set_default_dtype(config.torch_dtype)
     try:

@@ -55,7 +55,7 @@ class SparseMoE(nn.Module):
         self.gate = nn.Linear(hidden, self.num_experts, bias=False)
         self.w13 = nn.Parameter(torch.empty(self.num_experts, 2 * inter, hidden))  # gate, up
         self.w2 = nn.Parameter(torch.empty(self.num_experts, hidden, inter))
-        self.q13: nn.ModuleList | None = None  # quantized experts (bitserve/quant), per expert
+        self.q13: nn.ModuleList | None = None  # quantized experts (bitserve/llm/quant), per expert
         self.q2: nn.ModuleList | None = None
         self.reset_buffers()
 

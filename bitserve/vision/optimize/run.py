@@ -16,8 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
-from bitserve.optimize import measure, report, techniques
 from bitserve.vision import data, export, net, weights
+from bitserve.vision.optimize import measure, report, techniques
 
 TECHNIQUES = ("int8", "prune", "distill", "resolution", "onnx", "combo")
 

@@ -15,8 +15,8 @@ from collections import Counter
 
 import numpy as np
 
-from bitserve.bench.loadgen import Run
-from bitserve.bench.stream import Result
+from bitserve.loadtest.loadgen import Run
+from bitserve.loadtest.stream import Result
 
 PERCENTILES = (50, 90, 99)
 SLO_METRICS = ("ttft", "tpot", "e2el")

@@ -30,7 +30,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from bitserve.quant.linear import (
+from bitserve.llm.quant.linear import (
     Int4Linear,
     Int8Embedding,
     Int8Linear,
@@ -265,7 +265,7 @@ def describe(model: nn.Module, qconfig: dict[str, Any]) -> str:
 
 
 def kernel_summary(layer: QuantLinear) -> str:
-    from bitserve.quant.linear import SMALL_M
+    from bitserve.llm.quant.linear import SMALL_M
 
     if isinstance(layer, Int4Linear):
         if layer.c_weight is not None:

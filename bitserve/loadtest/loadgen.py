@@ -21,9 +21,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from bitserve.bench.client import ConnectionLost, Pool, StaleConnection
-from bitserve.bench.stream import Result, StreamReader, read_full
-from bitserve.bench.workloads import Request
+from bitserve.loadtest.client import ConnectionLost, Pool, StaleConnection
+from bitserve.loadtest.stream import Result, StreamReader, read_full
+from bitserve.loadtest.workloads import Request
 
 
 @dataclass

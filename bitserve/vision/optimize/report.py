@@ -1,7 +1,7 @@
 """The optimize report: a table, a speed-accuracy scatter with the Pareto front, JSON.
 
 Speed-up is the baseline's batch-1 p50 over the variant's (CPU time of the one thread
-that runs it, bitserve/optimize/measure.py says why); a mAP delta is in points
+that runs it, bitserve/vision/optimize/measure.py says why); a mAP delta is in points
 (1 point = 0.01 mAP). A variant is on the Pareto front when no other is both faster
 and at least as accurate.
 """

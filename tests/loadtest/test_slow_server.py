@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from bitserve.bench import metrics, workloads
-from bitserve.bench.loadgen import Load, run
-from tests.bench.conftest import DELAY_MS, PREFILL_MS, TOKEN_MS
+from bitserve.loadtest import metrics, workloads
+from bitserve.loadtest.loadgen import Load, run
+from tests.loadtest.conftest import DELAY_MS, PREFILL_MS, TOKEN_MS
 
 SLACK_MS = 40.0  # scheduling noise on a shared, busy 2-core machine; never below target
 

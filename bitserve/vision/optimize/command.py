@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from bitserve.optimize.run import TECHNIQUES
+from bitserve.vision.optimize.run import TECHNIQUES
 
 
 @click.command("optimize")
@@ -37,8 +37,8 @@ def optimize_command(model_dir, techniques, report_dir, no_versions, **knobs) ->
     (mAP, latency, throughput, size, training minutes) and written as a model version."""
     import torch
 
-    from bitserve.optimize import report
-    from bitserve.optimize.run import OptimizeConfig, optimize
+    from bitserve.vision.optimize import report
+    from bitserve.vision.optimize.run import OptimizeConfig, optimize
 
     torch.set_num_threads(1)
     chosen = TECHNIQUES if techniques == "all" else tuple(techniques.split(","))

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from bitserve.bench.command import check_target
 from bitserve.cli import main
-from tests.bench.conftest import wait_http
+from bitserve.loadtest.command import check_target
 from tests.conftest import ROOT, Server, free_port, write_model
+from tests.loadtest.conftest import wait_http
 
 SLEEPER = """
 import time

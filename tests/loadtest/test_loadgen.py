@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from bitserve.bench.client import build_request
-from bitserve.bench.loadgen import Load, arrival_times, intervals, run
-from bitserve.bench.workloads import Request
+from bitserve.loadtest.client import build_request
+from bitserve.loadtest.loadgen import Load, arrival_times, intervals, run
+from bitserve.loadtest.workloads import Request
 
 ALPHA = 0.01
 

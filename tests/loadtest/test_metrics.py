@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from bitserve.bench.loadgen import Load, Run
-from bitserve.bench.metrics import parse_goodput, summarise
-from bitserve.bench.stream import Result
+from bitserve.loadtest.loadgen import Load, Run
+from bitserve.loadtest.metrics import parse_goodput, summarise
+from bitserve.loadtest.stream import Result
 
 
 def recorded(n: int = 500, seed: int = 1) -> Run:

@@ -34,7 +34,7 @@ def wait_http(url: str, process: subprocess.Popen, limit: float = 60.0) -> None:
 
 @pytest.fixture(scope="session")
 def slow_server() -> Iterator[str]:
-    """URL of tests/bench/slow_server.py answering after DELAY_MS / PREFILL_MS / TOKEN_MS."""
+    """URL of tests/loadtest/slow_server.py answering after DELAY_MS / PREFILL_MS / TOKEN_MS."""
     port = free_port()
     args = ["--delay-ms", DELAY_MS, "--prefill-ms", PREFILL_MS, "--token-ms", TOKEN_MS]
     command = [sys.executable, str(HERE / "slow_server.py"), "--port", str(port)]

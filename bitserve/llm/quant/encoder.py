@@ -15,8 +15,8 @@ from typing import Any
 
 from torch import nn
 
-from bitserve.quant.linear import Int8Embedding
-from bitserve.quant.quantize import (
+from bitserve.llm.quant.linear import Int8Embedding
+from bitserve.llm.quant.quantize import (
     empty_linear,
     header_shapes,
     method_config,

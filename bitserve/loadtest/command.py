@@ -19,7 +19,7 @@ from urllib.parse import urlsplit
 
 import click
 
-from bitserve.bench import loadgen, metrics, report, server_view, workloads
+from bitserve.loadtest import loadgen, metrics, report, server_view, workloads
 
 
 class DefaultGroup(click.Group):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from bitserve.bench.stream import Result, StreamReader
+from bitserve.loadtest.stream import Result, StreamReader
 
 STREAM = (
     b'data: {"choices":[{"text":"a"}]}\n\n'

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import orjson
 
-from bitserve.bench.client import build_request
+from bitserve.loadtest.client import build_request
 
 _TEXT = (
     "the of and to in is it that for on was with as at by be this are or from had not but "

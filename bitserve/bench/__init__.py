@@ -1,1 +1,0 @@
-"""`bitserve bench`: load generator, metrics, reports and plots (see command.py)."""
