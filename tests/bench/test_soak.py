@@ -1,0 +1,83 @@
+"""bench/soak.py: its verdict on timelines with and without a leak, and the bounded run
+that `make test` keeps (issue 35)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from bench import soak
+from tests.conftest import ROOT
+
+MiB = 2**20
+
+
+def timeline(minutes: float, rss_per_hour: float, seed: int = 0) -> list[dict]:
+    """A sample every 2 s: RSS rising by `rss_per_hour` over allocator noise, fds and
+    threads flat with noise."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for i in range(int(minutes * 30)):
+        t = 2.0 * i
+        rows.append(
+            {
+                "t": t,
+                "rss": 1000 * MiB + rss_per_hour * t / 3600 + rng.normal(0, 4 * MiB),
+                "rss_children": 0,
+                "fds": 40 + int(rng.integers(0, 3)),
+                "threads": 50 + int(rng.integers(0, 2)),
+            }
+        )
+    return rows
+
+
+def verdict(rows, rss_bound=None):
+    return soak.verdict([], rss_bound, rows, [], 60.0, {}, 0.0, {"ok": True})
+
+
+def test_a_flat_run_passes_and_a_leak_fails_on_rss():
+    clean = verdict(timeline(10, 0.0))
+    assert clean["ok"], clean["checks"]
+    leak = verdict(timeline(10, 500 * MiB))
+    assert not leak["ok"] and not leak["checks"]["rss"]["ok"]
+    low, high = leak["checks"]["rss"]["ci95"]
+    assert low < 500 * MiB < high  # the interval holds the planted rate
+
+
+def test_growing_file_descriptors_fail():
+    rows = timeline(10, 0.0)
+    for i, row in enumerate(rows):
+        row["fds"] += i // 10  # one more every 20 s
+    assert not verdict(rows)["checks"]["fds"]["ok"]
+
+
+def test_a_5xx_outside_a_chaos_event_fails_and_one_inside_is_owed_to_it():
+    base = dict(kind="v2_json", protocol="v2-json", model="mlp_proc", seconds=0.1, expected="ok")
+    lost = dict(base, start=100.0, status=503, retry_after=True)
+    event = soak.Event("kill -9 instance", 99.0, 101.0, ["mlp_proc"])
+    rows = timeline(4, 0.0)
+    owed = soak.verdict([lost], None, rows, [event], 60.0, {}, 0.0, {"ok": True})
+    assert owed["checks"]["requests"]["ok"]
+    alone = soak.verdict([lost], None, rows, [], 60.0, {}, 0.0, {"ok": True})
+    assert not alone["checks"]["requests"]["ok"]
+    bug = dict(base, start=100.0, status=500, retry_after=False)
+    inside = soak.verdict([bug], None, rows, [event], 60.0, {}, 0.0, {"ok": True})
+    assert not inside["checks"]["requests"]["ok"]  # a 500 is never owed to chaos
+
+
+@pytest.mark.slow
+def test_a_planted_leak_fails_the_bounded_soak(tmp_path):
+    args = ["--minutes", "2", "--clients", "2", "--concurrency", "4", "--rss-bound", "1024"]
+    run = subprocess.run(
+        [sys.executable, "-m", "bench.soak", *args, "--plant-leak", "--report", str(tmp_path)],
+        cwd=ROOT,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+        timeout=900,
+    )
+    result = json.loads((tmp_path / "soak.json").read_text())
+    assert run.returncode == 1 and not result["checks"]["rss"]["ok"], result["checks"]["rss"]
