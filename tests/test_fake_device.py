@@ -19,11 +19,12 @@ import pytest
 import torch
 
 from bitserve import kernels
+from bitserve.llm.engine import LLMEngine
 from bitserve.llm.sampling_params import SamplingParams
 from bitserve.llm.structured import Guide, apply_masks, mask_rows
 from bitserve.tensors import coerce
 from tests.fakedevice import DeviceMismatch, FakeCuda, host, on_device
-from tests.llm.conftest import CONFIGS, build_model, make_engine
+from tests.llm.conftest import CONFIGS, build_model
 from tests.llm.test_engine import MIXED, MODELS, assert_parity, generate
 
 SAMPLER_OWNER = (
@@ -82,12 +83,15 @@ def test_the_proxy_refuses_what_cuda_refuses():
 
 
 # -- the LLM engine -------------------------------------------------------------------
+PROMPTS = MIXED[1:4]  # 17, 40 and 64 tokens: chunked prefills beside decodes
+
+
 @pytest.mark.parametrize("name", MODELS)
 def test_engine_steps_on_cuda_are_token_exact(model_dirs, name, no_kernels):
     """Chunked prefill and decode of a mixed batch, the pool, RoPE and weights on cuda,
     greedy tokens equal to transformers'."""
     with FakeCuda() as gpu:
-        engine = make_engine(
+        engine = LLMEngine(
             model_dirs[name], device="cuda", dtype="float32", num_kv_blocks=64,
             max_num_batched_tokens=16,
         )  # fmt: skip
@@ -95,9 +99,9 @@ def test_engine_steps_on_cuda_are_token_exact(model_dirs, name, no_kernels):
         assert runner.kernels is None
         assert all(on_device(p) for p in runner.model.parameters())
         assert all(on_device(t) for a in runner.attentions for t in a.kv_cache)
-        outputs = generate(engine, MIXED)
+        outputs = generate(engine, PROMPTS)
     assert gpu.ops > 0
-    assert_parity(model_dirs[name], MIXED, outputs)
+    assert_parity(model_dirs[name], PROMPTS, outputs)
 
 
 SAMPLED = SamplingParams(
@@ -108,7 +112,7 @@ SAMPLED = SamplingParams(
 
 
 def run_requests(folder: Path, device: str, params: SamplingParams, prompts=MIXED[:3]):
-    engine = make_engine(folder, device=device, dtype="float32", num_kv_blocks=64)
+    engine = LLMEngine(folder, device=device, dtype="float32", num_kv_blocks=64)
     for i, prompt in enumerate(prompts):
         engine.add_request(str(i), prompt, params)
     done = {}
@@ -277,3 +281,43 @@ def test_diffusion_backend_forward_on_cuda():
     with FakeCuda():
         on_gpu = images("cuda")
     np.testing.assert_array_equal(on_gpu, images("cpu"))
+
+
+def test_llm_backend_serves_on_cuda(llama_dir, no_kernels):
+    """The llm backend's service (engine loop on its own thread, warm-up, v2 infer) on
+    cuda: the CPU's text for a greedy and a seeded request."""
+    import asyncio
+
+    from bitserve.backends.llm import LLMService
+    from bitserve.config import ModelConfig
+
+    inputs = [
+        {"text_input": np.array([b"the cat"], dtype=object)},
+        {
+            "text_input": np.array([b"a dog ran"], dtype=object),
+            "sampling_parameters": np.array(
+                [b'{"temperature": 0.7, "seed": 3, "max_tokens": 6}'], dtype=object
+            ),
+        },
+    ]
+
+    def texts(device: str) -> list[bytes]:
+        parameters = {"num_kv_blocks": 32, "device": device, "dtype": "float32"}
+        config = ModelConfig.model_validate(
+            {"name": "m", "backend": "llm", "parameters": parameters}
+        )
+
+        async def go():
+            svc = LLMService(config, llama_dir)
+            await svc.start()
+            try:
+                return [(await svc.infer(x))["text_output"][0] for x in inputs]
+            finally:
+                await svc.stop()
+
+        return asyncio.run(go())
+
+    with FakeCuda() as gpu:
+        on_gpu = texts("cuda")
+    assert gpu.ops > 0
+    assert all(on_gpu) and on_gpu == texts("cpu")
