@@ -4,7 +4,7 @@
         model = model.to("cuda")          # parameters are DeviceTensors on cuda:0
         y = model(x.to("cuda"))           # real arithmetic, on the CPU underneath
         logits.index_select(0, cpu_index) # DeviceMismatch, as CUDA raises
-    gpu.ops, gpu.host_reads               # calls on device tensors; the syncs a GPU pays
+    gpu.ops, gpu.calls, gpu.host_reads    # calls on device tensors; the syncs a GPU pays
 
 A tensor created on "cuda" (`device=` of any factory) or moved there (`.to`, `.cuda`,
 `Module.to`) is a `DeviceTensor`: a wrapper that reports `device == cuda:N` (so code
@@ -32,6 +32,7 @@ a CPU-only torch; kernels (Triton) are not emulated; memory is not modelled.
 from __future__ import annotations
 
 import threading
+from collections import Counter
 from types import SimpleNamespace
 from typing import Any
 
@@ -127,6 +128,25 @@ _METADATA = {
     "is_inference",
 }
 # reading values on the host: what a GPU pays a sync for
+# metadata queries: no kernel on a GPU, not counted in `ops`
+_METADATA_CALLS = {
+    "size",
+    "dim",
+    "ndimension",
+    "stride",
+    "numel",
+    "nelement",
+    "is_contiguous",
+    "is_floating_point",
+    "is_complex",
+    "element_size",
+    "storage_offset",
+    "data_ptr",
+    "get_device",
+    "is_pinned",
+    "__len__",
+    "__hash__",
+}
 _HOST_READS = {
     "item",
     "tolist",
@@ -169,7 +189,8 @@ class FakeCuda(TorchFunctionMode):
     `get_device_properties`, `set_device`, `synchronize`, `memory_allocated`,
     `empty_cache` answer for the pretend devices, and `torch.Generator(device="cuda")`
     is a `FakeGenerator`; leaving puts those (and torch's TF32 flags) back. `ops`
-    counts torch calls that touched a device tensor; `host_reads` lists (in order) the
+    counts torch calls that touched a device tensor (metadata queries such as `size()`
+    aside; views included), `calls` the same by name; `host_reads` lists (in order) the
     calls that read device values on the host (`.item()`, `.tolist()`, `.cpu()`,
     `bool(t)`, `nonzero`, ...)."""
 
@@ -179,6 +200,7 @@ class FakeCuda(TorchFunctionMode):
         self.count, self.total = count, total
         self.free = total - GIB // 2 if free is None else free
         self.ops = 0
+        self.calls: Counter[str] = Counter()  # the same calls by name
         self.host_reads: list[str] = []
         self.current = 0
         self._saved: dict[str, Any] = {}
@@ -255,8 +277,9 @@ class FakeCuda(TorchFunctionMode):
         special = getattr(self, "_" + name.strip("_"), None) if name in _SPECIAL else None
         flat, _ = tree_flatten((args, kwargs))
         devices = {t.device for t in flat if on_device(t)}
-        if devices:
+        if devices and name not in _METADATA_CALLS:
             self.ops += 1
+            self.calls[name] += 1
         if special is not None:
             return special(func, args, kwargs, devices)
         target = None
