@@ -3,12 +3,14 @@
 #   docker build -t bitserve .                                 # CPU (torch's CPU wheel)
 #   docker build -t bitserve:cuda \
 #     --build-arg BASE_IMAGE=nvidia/cuda:12.6.3-cudnn-runtime-ubuntu24.04 \
-#     --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu126 .
+#     --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu126 \
+#     --build-arg EXTRAS=gpu .
 #   docker run -p 8000:8000 bitserve                           # the baked-in repository
 #   docker run -p 8000:8000 -v "$PWD/my-models:/models:ro" bitserve   # your own
 #
 # Build args: MODELS (the repository folder in the build context, default models/),
-# EXTRAS (pip extras, e.g. "ray" for `--ray ADDRESS` replicas), BITSERVE_UID.
+# EXTRAS (pip extras, comma-separated: "gpu" for onnxruntime's CUDA build, "ray" for
+# `--ray ADDRESS` replicas), BITSERVE_UID.
 ARG BASE_IMAGE=python:3.11-slim-bookworm
 
 # ---------------------------------------------------------------- base: a python3 >= 3.11
@@ -38,8 +40,14 @@ COPY pyproject.toml README.md ./
 # hadolint ignore=DL3013
 RUN pip install --index-url "${TORCH_INDEX_URL}" "torch>=2.4,<2.15"
 COPY bitserve ./bitserve
+# The gpu extra's onnxruntime-gpu and the core onnxruntime are one module in two wheels:
+# keep the CUDA one alone (installed last, whole), or the CPU files may win.
 # hadolint ignore=DL3013
-RUN pip install ".${EXTRAS:+[$EXTRAS]}"
+RUN pip install ".${EXTRAS:+[$EXTRAS]}" \
+    && if [[ ",${EXTRAS}," == *",gpu,"* ]]; then \
+        pip uninstall -y onnxruntime onnxruntime-gpu \
+        && pip install --no-deps "onnxruntime-gpu>=1.17"; \
+    fi
 COPY tools ./tools
 COPY ${MODELS} /models
 # Generated weights (tools/build_models.py) are made here, at build time, never at run

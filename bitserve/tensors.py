@@ -193,3 +193,14 @@ def _torch_int16():
     import torch
 
     return torch.int16
+
+
+def allow_tf32(device: str) -> None:
+    """On cuda, fp32 matmuls and convolutions may use TF32 tensor cores (torch's default
+    for matmuls is full fp32, at a fraction of the tensor cores' rate); a process that
+    runs only on the CPU is untouched."""
+    if str(device).startswith("cuda"):
+        import torch
+
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True

@@ -8,6 +8,8 @@ at load so that a mismatch is a load error rather than a failure on the first re
 
 from __future__ import annotations
 
+import logging
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -15,6 +17,8 @@ import onnxruntime as ort
 
 from bitserve.backends.base import LoadError, Model
 from bitserve.config import ModelConfig
+
+log = logging.getLogger(__name__)
 
 # onnxruntime's type strings and the numpy dtype each takes.
 _ORT_DTYPES: dict[str, np.dtype] = {
@@ -48,6 +52,28 @@ def providers(config: ModelConfig, device: str) -> list[Any]:
     return ["CPUExecutionProvider"]
 
 
+def open_session(
+    path: Path, options: ort.SessionOptions, config: ModelConfig, device: str
+) -> ort.InferenceSession:
+    """A session on `providers(config, device)`; the log says which providers it took,
+    and warns when a GPU instance runs on the CPU because this onnxruntime is the CPU
+    build (`pip install 'bitserve[gpu]'` brings onnxruntime-gpu)."""
+    session = ort.InferenceSession(
+        str(path), sess_options=options, providers=providers(config, device)
+    )
+    taken = session.get_providers()
+    log.info("%s: onnxruntime on %s", path, ", ".join(taken))
+    gpu = device.startswith("cuda") and config.instance_group.kind != "cpu"
+    if gpu and "CUDAExecutionProvider" not in taken:
+        log.warning(
+            "%s: placed on %s, but this onnxruntime has no CUDAExecutionProvider (the CPU "
+            "build): running on the CPU; install onnxruntime-gpu (bitserve[gpu])",
+            path,
+            device,
+        )
+    return session
+
+
 class OnnxModel(Model):
     platform = "onnxruntime_onnx"
 
@@ -58,9 +84,7 @@ class OnnxModel(Model):
         if threads > 0:
             options.intra_op_num_threads = threads
         try:
-            self.session = ort.InferenceSession(
-                str(path), sess_options=options, providers=providers(self.config, self.device)
-            )
+            self.session = open_session(path, options, self.config, self.device)
         except Exception as e:
             raise LoadError(f"{path}: onnxruntime cannot load it: {type(e).__name__}: {e}") from e
         self._check_names(path)

@@ -63,9 +63,10 @@ class UNetConfig:
 
 
 def timestep_embedding(t: torch.Tensor, dim: int) -> torch.Tensor:
-    """Sinusoidal features of integer timesteps, [B] -> [B, dim]."""
+    """Sinusoidal features of integer timesteps, [B] -> [B, dim], on `t`'s device."""
     half = dim // 2
-    freqs = torch.exp(-math.log(10_000.0) * torch.arange(half, dtype=torch.float32) / half)
+    steps = torch.arange(half, dtype=torch.float32, device=t.device)
+    freqs = torch.exp(-math.log(10_000.0) * steps / half)
     angles = t.float()[:, None] * freqs[None, :]
     return torch.cat([angles.sin(), angles.cos()], dim=1)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -21,9 +22,12 @@ from pydantic import TypeAdapter, ValidationError
 from bitserve.llm.parallel import STARTUP_TIMEOUT_S, check_parallel
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "auto": "float32"}
-KV_CACHE_MEMORY_CAP = 8 << 30  # never take more than 8 GiB for KV by default
-KV_CACHE_MEMORY_FRACTION = 0.25  # of the memory that is available when the engine starts
+DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+KV_CACHE_MEMORY_CAP = 8 << 30  # on the CPU: never take more than 8 GiB for KV by default
+KV_CACHE_MEMORY_FRACTION = 0.25  # of the host memory available when the engine starts
+# tokens a step may schedule by default: the CPU's as before; on a GPU more, so that a
+# prefill chunk's matmuls have enough rows to be compute-bound
+MAX_NUM_BATCHED_TOKENS = {"cpu": 2048, "cuda": 8192}
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 
 
@@ -63,12 +67,77 @@ def available_memory() -> int:
 
 
 def default_kv_cache_memory(device: str = "cpu") -> int:
-    """A share of what is free where the pool will live: host RAM, or the GPU's memory."""
-    if device.startswith("cuda"):
-        free, _ = torch.cuda.mem_get_info(torch.device(device))
-    else:
-        free = available_memory()
-    return int(min(free * KV_CACHE_MEMORY_FRACTION, KV_CACHE_MEMORY_CAP))
+    """On the CPU: a share of the host memory available now, at most 8 GiB."""
+    return int(min(available_memory() * KV_CACHE_MEMORY_FRACTION, KV_CACHE_MEMORY_CAP))
+
+
+def pick_dtype(dtype: str, device: str, hf: dict[str, Any]) -> str:
+    """`dtype = "auto"`: float32 on the CPU (the C kernels are fp32); on a GPU the
+    checkpoint's own dtype when it is a half type, else bfloat16 (fp32 runs a GPU's
+    tensor cores at a fraction of their rate and doubles the weights' reads)."""
+    if dtype != "auto":
+        return DTYPE_ALIASES.get(dtype, dtype)
+    if device == "cpu":
+        return "float32"
+    stored = hf.get("torch_dtype") or hf.get("dtype")  # transformers < 5 / >= 5
+    return stored if stored in ("float16", "bfloat16") else "bfloat16"
+
+
+def checkpoint_bytes(folder: Path | None, dtype: torch.dtype, gguf_file: Path | None) -> int:
+    """What the weights take once loaded in `dtype` (floating tensors converted, others
+    as stored), read from the safetensors headers without reading a weight; a GGUF
+    file's size. 0 without a model (unit tests)."""
+    if gguf_file is not None:
+        return gguf_file.stat().st_size
+    if folder is None:
+        return 0
+    total = 0
+    for file in sorted(Path(folder).glob("*.safetensors")):
+        with open(file, "rb") as f:
+            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+        for name, info in header.items():
+            if name == "__metadata__":
+                continue
+            numel = math.prod(info["shape"])
+            stored = info["data_offsets"][1] - info["data_offsets"][0]
+            floating = info["dtype"] in ("F64", "F32", "F16", "BF16")
+            total += numel * dtype.itemsize if floating else stored
+    return total
+
+
+def activation_bytes(hf: dict[str, Any], tokens: int, seqs: int, dtype: torch.dtype) -> int:
+    """An estimate of a step's transient memory: per token the residual stream, norm
+    and attention outputs, q/k/v and the MLP's gate, up and activation; the fp32 logits
+    (and probabilities) of the rows sampled. Prompt-logprob rows are not counted."""
+    hidden = int(hf.get("hidden_size") or hf.get("n_embd") or 0)
+    inner = int(hf.get("intermediate_size") or hf.get("n_inner") or 4 * hidden)
+    vocab = int(hf.get("vocab_size") or 0)
+    per_token = (6 * hidden + 3 * inner) * dtype.itemsize
+    return tokens * per_token + seqs * vocab * 4 * 2
+
+
+def gpu_kv_cache_memory(config: EngineConfig) -> int:
+    """The KV pool on a GPU, as vLLM reads `gpu_memory_utilization`: once the pool is
+    allocated, at most that fraction of the device's total memory is in use, counting
+    what is already taken (other processes, models loaded before), this rank's share of
+    the weights and a step's activations. No cap: the pool is what is left."""
+    free, total = torch.cuda.mem_get_info(config.torch_device)
+    weights = checkpoint_bytes(config.model, config.torch_dtype, config.gguf_file)
+    weights //= config.world_size  # each rank holds its heads/columns or its layers
+    step = activation_bytes(
+        config.hf_config, config.max_num_batched_tokens, config.max_num_seqs, config.torch_dtype
+    )
+    in_use = total - free
+    pool = int(config.gpu_memory_utilization * total) - in_use - weights - step
+    if pool <= 0:
+        gib = 1 << 30
+        raise ValueError(
+            f"gpu_memory_utilization={config.gpu_memory_utilization} of {config.device}'s "
+            f"{total / gib:.1f} GiB leaves no KV cache: {in_use / gib:.1f} GiB in use "
+            f"already, weights {weights / gib:.1f} GiB, a step's activations "
+            f"{step / gib:.1f} GiB; raise it, or lower max_num_batched_tokens"
+        )
+    return pool
 
 
 def layer_types(hf: dict[str, Any]) -> list[str]:
@@ -137,11 +206,15 @@ class EngineConfig:
     """Everything the engine needs to know; `model` may be None in unit tests."""
 
     model: str | Path | None = None
-    dtype: str = "float32"
+    # "auto": float32 on the CPU; on a GPU the checkpoint's fp16/bf16, else bfloat16
+    dtype: str = "auto"
     block_size: int = 16
-    kv_cache_memory: int | None = None  # bytes (per rank); None: a share of available memory
+    # bytes (per rank); None: on the CPU a share of available memory (at most 8 GiB), on
+    # a GPU what gpu_memory_utilization leaves after the weights and activations
+    kv_cache_memory: int | None = None
     num_kv_blocks: int | None = None  # overrides kv_cache_memory (tests, benchmarks)
-    max_num_batched_tokens: int = 2048
+    gpu_memory_utilization: float = 0.9  # the share of a GPU's memory the engine may fill
+    max_num_batched_tokens: int | None = None  # None: 2048 on the CPU, 8192 on a GPU
     max_num_seqs: int = 256
     # a step that starts new prompts waits this share of their predicted prefill time (at
     # most MAX_BATCH_WAIT_S) so that requests arriving with them share it; 0: never
@@ -173,9 +246,15 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         self.check_types()
-        self.dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if DTYPE_ALIASES.get(self.dtype, self.dtype) not in (*DTYPES, "auto"):
+            raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if not 0 < self.gpu_memory_utilization <= 1:  # (NaN too)
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}"
+            )
+        self.device = resolve_device(self.device)
+        if self.max_num_batched_tokens is None:
+            self.max_num_batched_tokens = MAX_NUM_BATCHED_TOKENS["cpu" if self.on_cpu else "cuda"]
         if self.block_size < 1:
             raise ValueError(f"block_size must be positive, got {self.block_size}")
         if self.scheduling_policy not in ("fcfs", "priority"):
@@ -186,7 +265,6 @@ class EngineConfig:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
         if not 0 <= self.batch_wait <= 1:  # (NaN too)
             raise ValueError(f"batch_wait must be a number in [0, 1], got {self.batch_wait!r}")
-        self.device = resolve_device(self.device)
         if self.model is not None:
             self.model = Path(self.model)
             self.read_gguf()
@@ -194,6 +272,7 @@ class EngineConfig:
             if not config_file.is_file():
                 raise FileNotFoundError(f"{config_file} not found: not a Hugging Face model folder")
             self.hf_config = json.loads(config_file.read_text())
+        self.dtype = pick_dtype(self.dtype, self.device, self.hf_config)
         if self.max_model_len is None:
             self.max_model_len = int(
                 self.hf_config.get(
@@ -202,9 +281,10 @@ class EngineConfig:
             )
         self.check_parallel()
         if self.kv_cache_memory is None and self.num_kv_blocks is None:
-            self.kv_cache_memory = default_kv_cache_memory(self.device)
             if self.on_cpu:  # the ranks share this host's memory (a GPU each has its own)
-                self.kv_cache_memory //= self.world_size
+                self.kv_cache_memory = default_kv_cache_memory() // self.world_size
+            else:
+                self.kv_cache_memory = gpu_kv_cache_memory(self)
 
     def check_types(self) -> None:
         """Each field holds its annotated type, strictly (no "8" for 8, no true for 1), so
@@ -235,6 +315,26 @@ class EngineConfig:
                 f"placement_strategy must be one of {PLACEMENT_STRATEGIES}, "
                 f"got {self.placement_strategy!r}"
             )
+        local_gpus = not self.on_cpu and self.distributed_executor == "mp"
+        if local_gpus and self.world_size > 1:  # Ray gives each worker a GPU of its own
+            first = self.torch_device.index or 0
+            if first + self.world_size > torch.cuda.device_count():
+                raise ValueError(
+                    f"tensor_parallel_size={self.tensor_parallel_size} x pipeline_parallel_"
+                    f"size={self.pipeline_parallel_size} needs {self.world_size} GPUs, one a "
+                    f"rank (cuda:{first}..cuda:{first + self.world_size - 1}), but torch sees "
+                    f"{torch.cuda.device_count()}; ranks never share a GPU"
+                )
+
+    def rank_device(self, rank: int) -> str:
+        """Where rank `rank` runs: the CPU for all; on cuda rank 0 on `device` and rank r
+        on the r-th GPU after it, each its own; a Ray worker on the one GPU Ray gave it
+        (it sees that one alone, as cuda:0)."""
+        if self.on_cpu or rank == 0:
+            return self.device
+        if self.distributed_executor == "ray":
+            return "cuda:0"
+        return f"cuda:{(self.torch_device.index or 0) + rank}"
 
     @property
     def world_size(self) -> int:

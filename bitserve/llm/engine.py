@@ -41,6 +41,7 @@ from bitserve.llm.scheduler import Scheduler, SchedulerOutput
 from bitserve.llm.sequence import Sequence, SequenceStatus
 from bitserve.llm.structured import Grammars, GuideError, mask_rows
 from bitserve.llm.workers import WorkerDied, Workers
+from bitserve.tensors import allow_tf32
 
 Prompt = str | list[int]
 log = logging.getLogger("bitserve.llm")
@@ -89,6 +90,7 @@ class LLMEngine:
     def __init__(self, model: str | Path, **kwargs: Any):
         self.config = EngineConfig(model=model, **kwargs)
         torch.manual_seed(self.config.seed)
+        allow_tf32(self.config.device)
         # tensor/pipeline parallelism: this process is rank 0, the others are workers
         self.workers = Workers(self.config) if self.config.world_size > 1 else None
         parallel = self.workers.parallel if self.workers is not None else SINGLE

@@ -40,6 +40,7 @@ import torch
 
 from bitserve.llm.config import EngineConfig
 from bitserve.llm.parallel import Parallel, init_parallel
+from bitserve.tensors import allow_tf32
 
 POLL_S = 0.05
 STOP_TIMEOUT_S = 10.0
@@ -61,10 +62,10 @@ def worker_main(config: EngineConfig, rank: int, host: str, port: int, threads: 
     store = dist.TCPStore(host, port, is_master=False, timeout=timeout)
     store.set(f"started/{rank}", str(os.getpid()))
     try:
-        if not config.on_cpu:  # rank r on the r-th GPU after rank 0's (Ray shows one)
-            index = ((config.torch_device.index or 0) + rank) % torch.cuda.device_count()
-            config = dataclasses.replace(config, device=f"cuda:{index}")
-            torch.cuda.set_device(index)
+        if not config.on_cpu:  # rank r on a GPU of its own (EngineConfig.rank_device)
+            config = dataclasses.replace(config, device=config.rank_device(rank))
+            torch.cuda.set_device(config.torch_device)
+            allow_tf32(config.device)
         parallel = init_parallel(config, rank, store)
         runner = ModelRunner(config, parallel)
         while (message := parallel.receive_object()) is not None:

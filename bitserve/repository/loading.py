@@ -12,6 +12,7 @@ from bitserve.backends.base import LoadError
 from bitserve.batching.batcher import Request
 from bitserve.batching.collate import dummy_inputs, merge, split
 from bitserve.config import ModelConfig
+from bitserve.tensors import allow_tf32
 
 
 def device_for(kind: str) -> str:
@@ -22,6 +23,7 @@ def device_for(kind: str) -> str:
         import torch
 
         if torch.cuda.is_available():
+            allow_tf32("cuda")
             return "cuda"
     except ImportError:
         pass

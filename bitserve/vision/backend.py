@@ -38,7 +38,7 @@ class DetectorModel(Model):
     def load(self) -> None:
         import onnxruntime as ort
 
-        from bitserve.backends.onnx import providers
+        from bitserve.backends.onnx import open_session
 
         path = self.require_file("model.onnx")
         options = ort.SessionOptions()
@@ -46,9 +46,7 @@ class DetectorModel(Model):
             options.intra_op_num_threads = self.config.instance_group.threads
             options.inter_op_num_threads = 1
         try:
-            self.session = ort.InferenceSession(
-                str(path), sess_options=options, providers=providers(self.config, self.device)
-            )
+            self.session = open_session(path, options, self.config, self.device)
         except Exception as e:
             raise LoadError(f"{path}: onnxruntime cannot load it: {type(e).__name__}: {e}") from e
         names = [o.name for o in self.session.get_outputs()]

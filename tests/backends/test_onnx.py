@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import logging
 import shutil
 from pathlib import Path
 
@@ -141,3 +142,16 @@ def test_providers_put_cuda_first_only_on_a_gpu_instance(repo: Path, monkeypatch
     ]
     assert onnx.providers(on_cpu, "cuda:1") == ["CPUExecutionProvider"]
     assert onnx.providers(auto, "cpu") == ["CPUExecutionProvider"]
+
+
+def test_the_log_says_which_provider_the_session_took(repo: Path, caplog) -> None:
+    """A GPU instance on onnxruntime's CPU build (this one) runs, and says so."""
+    with caplog.at_level(logging.INFO, logger="bitserve.backends.onnx"):
+        OnnxModel(load_config(repo / "config.toml"), repo / "1", device="cuda").load()
+    assert "onnxruntime on CPUExecutionProvider" in caplog.text
+    assert "no CUDAExecutionProvider" in caplog.text and "bitserve[gpu]" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="bitserve.backends.onnx"):
+        OnnxModel(load_config(repo / "config.toml"), repo / "1").load()
+    assert "onnxruntime on CPUExecutionProvider" in caplog.text
+    assert "CUDAExecutionProvider" not in caplog.text

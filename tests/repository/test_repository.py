@@ -213,3 +213,21 @@ async def test_models_load_in_parallel(tmp_path):
         assert all(v.ready for e in repository.models.values() for v in e.versions.values())
     finally:
         await repository.unload_all()
+
+
+def test_instances_on_a_gpu_get_cuda_and_tf32(monkeypatch):
+    """kind auto or gpu on a machine with a GPU: cuda, with TF32 for fp32 matmuls."""
+    import torch
+
+    from bitserve.repository.loading import device_for
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    matmul = torch.backends.cuda.matmul
+    assert device_for("auto") == "cpu" and matmul.allow_tf32 is False
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    try:
+        assert device_for("cpu") == "cpu" and matmul.allow_tf32 is False
+        assert device_for("gpu") == "cuda" and matmul.allow_tf32 is True
+    finally:
+        matmul.allow_tf32 = False
