@@ -566,6 +566,7 @@ def verdict(
     counters: dict,
     kv_idle: float,
     drain: dict,
+    overload: dict | None = None,
 ) -> dict:
     t0 = timeline[0]["t"] if timeline else 0.0
     warm = [r for r in timeline if r["t"] - t0 >= warm_s]
@@ -639,6 +640,8 @@ def verdict(
     }
     checks["kv_idle"] = {"ok": kv_idle == 0.0, "kv_usage_after": kv_idle}
     checks["drain"] = drain
+    if overload is not None:
+        checks["overload"] = overload
     return {
         "ok": all(c.get("ok", False) for c in checks.values()),
         "checks": checks,
@@ -695,6 +698,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sample", type=float, default=2.0, help="seconds between samples")
     parser.add_argument("--report", type=Path, default=ROOT / "bench" / "results" / "soak")
     parser.add_argument("--no-chaos", action="store_true")
+    parser.add_argument("--overload", type=int, default=400, help="chats at once (0: none)")
     parser.add_argument(
         "--rss-bound",
         type=float,
@@ -746,6 +750,7 @@ def main(argv: list[str] | None = None) -> int:
     outcomes = [o for f in files if f.exists() for o in json.loads(f.read_text())]
     time.sleep(2.0)  # streams the clients dropped are cancelled by now
     after = scrape(url)
+    overload = overload_probe(url, args.overload)
     drain = sigterm_drain(server, url)
     result = verdict(  # warm-up: a third of the run, at most 5 minutes
         outcomes,
@@ -756,6 +761,7 @@ def main(argv: list[str] | None = None) -> int:
         counters=after["success"],
         kv_idle=after["kv_usage"],
         drain=drain,
+        overload=overload,
     )
     result |= {
         "minutes": args.minutes,
@@ -769,6 +775,64 @@ def main(argv: list[str] | None = None) -> int:
     print_summary(result)
     shutil.rmtree(work, ignore_errors=True)
     return 0 if result["ok"] else 1
+
+
+def overload_probe(url: str, n: int, bound_ms: float = 50.0) -> dict:
+    """`n` chats at once on tinylm (past its max_queued_requests): the rejected ones'
+    time to a 429, its p99 under `bound_ms`, and `live` answering 200 meanwhile."""
+    import httpx
+
+    body = {"model": "tinylm", "max_tokens": 64, "ignore_eos": True}
+    body["messages"] = [{"role": "user", "content": "Who is my shepherd?"}]
+    rejected: list[float] = []
+    statuses: Counter = Counter()
+    live: list[int] = []
+
+    async def one(client: httpx.AsyncClient, start: asyncio.Event) -> None:
+        await start.wait()
+        t0 = time.perf_counter()
+        try:
+            r = await client.post("/v1/chat/completions", json=body)
+        except httpx.HTTPError:
+            statuses["error"] += 1
+            return
+        statuses[r.status_code] += 1
+        if r.status_code == 429 and "retry-after" in r.headers:
+            rejected.append((time.perf_counter() - t0) * 1e3)
+
+    async def probe_live(client: httpx.AsyncClient, done: asyncio.Event) -> None:
+        while not done.is_set():
+            live.append((await client.get("/v2/health/live")).status_code)
+            await asyncio.sleep(0.05)
+
+    async def main() -> None:
+        limits = httpx.Limits(max_connections=n + 8, max_keepalive_connections=n + 8)
+        async with httpx.AsyncClient(base_url=url, timeout=120, limits=limits) as client:
+            for _ in range(8):  # open the connections first: a 429 is timed, not a handshake
+                await client.get("/v2/health/live")
+            start, done = asyncio.Event(), asyncio.Event()
+            tasks = [asyncio.create_task(one(client, start)) for _ in range(n)]
+            watcher = asyncio.create_task(probe_live(client, done))
+            await asyncio.sleep(0.2)
+            start.set()
+            await asyncio.gather(*tasks)
+            done.set()
+            await watcher
+
+    if n <= 0:
+        return {"ok": True, "skipped": True}
+    asyncio.run(main())
+    p99 = float(np.percentile(rejected, 99)) if rejected else None
+    return {
+        "ok": bool(rejected) and p99 <= bound_ms and all(s == 200 for s in live),
+        "requests": n,
+        "statuses": {str(k): v for k, v in statuses.items()},
+        "rejected_p50_ms": float(np.percentile(rejected, 50)) if rejected else None,
+        "rejected_p99_ms": p99,
+        "bound_ms": bound_ms,
+        "live_probes": len(live),
+        "live_all_200": all(s == 200 for s in live),
+    }
 
 
 def sigterm_drain(server: subprocess.Popen, url: str) -> dict:
