@@ -195,6 +195,9 @@ def engine_tokens(folder: Path, prompts: list[list[int]], new: int, **kwargs) ->
     from bitserve.llm.sampling_params import SamplingParams
 
     llm = LLM(folder, **kwargs)
+    if kwargs.get("dtype") == "float32":  # the engine turns TF32 on; token-exact needs fp32
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
     try:
         params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
         return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
@@ -709,8 +712,6 @@ def main() -> None:
     args.device = "cpu" if args.cpu else "cuda"
     if not args.cpu and not torch.cuda.is_available():
         sys.exit("no GPU here: run with --cpu for the dry run")
-    if not args.cpu:
-        torch.backends.cuda.matmul.allow_tf32 = True
     budget = Budget(args.budget)
     results: dict = {"budget_s": args.budget}
     work = Path(tempfile.mkdtemp(prefix="bitserve-gpu-"))
