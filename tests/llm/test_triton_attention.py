@@ -143,6 +143,7 @@ CASES = {
     "chunked_prefill": dict(seqs=[(0, 9), (0, 3)]),
     "prefix_cached": dict(seqs=[(13, 6)]),
     "mixed": dict(seqs=MIXED),
+    "mixed_tile64": dict(seqs=MIXED, tile=64),  # the kernel's default tile: one per row
     "window": dict(seqs=MIXED, window=5),
     "softcap": dict(seqs=MIXED, softcap=4.0, scale=1.0),
     "window_softcap_split": dict(seqs=[(30, 1), (3, 6)], window=11, softcap=3.0, splits=3),
@@ -150,8 +151,8 @@ CASES = {
     "mha": dict(seqs=MIXED, group=1),
     "gqa4": dict(seqs=MIXED, group=4, hkv=1),
     "gqa3_dim24": dict(seqs=MIXED, group=3, d=24),
-    "block16": dict(seqs=MIXED, bs=16, tile=16),
-    "block32_tile16": dict(seqs=[(40, 1), (5, 12)], bs=32, tile=16, window=10),
+    "block16": dict(seqs=MIXED, bs=16),
+    "block32": dict(seqs=[(40, 1), (5, 12)], bs=32, window=10),  # a tile within a block
     "bf16": dict(seqs=MIXED, dtype=torch.bfloat16),
     "fp16_window_softcap": dict(seqs=MIXED, dtype=torch.float16, window=6, softcap=4.0),
 }
@@ -163,7 +164,11 @@ def test_kernel_matches_references(name):
     seqs = spec.pop("seqs")
     scale = spec.pop("scale", 32**-0.5)
     attn = {k: spec.pop(k) for k in ("window", "softcap") if k in spec}
-    launch = {k: spec.pop(k) for k in ("splits", "tile") if k in spec}
+    # 16-key tiles: several per row, so the online softmax's rescaling is exercised.
+    launch = {
+        "tile": spec.pop("tile", 16),
+        **({"splits": spec.pop("splits")} if "splits" in spec else {}),
+    }
     case = build(seqs, **spec)
     got = run(ta.paged_attention_triton, case, scale, **attn, **launch)
     ref = run(ta.paged_attention_reference, case, scale, **attn)
@@ -185,7 +190,7 @@ def test_kernel_matches_references(name):
 def test_splits_change_nothing():
     """Split-K is a reordering of one sum: 1 and 3 splits agree to rounding."""
     case = build([(37, 1), (9, 3)], seed=3)
-    outs = [run(ta.paged_attention_triton, case, 0.2, window=30, splits=s) for s in (1, 3)]
+    outs = [run(ta.paged_attention_triton, case, 0.2, window=30, splits=s, tile=16) for s in (1, 3)]
     for out in outs[1:]:
         torch.testing.assert_close(out, outs[0], atol=1e-6, rtol=1e-5)
 
