@@ -251,6 +251,12 @@ def _store_kv_kernel(
     tl.store(v_pool + dst, v.to(v_pool.dtype.element_ty), mask=mask)
 
 
+def _launch(kernel, grid, *args, **constexprs) -> None:
+    """Every launch goes through here (tests/llm/triton_compile_check.py swaps it for a
+    compile for an sm_90 target, which needs no GPU)."""
+    kernel[grid](*args, **constexprs)
+
+
 def _pow2(n: int, least: int = 16) -> int:
     return max(least, triton.next_power_of_2(n))
 
@@ -327,7 +333,9 @@ def paged_attention_triton(
     else:
         acc = m = l_sum = out  # not touched
     upcast = _INTERPRET and k_pool.dtype == torch.bfloat16
-    _attention_kernel[(num_rows, hkv, splits)](
+    _launch(
+        _attention_kernel,
+        (num_rows, hkv, splits),
         *(q, out, rows, k_pool, v_pool, block_tables, context_lens, acc, m, l_sum),
         *(float(scale), float(softcap or 0.0), int(window or 0), split_len),
         *(q.stride(0), q.stride(1), out.stride(0), out.stride(1)),
@@ -345,7 +353,9 @@ def paged_attention_triton(
         PRECISION="ieee" if k_pool.dtype == torch.float32 else "tf32",
     )
     if splits > 1:
-        _combine_kernel[(num_rows, hkv)](
+        _launch(
+            _combine_kernel,
+            (num_rows, hkv),
             *(out, rows, acc, m, l_sum, out.stride(0), out.stride(1)),
             GROUP=group,
             GROUP_P=group_p,
@@ -366,7 +376,9 @@ def write_kv_triton(cache: tuple[torch.Tensor, torch.Tensor], k, v, slot_mapping
         raise ValueError("k and v must be contiguous in their last dim")
     if k.shape[0] == 0:
         return
-    _store_kv_kernel[(k.shape[0], hkv)](
+    _launch(
+        _store_kv_kernel,
+        (k.shape[0], hkv),
         *(k, v, k_pool, v_pool, slot_mapping, k.stride(0), k.stride(1), v.stride(0)),
         *(v.stride(1), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2)),
         HEAD_DIM=d,

@@ -9,6 +9,9 @@ contexts with a causal/window mask, which shares nothing with the kernel, and
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from dataclasses import dataclass
 from unittest import mock
 
@@ -233,3 +236,27 @@ def test_bad_metadata_is_refused():
 
 def test_available():
     assert ta.available()
+
+
+COMPILE_CHECK = [sys.executable, "tests/llm/triton_compile_check.py"]
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def compile_check(*flags):
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    done = subprocess.run(
+        [*COMPILE_CHECK, *flags], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0 and done.stdout.endswith("ok\n"), done.stdout + done.stderr
+
+
+def test_kernels_compile_for_sm90():
+    """Triton's compiler (not the interpreter) builds the bf16 GQA/soft-cap/split-K step's
+    kernels for an H100/H200 cubin: tests/llm/triton_compile_check.py."""
+    compile_check()
+
+
+@pytest.mark.slow
+def test_every_variant_compiles_for_sm90():
+    """fp32/fp16/bf16, head_dim 64-256, group 1-8, block 16-256, int args of 1."""
+    compile_check("--all")
