@@ -59,9 +59,9 @@ def _jit(fn):
 
 
 def available() -> bool:
-    """Whether the kernels can run here: triton imports and there is a CUDA device, or
-    the interpreter was on when this module was imported."""
-    return triton is not None and (_INTERPRET or torch.cuda.is_available())
+    """Whether the GPU path can run: triton imports and there is a CUDA device. The
+    interpreter (tests) does not count, so an engine on the CPU never picks it."""
+    return triton is not None and torch.cuda.is_available()
 
 
 @_jit
@@ -167,11 +167,11 @@ def _attention_kernel(
         m = m_new
 
     if SPLITS == 1:
-        o = acc / l_sum[:, None]
+        o = acc / tl.where(l_sum > 0, l_sum, 1.0)[:, None]  # no keys (a padding row): 0
         o_ptrs = out_ptr + row * stride_ot + heads[:, None] * stride_oh + d[None, :]
         tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=gd_mask)
     else:
-        part = (b * tl.num_programs(1) + h) * SPLITS + split
+        part = (b.to(tl.int64) * tl.num_programs(1) + h) * SPLITS + split
         tl.store(m_ptr + part * GROUP_P + g, m)
         tl.store(l_ptr + part * GROUP_P + g, l_sum)
         tl.store(acc_ptr + (part * GROUP_P + g)[:, None] * D_P + d[None, :], acc)
@@ -201,7 +201,7 @@ def _combine_kernel(
     m = tl.full([GROUP_P], float("-inf"), tl.float32)
     l_sum = tl.zeros([GROUP_P], tl.float32)
     acc = tl.zeros([GROUP_P, D_P], tl.float32)
-    first = (b * tl.num_programs(1) + h) * SPLITS
+    first = (b.to(tl.int64) * tl.num_programs(1) + h) * SPLITS
     for split in range(SPLITS):
         part = first + split
         m_s = tl.load(m_ptr + part * GROUP_P + g)
@@ -217,7 +217,8 @@ def _combine_kernel(
     heads = (h * GROUP + g).to(tl.int64)
     gd_mask = (g < GROUP)[:, None] & (d < HEAD_DIM)[None, :]
     o_ptrs = out_ptr + row * stride_ot + heads[:, None] * stride_oh + d[None, :]
-    tl.store(o_ptrs, (acc / l_sum[:, None]).to(out_ptr.dtype.element_ty), mask=gd_mask)
+    o = acc / tl.where(l_sum > 0, l_sum, 1.0)[:, None]
+    tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=gd_mask)
 
 
 @_jit
@@ -312,7 +313,8 @@ def paged_attention_triton(
     first context_lens[b] keys of block_tables[b] (window > 0: the last `window` only;
     softcap > 0: Gemma 2's). q, out: [T, Hq, D], same device as the pools, fp32/bf16/fp16;
     rows, context_lens: int32 [B]; block_tables: int32 [B, W] (W * block_size >= every
-    context; padding entries are never read). Rows not in `rows` are left alone.
+    context; padding entries are never read). Rows not in `rows` are left alone; a row
+    with context_lens 0 (padding, e.g. of a CUDA graph's batch) gets zeros.
     `splits`: key ranges per row (None: `default_splits`); `tile`: keys per step (>= 16)."""
     _check(q, out, rows, k_pool, v_pool, block_tables, context_lens)
     num_rows = rows.shape[0]

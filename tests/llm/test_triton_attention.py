@@ -234,8 +234,21 @@ def test_bad_metadata_is_refused():
         ta.paged_attention_triton(*args[:3], pool, pool, *args[5:], case.context_lens, 1.0)
 
 
-def test_available():
-    assert ta.available()
+def test_available_only_with_a_gpu():
+    """The interpreter is on here, yet `available()` says no: a CPU engine never takes
+    the Triton path (the C kernels are the CPU's)."""
+    assert ta.available() == torch.cuda.is_available()
+
+
+def test_padding_rows_get_zeros():
+    """A row with context_lens 0 (a CUDA graph's padding) reads nothing and gets 0."""
+    case = build([(6, 1), (3, 2)])
+    case.context_lens[1] = 0
+    padded = int(case.rows[1])
+    for splits in (1, 2):
+        out = run(ta.paged_attention_triton, case, 0.3, splits=splits, tile=16)
+        assert torch.equal(out[padded], torch.zeros_like(out[padded]))
+        assert not out.isnan().any()
 
 
 COMPILE_CHECK = [sys.executable, "tests/llm/triton_compile_check.py"]
