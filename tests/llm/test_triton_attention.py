@@ -62,6 +62,11 @@ class Case:
     block_tables: torch.Tensor  # int32 [B, W]
     context_lens: torch.Tensor  # int32 [B]
     dense: list  # per sequence: (k [Hkv, L, D], v, rows [n], positions [n])
+    # The same step per sequence (paged_prefill_triton): rows of sequence s are
+    # query_start[s] .. query_start[s + 1] - 1.
+    query_start: torch.Tensor  # int32 [S + 1]
+    seq_lens: torch.Tensor  # int32 [S]
+    seq_tables: torch.Tensor  # int32 [S, W]
 
 
 def build(seqs, hkv=2, group=2, d=32, bs=4, dtype=torch.float32, q_scale=1.0, seed=0):
@@ -77,6 +82,7 @@ def build(seqs, hkv=2, group=2, d=32, bs=4, dtype=torch.float32, q_scale=1.0, se
     total = sum(n for _, n in seqs)
     q = (torch.randn(total + 1, hkv * group, d, generator=g) * q_scale).to(dtype)
     dense, tables, lens, row_ids, used, row = [], [], [], [], 0, 0
+    seq_tables = []
     for (cached, new), nb in zip(seqs, need, strict=True):
         blocks = perm[used : used + nb]
         used += nb
@@ -93,14 +99,18 @@ def build(seqs, hkv=2, group=2, d=32, bs=4, dtype=torch.float32, q_scale=1.0, se
         table = torch.zeros(width, dtype=torch.int32)
         table[:nb] = blocks.to(torch.int32)
         tables += [table] * new
+        seq_tables.append(table)
         lens += (positions + 1).tolist()
         row_ids += seq_rows.tolist()
     order = torch.randperm(total, generator=g)  # rows[b] != b: the kernel must use rows
     rows = torch.tensor(row_ids, dtype=torch.int32)[order]
     tables = torch.stack(tables)[order]
     lens = torch.tensor(lens, dtype=torch.int32)[order]
-    on = (t.to(DEVICE) for t in (q, k_pool, v_pool, rows, tables, lens))
-    return Case(*on, dense)
+    query_start = torch.tensor([0] + [n for _, n in seqs], dtype=torch.int32).cumsum(0)
+    seq_lens = torch.tensor([c + n for c, n in seqs], dtype=torch.int32)
+    per_seq = (query_start.to(torch.int32), seq_lens, torch.stack(seq_tables))
+    on = [t.to(DEVICE) for t in (q, k_pool, v_pool, rows, tables, lens, *per_seq)]
+    return Case(*on[:6], dense, *on[6:])
 
 
 def dense_attention(case: Case, scale, window=0, softcap=0.0) -> torch.Tensor:
@@ -190,6 +200,35 @@ def test_kernel_matches_references(name):
         assert (plain[:-1] - dense[:-1]).abs().max() > 0.05, f"{key} changes nothing here"
 
 
+PREFILL_CASES = [
+    "chunked_prefill", "prefix_cached", "mixed", "window", "softcap", "gqa3_dim24", "gqa4",
+    "block32", "bf16", "fp16_window_softcap",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("name", PREFILL_CASES)
+def test_prefill_kernel_matches_references(name):
+    """paged_prefill_triton (query blocks of 4 rows per sequence, several per chunk and a
+    partial last one) against the dense references, on the row kernel's cases."""
+    spec = dict(CASES[name])
+    seqs = spec.pop("seqs")
+    scale = spec.pop("scale", 32**-0.5)
+    attn = {k: spec.pop(k) for k in ("window", "softcap") if k in spec}
+    spec.pop("tile", None)
+    case = build(seqs, **spec)
+    out = torch.full_like(case.q, SENTINEL)
+    max_new = max(n for _, n in seqs)
+    ta.paged_prefill_triton(case.q, out, case.query_start, case.seq_lens, case.k_pool,
+                            case.v_pool, case.seq_tables, scale, max_new, block_q=4, tile=16,
+                            **attn)  # fmt: skip
+    got = out.cpu()
+    dense = dense_attention(case, scale, **attn)
+    low = case.q.dtype != torch.float32
+    tol = dict(atol=2e-2, rtol=2e-2) if low else dict(atol=2e-5, rtol=1e-5)
+    assert torch.equal(got[-1], torch.full_like(got[-1], SENTINEL)), "wrote a row not listed"
+    torch.testing.assert_close(got[:-1].float(), dense[:-1], **tol)
+
+
 def test_splits_change_nothing():
     """Split-K is a reordering of one sum: 1 and 3 splits agree to rounding."""
     case = build([(37, 1), (9, 3)], seed=3)
@@ -232,6 +271,10 @@ def test_bad_metadata_is_refused():
     with pytest.raises(ValueError, match="block_size must be a power of two"):
         pool = torch.zeros(2, 4, 3, 32, device=DEVICE)
         ta.paged_attention_triton(*args[:3], pool, pool, *args[5:], case.context_lens, 1.0)
+    with pytest.raises(ValueError, match="query_start must be int32"):
+        starts = case.query_start.long()
+        ta.paged_prefill_triton(case.q, out, starts, case.seq_lens, case.k_pool, case.v_pool,
+                                case.seq_tables, 1.0, 2)  # fmt: skip
 
 
 def test_available_only_with_a_gpu():

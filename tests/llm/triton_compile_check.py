@@ -54,6 +54,15 @@ def attention(dtype, hkv, group, d, bs, width, rows=3, **kw) -> None:
     ta.paged_attention_triton(q, q.clone(), index, pool, pool, tables, index, 0.1, **kw)
 
 
+def prefill(dtype, hkv, group, d, bs, width, seqs=2, **kw) -> None:
+    q = torch.zeros(seqs * 8, hkv * group, d, dtype=dtype)
+    pool = torch.zeros(hkv, seqs * width, bs, d, dtype=dtype)
+    tables = torch.zeros(seqs, width, dtype=torch.int32)
+    starts = torch.arange(0, 8 * seqs + 1, 8, dtype=torch.int32)
+    lens = torch.full((seqs,), 8, dtype=torch.int32)
+    ta.paged_prefill_triton(q, q.clone(), starts, lens, pool, pool, tables, 0.1, 8, **kw)
+
+
 def store(dtype, hkv, d, bs) -> None:
     k = torch.zeros(4, hkv, d, dtype=dtype)
     pool = torch.zeros(hkv, 8, bs, d, dtype=dtype)
@@ -63,8 +72,9 @@ def store(dtype, hkv, d, bs) -> None:
 def main(everything: bool) -> None:
     ta._launch = compile_launch
     # What a bf16 Llama/Gemma-2 step on an H200 uses: GQA 4, D 128, 16-token blocks,
-    # soft-capping and split-K (both kernels), and the store.
+    # soft-capping and split-K (both kernels), a windowed prefill, and the store.
     attention(torch.bfloat16, 2, 4, 128, 16, 8, softcap=30.0, splits=4)
+    prefill(torch.bfloat16, 2, 4, 128, 16, 8, softcap=30.0, window=4096)
     store(torch.bfloat16, 2, 128, 16)
     if everything:
         # fp32 (IEEE dots), MHA, one-block tables and window=1: stride and window become
@@ -73,6 +83,9 @@ def main(everything: bool) -> None:
         attention(torch.float16, 1, 8, 256, 32, 4, window=4096, splits=1)  # D 256
         attention(torch.bfloat16, 4, 7, 80, 256, 2, splits=2)  # group 7, D 80, 256 blocks
         attention(torch.bfloat16, 8, 8, 128, 16, 64, splits=1, tile=32)
+        prefill(torch.float32, 4, 1, 64, 16, 1, window=1)
+        prefill(torch.float16, 1, 8, 256, 32, 4)
+        prefill(torch.bfloat16, 4, 7, 80, 256, 2, block_q=16)
         store(torch.float32, 1, 80, 256)
     print("ok")
 
