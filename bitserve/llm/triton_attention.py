@@ -39,12 +39,14 @@ graphs) and chunks here, or everything to the row kernel: the results are the sa
 a padding row, skipped).
 
 `paged_attention_reference` is the same arithmetic in torch with the same block-table
-indexing, the kernel's reference on a device; the tests run the kernel in Triton's
-interpreter (`TRITON_INTERPRET=1` when this module is imported) against it and against
-SDPA on the dense contexts. The interpreter stores bf16 as uint16 and cannot multiply it,
-so there (only) bf16 tiles are upcast to fp32 before the products (`UPCAST`); on a GPU
-fp16/bf16 tiles go to the tensor cores as they are, fp32 ones with IEEE precision (no
-TF32), so fp32 results match the CPU path's.
+indexing, the kernel's reference on a device; the tests run the kernels in Triton's
+interpreter (tests/conftest.py sets `TRITON_INTERPRET=1` before triton is imported)
+against it and against SDPA on the dense contexts, and compile them for sm_90 with
+Triton's own compiler (tests/llm/triton_compile_check.py), which needs no GPU. The
+interpreter stores bf16 as uint16 and cannot multiply it, so there (only) bf16 tiles
+are upcast to fp32 before the products (`UPCAST`); on a GPU fp16/bf16 tiles go to the
+tensor cores as they are, fp32 ones with IEEE precision (no TF32), so fp32 results
+match the CPU path's.
 """
 
 import os
