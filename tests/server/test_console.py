@@ -11,6 +11,7 @@ used. Screenshots go to build/test-artifacts/console/ (or $BITSERVE_TEST_ARTIFAC
 
 from __future__ import annotations
 
+import base64
 import io
 import json
 import os
@@ -56,11 +57,27 @@ def browser():
         chromium.close()
 
 
+# bow_classifier gets a second version as a canary, so the page has a rollout to show.
+CANARY = """
+[version_policy]
+all = true
+
+[traffic]
+stable = 1
+canary = 2
+canary_weight = 50
+"""
+
+
 @pytest.fixture(scope="module")
-def server(default_repository):
+def server(default_repository, tmp_path_factory):
+    repository = tmp_path_factory.mktemp("console") / "models"
+    shutil.copytree(default_repository, repository)
+    bow = repository / "bow_classifier"
+    shutil.copytree(bow / "1", bow / "2")
+    (bow / "config.toml").write_text((bow / "config.toml").read_text() + CANARY)
     s = Server(
-        default_repository,
-        *("--admin-token", TOKEN, "--model-control", "explicit", "--load-model", "*"),
+        repository, *("--admin-token", TOKEN, "--model-control", "explicit"), "--load-model=*"
     )
     yield s
     s.stop()
@@ -149,24 +166,24 @@ def test_a_chart_follows_the_load(console, server):
     for t in threads:
         t.start()
     try:
-        time.sleep(1.0)  # two scrapes land inside the load
+        time.sleep(1.5)  # scrapes land inside the load
         seen = []
-        deadline = time.monotonic() + 6
-        while time.monotonic() < deadline and len(seen) < 4:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and len(seen) < 6:
             value = console.page.get_attribute("[data-chart='requests']", "data-value")
             if value:
                 seen.append(float(value))
             time.sleep(0.5)
-        p99 = console.page.get_attribute("[data-chart='latency']", "data-value")
+        p50 = console.page.get_attribute("[data-chart='latency']", "data-value")
     finally:
         stop.set()
         for t in threads:
             t.join()
-    window = [t for t in sent if t > sent[-1] - 3]
-    rate = len(window) / 3
-    assert seen and max(seen) > 0
-    assert 0.3 * rate < float(np.median(seen)) < 3 * rate, (seen, rate)
-    assert p99 and float(p99) > 0  # the latency chart has a p50 in ms
+    rate = len([t for t in sent if t > sent[-1] - 5]) / 5
+    # the best window against the client's mean rate: within 3x (a per-ms or per-10-s
+    # slip is not); the box is shared, so single windows stall
+    assert 0.33 * rate < max(seen) < 3 * rate, (seen, rate)
+    assert p50 and float(p50) > 0  # the latency chart has a p50 in ms
     points = console.page.evaluate("document.body.dataset.scrapes")
     assert int(points) >= 4
     console.shot("charts-under-load")
@@ -291,7 +308,7 @@ def test_infer_form_from_metadata_matches_torch(console, default_repository):
     np.testing.assert_allclose(shown[:32], expected, rtol=1e-3, atol=1e-4)
 
 
-def test_image_playground_shows_generated_digits(console):
+def test_image_playground_shows_generated_digits(console, server):
     from PIL import Image
 
     console.play("digits")
@@ -302,11 +319,58 @@ def test_image_playground_shows_generated_digits(console):
     page.wait_for_selector("#image-output img")
     sources = page.eval_on_selector_all("#image-output img", "imgs => imgs.map(i => i.src)")
     assert len(sources) == 2
-    import base64
 
     for src in sources:
         image = Image.open(io.BytesIO(base64.b64decode(src.split(",", 1)[1])))
         assert image.size == (16, 16)
+    # the caption's 64-bit seed, exact: asked again with it, the server draws the same digit
+    seed = page.get_attribute("#image-output figcaption", "data-seed")
+    again = httpx.post(
+        server.url + "/v1/images/generations",
+        json={"model": "digits", "prompt": "0", "steps": 5, "guidance_scale": 3, "seed": int(seed)},
+    ).json()
+
+    def pixels(b64: str) -> np.ndarray:
+        return np.asarray(Image.open(io.BytesIO(base64.b64decode(b64))), dtype=np.int16)
+
+    shown = pixels(sources[0].split(",", 1)[1])
+    assert np.abs(pixels(again["data"][0]["b64_json"]) - shown).max() <= 2
+
+
+def test_rollout_card_shows_the_servers_verdict(console, server):
+    body = {"inputs": [{"name": "input_ids", "shape": [1, 4], "datatype": "INT64",
+                        "data": [1, 2, 3, 4]}]}  # fmt: skip
+    with httpx.Client(base_url=server.url) as client:
+        for _ in range(120):
+            client.post("/v2/models/bow_classifier/infer", json=body).raise_for_status()
+    report = httpx.get(server.url + "/v2/models/bow_classifier/rollout").json()
+    requests = {v["version"]: v["requests"] for v in report["versions"]}
+    assert sum(requests.values()) >= 120 and min(requests.values()) > 0  # the split is real
+    card = "[data-rollout='bow_classifier']"
+    _wait_for_rows(console, card, sum(requests.values()))  # the page has the same counts
+    text = console.page.text_content(card)
+    candidate = report["candidates"][0]
+    assert f"canary v2: {candidate['recommendation']}" in text
+    assert "stable v1 · canary v2 at 50%" in text
+    assert re.search(r"latency difference vs v1: -?[\d.e-]+ ms \[-?[\d.e-]+, -?[\d.e-]+\]", text)
+    shown = console.page.eval_on_selector_all(
+        f"{card} .verdict li", "ls => ls.map(l => l.textContent)"
+    )
+    assert shown == candidate["reasons"]
+    console.shot("rollout")
+
+
+def _wait_for_rows(console, card: str, at_least: int) -> None:
+    """Until the card's per-version request counts add up to `at_least` (refreshes)."""
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        counts = console.page.eval_on_selector_all(
+            f"{card} table tr td:nth-child(3)", "ts => ts.map(t => +t.textContent)"
+        )
+        if sum(counts) >= at_least:
+            return
+        time.sleep(0.25)
+    raise AssertionError(f"the rollout card never counted {at_least} requests")
 
 
 def test_without_the_token_admin_controls_are_absent_and_the_api_refuses(browser, server):
@@ -330,12 +394,21 @@ def test_without_the_token_admin_controls_are_absent_and_the_api_refuses(browser
         c.page.close()
 
 
-def test_with_the_token_unloading_from_the_console_makes_ready_say_so(console, server):
+def test_with_the_token_the_split_changes_and_unloading_makes_ready_say_so(console, server):
     page = console.page
     page.fill("#admin-token", TOKEN)
     page.click("#admin-unlock")
     page.wait_for_selector("tr[data-model='mlp'] button[data-action='unload']")
     console.shot("admin")
+    card = "[data-rollout='bow_classifier']"
+    page.fill(f"{card} input[data-traffic='weight']", "20")
+    page.click(f"{card} button[data-traffic='set']")
+    page.wait_for_selector(f"{card} p:text('canary v2 at 20%')")
+    traffic = httpx.get(
+        server.url + "/v2/repository/models/bow_classifier/traffic",
+        headers={"authorization": f"Bearer {TOKEN}"},
+    ).json()
+    assert traffic["canary_weight"] == 20
     page.click("tr[data-model='mlp'] button[data-action='unload']")
     page.wait_for_selector("tr[data-model='mlp'] button[data-action='load']")
     assert httpx.get(server.url + "/v2/models/mlp/ready").status_code != 200

@@ -98,7 +98,7 @@ function adminButtons(m) {
   }, loaded ? "unload" : "load");
 }
 
-async function adminCall(url, method = "POST", body = null) {
+async function adminCall(url, method = "POST", body = null, fromRollouts = false) {
   const status = $("#admin-status");
   status.textContent = `${method} ${url} …`;
   const r = await fetch(url, {
@@ -107,6 +107,7 @@ async function adminCall(url, method = "POST", body = null) {
     body: body == null ? null : JSON.stringify(body),
   });
   status.textContent = r.ok ? `${method} ${url}: done` : await failure(r);
+  if (fromRollouts) document.activeElement.blur(); // let the card show the new policy
   await Promise.all([models(), gates(), rollouts()]);
 }
 
@@ -205,6 +206,7 @@ async function scrape() {
 
 async function rollouts() {
   const box = $("#rollout-list");
+  if (box.contains(document.activeElement)) return; // someone is typing a traffic split
   const names = [...new Set(state.models.filter((m) => m.rollout).map((m) => m.name))];
   if (!names.length) {
     box.replaceChildren(el("p", { class: "muted" },
@@ -216,7 +218,7 @@ async function rollouts() {
     if (!r.ok) return el("div", { class: "card" }, el("h3", {}, name), await failure(r));
     return rolloutCard(await r.json());
   }));
-  box.replaceChildren(...cards);
+  if (!box.contains(document.activeElement)) box.replaceChildren(...cards);
 }
 
 const interval = (i, unit = "") =>
@@ -255,14 +257,15 @@ function agreementText(agreement) {
 function trafficForm(model, policy) {
   const base = `/v2/repository/models/${encodeURIComponent(model)}/traffic`;
   const weight = el("input", { type: "number", min: 0, max: 100, step: 1,
-    value: policy.canary_weight, class: "admin-control" });
+    value: policy.canary_weight, class: "admin-control", "data-traffic": "weight" });
+  const button = (action, label, call) =>
+    el("button", { class: "admin-control", "data-traffic": action, onclick: call }, label);
   return el("div", { class: "admin-control traffic" },
     "canary weight % ", weight,
-    el("button", { class: "admin-control",
-      onclick: () => adminCall(base, "PATCH", { canary_weight: Number(weight.value) }) }, "set split"),
-    el("button", { class: "admin-control", onclick: () => adminCall(base + "/promote") }, "promote"),
-    el("button", { class: "admin-control", onclick: () => adminCall(base + "/rollback") },
-      "roll back"));
+    button("set", "set split", () => adminCall(base, "PATCH",
+      { canary_weight: Number(weight.value) }, true)),
+    button("promote", "promote", () => adminCall(base + "/promote", "POST", null, true)),
+    button("rollback", "roll back", () => adminCall(base + "/rollback", "POST", null, true)));
 }
 
 // ------------------------------------------------------------------ main loop

@@ -277,10 +277,15 @@ function image(model) {
       guidance_scale: Number(guidance.value), steps: Number(steps.value) };
     if (seed.value !== "") body.seed = Number(seed.value);
     try {
-      const answer = await postJSON("/v1/images/generations", body);
-      out.replaceChildren(...answer.data.map((d) =>
+      const r = await fetch("/v1/images/generations", { method: "POST",
+        headers: { "content-type": "application/json" }, body: JSON.stringify(body) });
+      if (!r.ok) throw new Error(await failure(r));
+      const text = await r.text();
+      // seeds are 64-bit: read them from the text, a JS number would round them
+      const seeds = [...text.matchAll(/"seed":\s*(-?\d+)/g)].map((m) => m[1]);
+      out.replaceChildren(...JSON.parse(text).data.map((d, i) =>
         el("figure", {}, el("img", { src: `data:image/png;base64,${d.b64_json}`, class: "pixelated" }),
-          el("figcaption", {}, `seed ${d.seed}`))));
+          el("figcaption", { "data-seed": seeds[i] }, `seed ${seeds[i]}`))));
     } catch (e) {
       out.textContent = e.message;
     }
