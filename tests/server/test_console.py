@@ -426,3 +426,37 @@ def _iou(a, b) -> float:
     inter = float(np.prod(np.clip(np.subtract(hi, lo), 0, None)))
     union = (a[2] - a[0]) * (a[3] - a[1]) + (b[2] - b[0]) * (b[3] - b[1]) - inter
     return inter / union
+
+
+def test_reasons_lose_their_absolute_paths():
+    from bitserve.server.console import scrub
+
+    reason = (
+        "failed to load: /srv/models/mlp/1/model.pt2: truncated; see "
+        "https://pytorch.org/docs/export.html or ./relative/file.txt"
+    )
+    assert scrub(reason) == (
+        "failed to load: …/model.pt2: truncated; see "
+        "https://pytorch.org/docs/export.html or ./relative/file.txt"
+    )
+    assert scrub("no model folder 'x' with a config.toml in /home/me/models") == (
+        "no model folder 'x' with a config.toml in …/models"
+    )
+
+
+def test_without_an_admin_token_the_api_says_read_only_and_static_files_stay_inside(tmp_path):
+    from starlette.testclient import TestClient
+
+    from bitserve.repository.repository import Repository
+    from bitserve.server.app import create_app
+
+    client = TestClient(create_app(Repository(tmp_path), load=False))
+    summary = client.get("/console/api/models").json()
+    assert summary == {"admin": {"enabled": False, "model_control": "none"}, "models": []}
+    page = client.get("/console")
+    assert page.status_code == 200 and "/console/static/console.js" in page.text
+    assert "default-src 'self'" in page.headers["content-security-policy"]
+    assert client.get("/console/static/vendor/uPlot.LICENSE").text.startswith("The MIT License")
+    for escape in ("/console/static/../console.py", "/console/static/%2e%2e/console.py"):
+        answer = client.get(escape)
+        assert answer.status_code == 404 and "error" in answer.json()
