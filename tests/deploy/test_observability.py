@@ -4,9 +4,10 @@ on the series they should (`promtool test rules`).
 
 promtool comes from Debian's `prometheus` package, installed here when missing and
 root; without it the PromQL checks skip and the structural ones still run. No Grafana can
-run here and Grafana publishes no JSON schema of its dashboard model (it is CUE inside
-Grafana), so the dashboard is checked against the model's rules by hand: ids, grid,
-datasources, targets.
+run here and Grafana publishes its dashboard model as CUE and as the TypeScript types
+generated from it (npm `@grafana/schema`), not as a JSON schema: the slow test has `tsc`
+type-check the dashboard against those types (npm and its registry needed); the fast one
+checks the model's rules by hand (ids, grid, datasources, targets).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.conftest import ROOT
 
 DASHBOARD = ROOT / "deploy" / "grafana" / "bitserve-dashboard.json"
+GRAFANA_SCHEMA, TYPESCRIPT = "13.2.3", "5"  # npm @grafana/schema (Grafana 13's model), tsc
 ALERTS = ROOT / "deploy" / "prometheus" / "bitserve-alerts.yaml"
 ALERT_TESTS = ROOT / "deploy" / "prometheus" / "bitserve-alerts-test.yaml"
 GRAFANA_VARIABLES = {"$__rate_interval": "5m", "$model": ".*"}
@@ -160,3 +162,35 @@ def test_dashboard_and_alerts_name_only_exported_metrics(default_server):
         "bitserve_llm_generation_tokens_total",
     ):
         assert name in named, name
+
+
+@pytest.mark.slow
+def test_dashboard_type_checks_against_grafanas_schema(tmp_path):
+    npm = shutil.which("npm")
+    if npm is None:
+        pytest.skip("npm is not installed: cannot fetch @grafana/schema")
+    (tmp_path / "package.json").write_text('{"private": true}')
+    packages = [f"typescript@{TYPESCRIPT}", f"@grafana/schema@{GRAFANA_SCHEMA}"]
+    install = subprocess.run(
+        [npm, "install", "--no-audit", "--no-fund", "--silent", *packages],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    if install.returncode != 0:
+        pytest.skip(f"npm could not install {packages}: {install.stderr[-300:]}")
+    doc = dashboard()
+    doc.pop("__inputs")  # the import dialog's placeholders: not part of the model
+    (tmp_path / "check.ts").write_text(
+        'import type { Dashboard } from "@grafana/schema";\n'
+        f"const dashboard: Dashboard = {json.dumps(doc, indent=1)};\n"
+        "export default dashboard;\n"
+    )
+    tsc = tmp_path / "node_modules" / ".bin" / "tsc"
+    options = ["--noEmit", "--strict", "--skipLibCheck", "--target", "es2020"]
+    options += ["--module", "esnext", "--moduleResolution", "bundler"]
+    check = subprocess.run(
+        [tsc, *options, "check.ts"], cwd=tmp_path, capture_output=True, text=True, timeout=120
+    )
+    assert check.returncode == 0, check.stdout + check.stderr
