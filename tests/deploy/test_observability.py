@@ -194,3 +194,49 @@ def test_dashboard_type_checks_against_grafanas_schema(tmp_path):
         [tsc, *options, "check.ts"], cwd=tmp_path, capture_output=True, text=True, timeout=120
     )
     assert check.returncode == 0, check.stdout + check.stderr
+
+
+def test_the_consoles_quantiles_are_prometheus_histogram_quantile(promtool, tmp_path):
+    """The console's p50/p99 (metrics.js, run by node) against Prometheus' own
+    histogram_quantile over the same two scrapes of two models' buckets."""
+    node = shutil.which("node")
+    if node is None:
+        pytest.skip("node is not installed: cannot run the console's metrics.js")
+    bounds = ["0.005", "0.025", "0.1", "0.5", "+Inf"]
+    before = {"a": [3, 5, 9, 9, 10], "b": [0, 0, 4, 6, 6]}
+    after = {"a": [3, 25, 79, 90, 95], "b": [1, 2, 30, 60, 61]}
+    quantiles = [0.01, 0.2, 0.5, 0.9, 0.99, 0.999]
+
+    def scrape(counts: dict) -> str:
+        return "".join(
+            f'h_bucket{{le="{le}",model="{m}"}} {c}\n'
+            for m, row in counts.items()
+            for le, c in zip(bounds, row, strict=True)
+        )
+
+    metrics_js = ROOT / "bitserve" / "server" / "console" / "metrics.js"
+    script = tmp_path / "quantiles.mjs"
+    script.write_text(
+        f"import {{ parse, quantile }} from {json.dumps(metrics_js.as_uri())};\n"
+        f"const a = parse({json.dumps(scrape(before))}), b = parse({json.dumps(scrape(after))});\n"
+        f"console.log(JSON.stringify({quantiles}.map(q => quantile(a, b, 'h', () => true, q))));\n"
+    )
+    ours = subprocess.run([node, script], capture_output=True, text=True, check=True).stdout
+    series = [
+        {"series": f'h_bucket{{le="{le}",model="{m}"}}', "values": f"{before[m][i]} {after[m][i]}"}
+        for m in before
+        for i, le in enumerate(bounds)
+    ]
+    tests = [
+        {
+            "expr": f"histogram_quantile({q}, sum by (le) (h_bucket - h_bucket offset 1m))",
+            "eval_time": "1m",
+            "exp_samples": [{"labels": "{}", "value": value}],
+        }
+        for q, value in zip(quantiles, json.loads(ours), strict=True)
+    ]
+    path = tmp_path / "quantiles.yaml"
+    doc = {"tests": [{"interval": "1m", "input_series": series, "promql_expr_test": tests}]}
+    path.write_text(yaml.safe_dump(doc))
+    check = subprocess.run([promtool, "test", "rules", path], capture_output=True, text=True)
+    assert check.returncode == 0, check.stdout + check.stderr
