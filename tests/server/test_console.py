@@ -290,6 +290,7 @@ def test_embedding_similarity_is_the_cosine_of_the_served_embeddings(console, se
     e /= np.linalg.norm(e, axis=1, keepdims=True)
     np.testing.assert_allclose(np.array(cosines).reshape(3, 3), e @ e.T, atol=1e-6)
     assert cosines[1] > cosines[2]  # the kitten is nearer the cat than the stocks are
+    assert console.errors == []  # the cells' colours got past the page's CSP
 
 
 def test_infer_form_from_metadata_matches_torch(console, default_repository):

@@ -6,6 +6,7 @@ export function el(tag, attrs = {}, ...children) {
     if (value == null || value === false) continue;
     if (key.startsWith("on")) node.addEventListener(key.slice(2), value);
     else if (key === "class") node.className = value;
+    else if (key === "style") node.style.cssText = value; // CSSOM: allowed by the page's CSP
     else node.setAttribute(key, value === true ? "" : value);
   }
   for (const child of children.flat()) {
