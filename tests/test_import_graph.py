@@ -12,7 +12,10 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent / "bitserve"
-HANDLERS = ["v2", "openai", "generate", "admin", "health", "metrics", "images", "grpc_server"]
+HANDLERS = [
+    *("v2", "openai", "generate", "admin", "health", "metrics", "images", "grpc_server"),
+    "console",
+]
 
 
 def modules(root: Path = ROOT) -> dict[str, Path]:

@@ -2,9 +2,9 @@
 `routes(state)` over the shared `ServerState` (state.py): v2 (v2.py, wire format in
 v2_protocol.py), Triton's generate extension (generate.py), the OpenAI API (openai.py,
 openai_protocol.py), images (images.py), the repository extension (admin.py), health
-(health.py) and metrics (metrics.py). Errors map once, in errors.py; every request
-reaches its model through `ModelVersion.start`. A new front-end is one module and one
-line below.
+(health.py), metrics (metrics.py) and the web console (console.py). Errors map once, in
+errors.py; every request reaches its model through `ModelVersion.start`. A new front-end
+is one module and one line below.
 """
 
 from __future__ import annotations
@@ -20,13 +20,23 @@ from starlette.routing import Router
 
 from bitserve.metrics import Metrics
 from bitserve.repository.repository import Repository
-from bitserve.server import admin, generate, grpc_server, health, images, openai, startup, v2
+from bitserve.server import (
+    admin,
+    console,
+    generate,
+    grpc_server,
+    health,
+    images,
+    openai,
+    startup,
+    v2,
+)
 from bitserve.server import metrics as server_metrics
 from bitserve.server.http import error
 from bitserve.server.state import ServerOptions, ServerState
 
 log = logging.getLogger("bitserve.server")
-FRONT_ENDS = (v2, openai, generate, images, health, server_metrics, admin)  # routes in this order
+FRONT_ENDS = (v2, openai, generate, images, health, server_metrics, admin, console)  # in order
 
 
 class App:
