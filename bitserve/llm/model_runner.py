@@ -72,6 +72,7 @@ class StepInput:
     sample_rows: list[int] = field(default_factory=list)
     prompt_rows: list[tuple[str, int, list[int]]] = field(default_factory=list)
     # (request_id, first position predicted, rows) for prompt logprobs
+    rope_prefix: list[int] = field(default_factory=list)  # each row's seq.rope_prefix
 
 
 MICRO_BATCH_MIN_TOKENS = 128  # fewer tokens than this per micro-batch: do not cut
@@ -207,6 +208,7 @@ class ModelRunner:
                 dec_rows.append(n)
             else:
                 step.seqs.append((row, row + n, end, table[:num_ctx_blocks]))
+            step.rope_prefix.extend([seq.rope_prefix] * n)
             if end == seq.num_tokens:
                 out.sample_seqs.append(seq)
                 step.sample_rows.append(row + n - 1)
@@ -232,6 +234,7 @@ class ModelRunner:
             for start, end, context, table in step.seqs
         ]
         meta = AttentionMetadata(tensors[2], slices, self.workspace, flash=self.flash)
+        meta.rope_prefix = self.to_device(torch.tensor(step.rope_prefix, dtype=torch.int64))
         if step.decode is not None:
             tables, ends, rows = step.decode
             seq_of = torch.repeat_interleave(torch.tensor(rows))  # each row's sequence
