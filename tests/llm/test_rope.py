@@ -10,13 +10,20 @@ it), in one batch, in 16-token chunks, under preemption and with shared prefixes
 
 from __future__ import annotations
 
+import asyncio
+import shutil
+
+import httpx
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Phi3Config
 
+from bitserve.backends.llm import LLMService, PromptTooLong
+from bitserve.config import ModelConfig
 from bitserve.llm import SamplingParams
 from bitserve.llm.rope import RopeRegime, derived_max_len
 from bitserve.llm.scheduler import RequestTooLong
+from tests.conftest import Server
 from tests.llm.conftest import COMMON, build_model, make_engine
 from tests.llm.test_engine import generate, random_prompts
 
@@ -196,3 +203,52 @@ def test_the_regime_of_a_length():
     assert regime.switches(20, WINDOW + 1) and not regime.switches(WINDOW + 1, WINDOW + 2)
     assert regime.block_key(20, 16) != regime.block_key(40, 16)
     assert RopeRegime(llama({"rope_type": "yarn", "factor": 4.0}).to_dict()).static
+
+
+def test_the_llm_service_admits_the_derived_length_and_refuses_past_it_naming_it(dirs):
+    """The backend's admission path (a 400 on the server: PromptTooLong) with no
+    max_model_len in the model's parameters: the derived 64 is what it allows."""
+    config = ModelConfig.model_validate(
+        {"name": "ntk", "backend": "llm", "parameters": {"num_kv_blocks": 16}}
+    )
+    svc = LLMService(config, dirs["dynamic2"])
+
+    async def go():
+        await svc.start()
+        try:
+            assert svc.max_model_len == 2 * WINDOW
+            params = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
+            outs = [out async for out in svc.generate(PROMPTS[2], params)]  # 40 + 24 = 64
+            assert outs[-1].outputs[0].token_ids == reference(dirs["dynamic2"], PROMPTS[2])
+            longer = SamplingParams(temperature=0, max_tokens=NEW + 1)
+            with pytest.raises(PromptTooLong, match="maximum context length is 64 tokens"):
+                svc.check(PROMPTS[2], longer)
+        finally:
+            await svc.stop()
+
+    asyncio.run(go())
+
+
+@pytest.mark.slow
+def test_the_server_serves_the_derived_length_and_refuses_past_it_naming_it(dirs, tmp_path):
+    """A real `bitserve serve` over the dynamic checkpoint with no max_model_len: the
+    derived 64 is logged, listed in /v1/models, served, and one token more is a 400."""
+    repository = tmp_path / "models"
+    shutil.copytree(dirs["dynamic2"], repository / "ntk" / "1")
+    (repository / "ntk" / "config.toml").write_text(
+        'backend = "llm"\n[parameters]\nnum_kv_blocks = 16\n'
+    )
+    server = Server(repository)
+    try:
+        models = httpx.get(server.url + "/v1/models").json()["data"]
+        assert [m["max_model_len"] for m in models] == [2 * WINDOW]
+        body = {"model": "ntk", "prompt": PROMPTS[2], "max_tokens": NEW, "temperature": 0}
+        r = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == NEW
+        r = httpx.post(server.url + "/v1/completions", json=dict(body, max_tokens=NEW + 1))
+        assert r.status_code == 400
+        assert "maximum context length is 64 tokens" in r.json()["error"]["message"]
+    finally:
+        server.stop()
+    assert "max_model_len 64 (config.json and its rope scaling allow 64)" in server.log.read_text()
