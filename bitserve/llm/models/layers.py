@@ -219,11 +219,12 @@ class RotaryEmbedding(nn.Module):
     of a sequence is rotated as transformers rotates it in a forward over
     L = max(S, p + 1) tokens, S being the sequence's `rope_prefix` (each row's is
     `meta.rope_prefix`). Rows [0, max_len) of the tables hold position p rotated for
-    L = p + 1: for `dynamic` (NTK) past max_position_embeddings the base for p + 1;
-    - `longrope` (Phi-3): rows [max_len, 2 max_len) hold the long factors, taken when L
-      is past original_max_position_embeddings;
+    L = p + 1 (the short factors; dynamic NTK's base for max(p + 1,
+    max_position_embeddings)), and
+    - `longrope` (Phi-3): rows [max_len, 2 max_len) the long factors, taken when L is
+      past original_max_position_embeddings;
     - `dynamic`: a prompt longer than max_position_embeddings rotates its tokens with the
-      base for the whole prompt; those rows are computed per step into rows past
+      base for its whole length; those rows are computed per step into rows past
       max_len (`extra_rows`), grown when a step needs more.
     """
 
