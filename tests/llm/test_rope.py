@@ -21,8 +21,11 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Phi3Config
 from bitserve.backends.llm import LLMService, PromptTooLong
 from bitserve.config import ModelConfig
 from bitserve.llm import SamplingParams
+from bitserve.llm.config import EngineConfig
+from bitserve.llm.models import load_model
 from bitserve.llm.rope import RopeRegime, derived_max_len
 from bitserve.llm.scheduler import RequestTooLong
+from bitserve.quantize.scoring import window_logits
 from tests.conftest import Server
 from tests.llm.conftest import COMMON, build_model, make_engine
 from tests.llm.test_engine import generate, random_prompts
@@ -252,3 +255,15 @@ def test_the_server_serves_the_derived_length_and_refuses_past_it_naming_it(dirs
     finally:
         server.stop()
     assert "max_model_len 64 (config.json and its rope scaling allow 64)" in server.log.read_text()
+
+
+@pytest.mark.parametrize("name", SWITCHING)
+def test_a_whole_window_scored_at_once_matches_transformers_logits(dirs, name):
+    """`bitserve eval`'s scoring (one forward over a window past the switch) rotates
+    every token for the window's length, as transformers' forward does."""
+    model = load_model(EngineConfig(model=dirs[name], device="cpu", num_kv_blocks=1))
+    got = window_logits(model, PROMPTS[2])
+    hf = AutoModelForCausalLM.from_pretrained(dirs[name], attn_implementation="eager").eval()
+    with torch.inference_mode():
+        want = hf(torch.tensor([PROMPTS[2]])).logits[0]
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
