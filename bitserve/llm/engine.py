@@ -89,11 +89,13 @@ class RequestState:
 class LLMEngine:
     def __init__(self, model: str | Path, **kwargs: Any):
         self.config = EngineConfig(model=model, **kwargs)
-        log.info(
+        allowed = derived_max_len(self.config.hf_config)
+        log.log(
+            logging.WARNING if self.config.max_model_len > allowed else logging.INFO,
             "%s: max_model_len %d (config.json and its rope scaling allow %d)",
             self.config.model,
             self.config.max_model_len,
-            derived_max_len(self.config.hf_config),
+            allowed,
         )
         torch.manual_seed(self.config.seed)
         # tensor/pipeline parallelism: this process is rank 0, the others are workers
