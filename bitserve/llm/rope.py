@@ -11,7 +11,8 @@ The rotation: two scalings depend on the sequence, as transformers applies them 
 `generate` (`dynamic_rope_update`, and Phi-3's `prepare_inputs_for_generation`):
 - `longrope`: a forward over a sequence longer than `original_max_position_embeddings`
   uses the long factors, a shorter one the short factors; when a sequence grows past
-  that length, the cache is dropped and the whole sequence is computed again, long.
+  that length, the Phi models (`RECOMPUTED`) drop the cache and compute the whole
+  sequence again, long; the others keep the keys as they were computed.
 - `dynamic` (NTK): a forward over L > max_position_embeddings tokens uses the base for
   L; the cache keeps every key with the base of the forward that computed it (no
   recompute: a prompt's keys have the prompt's base, a generated token at p that of p+1).
@@ -39,6 +40,8 @@ LENGTH_KEYS = (
     "seq_len",
 )
 DEFAULT_LENGTH = 4096  # a config.json that states no length at all
+# model types whose generate computes a longrope sequence again at the switch
+RECOMPUTED = ("phi3", "phimoe", "phi4_multimodal")
 
 
 def rope_parameters(hf: dict[str, Any], layer_type: str | None = None) -> dict[str, Any]:
@@ -95,6 +98,7 @@ class RopeRegime:
             self.switch = int(
                 self.longrope.get("original_max_position_embeddings") or self.max_positions
             )
+        self.recompute = self.switch is not None and hf.get("model_type") in RECOMPUTED
 
     @property
     def static(self) -> bool:
@@ -116,6 +120,6 @@ class RopeRegime:
         return self.key(max(rope_prefix, first_position + 1))
 
     def switches(self, rope_prefix: int, num_tokens: int) -> bool:
-        """Longrope: the sequence has grown past the switch since its keys were rotated
-        (all short): it must be computed again, whole, with the long factors."""
-        return self.switch is not None and rope_prefix <= self.switch < num_tokens
+        """Longrope on a Phi model: the sequence has grown past the switch since its keys
+        were rotated (all short): it must be computed again, whole, with the long factors."""
+        return self.recompute and rope_prefix <= self.switch < num_tokens

@@ -66,6 +66,15 @@ CONFIGS = {
     "dynamic2": lambda: llama({"rope_type": "dynamic", "factor": 2.0}, WINDOW),
     "dynamic4": lambda: llama({"rope_type": "dynamic", "factor": 4.0}, WINDOW),
     "longrope": phi3,
+    # a Llama keeps its short-factor keys past the switch (only the Phi models recompute)
+    "llama_longrope": lambda: llama(
+        {
+            "rope_type": "longrope",
+            "short_factor": [1.0 + 0.1 * i for i in range(8)],
+            "long_factor": [2.0 + 0.5 * i for i in range(8)],
+            "original_max_position_embeddings": WINDOW,
+        }
+    ),
     "yarn": lambda: llama(
         {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": WINDOW}
     ),
@@ -79,7 +88,7 @@ CONFIGS = {
         }
     ),
 }
-SWITCHING = ["dynamic2", "dynamic4", "longrope"]
+SWITCHING = ["dynamic2", "dynamic4", "longrope", "llama_longrope"]
 
 
 @pytest.fixture(scope="module")
