@@ -80,16 +80,8 @@ class AttentionMetadata:
     workspace: GatherWorkspace | None = None
     decode: DecodeBatch | None = None
     flash: FlashAttn | None = None  # set on cuda when flash-attn imports
-
-    def row_context_lens(self, positions: torch.Tensor) -> torch.Tensor:
-        """Per row of the batch, its sequence's context length after this step."""
-        lens = torch.zeros_like(positions)
-        for s in self.seqs:
-            lens[s.start : s.end] = s.context_len
-        if self.decode is not None:
-            rows = self.decode.rows.to(device=positions.device, dtype=torch.int64)
-            lens[rows] = self.decode.seq_lens.to(device=positions.device, dtype=lens.dtype)
-        return lens
+    # [T]: each row's sequence's rope_prefix, what picks its RoPE rotation (llm/rope.py)
+    rope_prefix: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from bitserve.llm.config import EngineConfig, kv_window
+from bitserve.llm.rope import RopeRegime
 from bitserve.llm.sequence import Sequence, SequenceStatus
 
 NO_PARENT = 0x5EED  # the parent hash of a sequence's first block
@@ -36,14 +37,15 @@ class Block:
     ref_count: int = 0
     hash: int | None = None
     token_ids: tuple[int, ...] = field(default=(), repr=False)  # checked on a hit: no collisions
+    rope: tuple | None = None  # the rotation its keys were computed with (rope.py), checked too
 
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def chain_hash(parent: int, token_ids: tuple[int, ...]) -> int:
-    return hash((parent, token_ids))
+def chain_hash(parent: int, token_ids: tuple[int, ...], rope: tuple | None = None) -> int:
+    return hash((parent, token_ids, rope))
 
 
 class BlockManager:
@@ -51,6 +53,7 @@ class BlockManager:
         self.block_size = config.block_size
         self.enable_prefix_caching = config.enable_prefix_caching
         self.window = kv_window(config.hf_config)  # None: some layer sees everything
+        self.rope = RopeRegime(config.hf_config)
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.hash_to_block: dict[int, int] = {}
@@ -76,13 +79,19 @@ class BlockManager:
 
     # -- prefix caching -------------------------------------------------------------
     def block_hashes(self, seq: Sequence, num_full_blocks: int) -> list[int]:
-        """Chained hashes of `seq`'s first full blocks, computed once and kept on the seq."""
+        """Chained hashes of `seq`'s first full blocks, computed once and kept on the seq.
+        Under a sequence-dependent RoPE scaling (rope.py) each also holds the rotation of
+        its keys, so a block computed with other frequencies is never reused."""
         bs, hashes = self.block_size, seq.block_hashes
         while len(hashes) < num_full_blocks:
             i = len(hashes)
             parent = hashes[-1] if hashes else NO_PARENT
-            hashes.append(chain_hash(parent, tuple(seq.token_ids[i * bs : (i + 1) * bs])))
+            tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
+            hashes.append(chain_hash(parent, tokens, self.rope_key(seq, i)))
         return hashes[:num_full_blocks]
+
+    def rope_key(self, seq: Sequence, i: int) -> tuple | None:
+        return self.rope.block_key(seq.rope_prefix, i * self.block_size)
 
     def get_computed_blocks(self, seq: Sequence) -> list[int]:
         """The longest cached prefix of a new request, in block ids (references not taken).
@@ -97,7 +106,8 @@ class BlockManager:
         for i, h in enumerate(self.block_hashes(seq, num_full)):
             block_id = self.hash_to_block.get(h)
             tokens = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
-            if block_id is None or self.blocks[block_id].token_ids != tokens:
+            block = None if block_id is None else self.blocks[block_id]
+            if block is None or block.token_ids != tokens or block.rope != self.rope_key(seq, i):
                 break
             hits.append(block_id)
         if seq.status != SequenceStatus.PREEMPTED:  # a recompute is not a new query
@@ -117,6 +127,7 @@ class BlockManager:
             if block.hash is None and hashes[i] not in self.hash_to_block:
                 block.hash = hashes[i]
                 block.token_ids = tuple(seq.token_ids[i * bs : (i + 1) * bs])
+                block.rope = self.rope_key(seq, i)
                 self.hash_to_block[block.hash] = block.block_id
         seq.num_registered_blocks = max(seq.num_registered_blocks, num_full)
 
@@ -191,7 +202,7 @@ class BlockManager:
         if block.hash is not None:  # evict it from the prefix cache
             if self.hash_to_block.get(block.hash) == block_id:
                 del self.hash_to_block[block.hash]
-            block.hash, block.token_ids = None, ()
+            block.hash, block.token_ids, block.rope = None, (), None
         block.ref_count = 1
         return block_id
 
@@ -205,4 +216,4 @@ class BlockManager:
             block = self.blocks[block_id]
             if block.hash is not None:
                 self.hash_to_block.pop(block.hash, None)
-                block.hash, block.token_ids = None, ()
+                block.hash, block.token_ids, block.rope = None, (), None

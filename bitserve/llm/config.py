@@ -20,6 +20,7 @@ import torch
 from pydantic import TypeAdapter, ValidationError
 
 from bitserve.llm.parallel import STARTUP_TIMEOUT_S, check_parallel
+from bitserve.llm.rope import derived_max_len
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
@@ -219,7 +220,7 @@ class EngineConfig:
     # a step that starts new prompts waits this share of their predicted prefill time (at
     # most MAX_BATCH_WAIT_S) so that requests arriving with them share it; 0: never
     batch_wait: float = 0.05
-    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    max_model_len: int | None = None  # None: derived from config.json (llm/rope.py)
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"
     seed: int = 0
@@ -273,12 +274,8 @@ class EngineConfig:
                 raise FileNotFoundError(f"{config_file} not found: not a Hugging Face model folder")
             self.hf_config = json.loads(config_file.read_text())
         self.dtype = pick_dtype(self.dtype, self.device, self.hf_config)
-        if self.max_model_len is None:
-            self.max_model_len = int(
-                self.hf_config.get(
-                    "max_position_embeddings", self.hf_config.get("n_positions", 4096)
-                )
-            )
+        if self.max_model_len is None:  # what the checkpoint allows, its RoPE scaling too
+            self.max_model_len = derived_max_len(self.hf_config)
         self.check_parallel()
         if self.kv_cache_memory is None and self.num_kv_blocks is None:
             if self.on_cpu:  # the ranks share this host's memory (a GPU each has its own)

@@ -35,6 +35,7 @@ from bitserve.llm.metrics import EngineMetrics, kv_slots
 from bitserve.llm.model_runner import ModelOutput, ModelRunner
 from bitserve.llm.outputs import CompletionOutput, RequestOutput
 from bitserve.llm.parallel import SINGLE
+from bitserve.llm.rope import derived_max_len
 from bitserve.llm.sampler import Sampler, SamplingFailed
 from bitserve.llm.sampling_params import SamplingParams
 from bitserve.llm.scheduler import Scheduler, SchedulerOutput
@@ -89,6 +90,14 @@ class RequestState:
 class LLMEngine:
     def __init__(self, model: str | Path, **kwargs: Any):
         self.config = EngineConfig(model=model, **kwargs)
+        allowed = derived_max_len(self.config.hf_config)
+        log.log(
+            logging.WARNING if self.config.max_model_len > allowed else logging.INFO,
+            "%s: max_model_len %d (config.json and its rope scaling allow %d)",
+            self.config.model,
+            self.config.max_model_len,
+            allowed,
+        )
         torch.manual_seed(self.config.seed)
         allow_tf32(self.config.device)
         # tensor/pipeline parallelism: this process is rank 0, the others are workers

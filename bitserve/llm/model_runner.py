@@ -41,6 +41,7 @@ from bitserve.llm.attention import (
 from bitserve.llm.config import EngineConfig
 from bitserve.llm.models import load_model
 from bitserve.llm.parallel import SINGLE, Parallel
+from bitserve.llm.rope import RopeRegime
 from bitserve.llm.scheduler import SchedulerOutput
 from bitserve.llm.sequence import Sequence
 
@@ -72,6 +73,8 @@ class StepInput:
     sample_rows: list[int] = field(default_factory=list)
     prompt_rows: list[tuple[str, int, list[int]]] = field(default_factory=list)
     # (request_id, first position predicted, rows) for prompt logprobs
+    rope_prefix: list[int] = field(default_factory=list)  # each row's seq.rope_prefix, or
+    # none when the model's RoPE does not depend on the sequence (rope.py)
 
 
 MICRO_BATCH_MIN_TOKENS = 128  # fewer tokens than this per micro-batch: do not cut
@@ -128,6 +131,8 @@ class ModelRunner:
         self.allocate_kv_cache()
         self.workspace = GatherWorkspace()
         self.flash = self.pick_flash_attn()
+        # dynamic / longrope RoPE: each row's rotation depends on its sequence (rope.py)
+        self.rope_rows = not RopeRegime(config.hf_config).static
 
     def pick_flash_attn(self):
         """flash-attn on cuda for fp16/bf16 when it imports; None means torch SDPA."""
@@ -207,6 +212,8 @@ class ModelRunner:
                 dec_rows.append(n)
             else:
                 step.seqs.append((row, row + n, end, table[:num_ctx_blocks]))
+            if self.rope_rows:
+                step.rope_prefix.extend([seq.rope_prefix] * n)
             if end == seq.num_tokens:
                 out.sample_seqs.append(seq)
                 step.sample_rows.append(row + n - 1)
@@ -232,6 +239,8 @@ class ModelRunner:
             for start, end, context, table in step.seqs
         ]
         meta = AttentionMetadata(tensors[2], slices, self.workspace, flash=self.flash)
+        if step.rope_prefix:
+            meta.rope_prefix = self.to_device(torch.tensor(step.rope_prefix, dtype=torch.int64))
         if step.decode is not None:
             tables, ends, rows = step.decode
             seq_of = torch.repeat_interleave(torch.tensor(rows))  # each row's sequence

@@ -4,7 +4,9 @@ Each step the scheduler walks the running requests, then the waiting ones, and g
 each `min(num_tokens - num_computed_tokens, budget left)` tokens. A decode gets one
 token; a long prompt gets a chunk (chunked prefill) and decodes share the step with it.
 When the block pool runs dry, the newest running request (lowest priority under the
-priority policy) is preempted: its blocks are freed and it will be recomputed.
+priority policy) is preempted: its blocks are freed and it will be recomputed. A
+request whose longrope scaling switches to the long factors (it grew past the original
+length, `rope.py`) is recomputed the same way, at once, as transformers' `generate` does.
 
 The scheduler is the one owner of a request's state: its status (WAITING, RUNNING,
 PREEMPTED, finished) and how many of its tokens are computed. The block manager only
@@ -20,6 +22,7 @@ from dataclasses import dataclass, field
 
 from bitserve.llm.block_manager import BlockManager
 from bitserve.llm.config import EngineConfig
+from bitserve.llm.rope import RopeRegime
 from bitserve.llm.sequence import Sequence, SequenceStatus
 
 
@@ -85,6 +88,7 @@ class Scheduler:
         self.waiting = WaitingQueue(config.scheduling_policy)
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.rope = RopeRegime(config.hf_config)
 
     # -- admission --------------------------------------------------------------------
     def check_fits(self, seq: Sequence) -> None:
@@ -127,6 +131,8 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if self.rope.switches(seq.rope_prefix, seq.num_tokens):
+                self.restart(seq)
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             while not self.block_manager.allocate_slots(seq, num_new):
                 victim = self._pick_victim()
@@ -143,6 +149,8 @@ class Scheduler:
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting.peek()
+            if self.rope.switches(seq.rope_prefix, seq.num_tokens):  # preempted before
+                self.restart(seq)
             hits = self.block_manager.get_computed_blocks(seq)
             num_computed = len(hits) * self.config.block_size
             num_new = min(seq.num_tokens - num_computed, budget)
@@ -161,6 +169,15 @@ class Scheduler:
         """The tail of `running`: the newest admitted (fcfs) or lowest priority (priority);
         never a request already scheduled in this step, which all sit before it."""
         return self.running.pop()
+
+    def restart(self, seq: Sequence) -> None:
+        """Longrope's switch: the KV computed with the short factors is dropped and the
+        whole sequence is computed again, as one forward over its tokens would rotate it
+        (rope_prefix), with the long factors; its prefix-cache keys change with it."""
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.rope_prefix = seq.num_tokens
+        seq.block_hashes = []
 
     def preempt(self, seq: Sequence) -> None:
         """Preemption by recompute: drop the KV, go back to waiting, start over later."""

@@ -57,6 +57,9 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of full blocks
     num_registered_blocks: int = 0  # leading blocks of block_table entered in the prefix cache
+    # the tokens RoPE scaling treats as computed in one forward (llm/rope.py): the
+    # prompt, or the whole sequence once a longrope switch re-prefilled it
+    rope_prefix: int = field(init=False)
     status: SequenceStatus = SequenceStatus.WAITING
     num_preemptions: int = 0
     generator: torch.Generator | None = None
@@ -68,7 +71,7 @@ class Sequence:
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
-        self.num_prompt_tokens = len(self.prompt_token_ids)
+        self.num_prompt_tokens = self.rope_prefix = len(self.prompt_token_ids)
         if self.sampling_params.seed is not None:
             self.generator = torch.Generator(device=self.device).manual_seed(
                 self.sampling_params.seed

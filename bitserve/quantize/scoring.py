@@ -60,5 +60,6 @@ def window_logits(model: nn.Module, ids: list[int]) -> torch.Tensor:
     table = torch.arange(-(-n // BLOCK), device=device)
     positions = torch.arange(n, device=device)
     meta = AttentionMetadata(positions, [SeqSlice(0, n, n, table)], GatherWorkspace())
+    meta.rope_prefix = torch.full_like(positions, n)  # one forward over the window (llm/rope.py)
     hidden = model(torch.tensor(ids, device=device), positions, meta)
     return model.compute_logits(hidden).float()

@@ -81,15 +81,16 @@ class OpenAI:
         for name, entry in sorted(self.state.repository.models.items()):
             for number, version in sorted(entry.versions.items()):
                 if version.ready and version.config.backend in ("llm", "hf", "diffusion"):
-                    data.append(
-                        {
-                            "id": name,
-                            "object": "model",
-                            "created": 0,
-                            "owned_by": "bitserve",
-                            "version": str(number),
-                        }
-                    )
+                    card = {
+                        "id": name,
+                        "object": "model",
+                        "created": 0,
+                        "owned_by": "bitserve",
+                        "version": str(number),
+                    }
+                    if version.llm is not None:  # the context it serves (vLLM's field too)
+                        card["max_model_len"] = version.llm.max_model_len
+                    data.append(card)
                     break
         return _json({"object": "list", "data": data})
 

@@ -242,13 +242,16 @@ def test_dynamic_rope_matches_transformers_past_max_position_embeddings(tmp_path
 
 
 def test_longrope_switches_to_the_long_factors_with_the_sequence(tmp_path):
-    """A sequence past original_max_position_embeddings uses the long factors from that
-    step on (a 17-token prompt crosses 48 while decoding; a 64-token one starts past it)."""
-    rope = dict(LONGROPE, rope_theta=10000.0, original_max_position_embeddings=48)
-    config = Phi3Config(num_hidden_layers=2, rope_parameters=rope, **SMALL)
+    """A sequence past original_max_position_embeddings uses the long factors (a
+    40-token prompt crosses 48 while decoding and is computed again, a 64-token one
+    starts past it). transformers reads the length at the config's top level."""
+    rope = dict(LONGROPE, rope_theta=10000.0)
+    config = Phi3Config(
+        num_hidden_layers=2, original_max_position_embeddings=48, rope_parameters=rope, **SMALL
+    )
     folder = build_model(tmp_path / "longrope", config)
     engine = make_engine(folder, num_kv_blocks=64)
-    prompts = [MIXED[1], MIXED[3]]
+    prompts = [MIXED[2], MIXED[3]]
     assert_parity(folder, prompts, generate(engine, prompts))
 
 

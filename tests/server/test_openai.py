@@ -104,8 +104,10 @@ def metric(server, name, **labels) -> float:
 
 
 def test_models_lists_llms_and_embedders(client):
-    ids = {m.id for m in client.models.list().data}
-    assert {"chat", "minilm", "nochat"} <= ids and "plain" not in ids
+    models = {m.id: m for m in client.models.list().data}
+    assert {"chat", "minilm", "nochat"} <= set(models) and "plain" not in models
+    assert models["chat"].max_model_len == 256  # the context it serves (config.toml's)
+    assert models["nochat"].max_model_len == 512  # max_position_embeddings
 
 
 def test_completion_equals_offline_generate(client, repo):

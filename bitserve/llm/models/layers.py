@@ -16,6 +16,7 @@ from torch import nn
 from bitserve import kernels as c
 from bitserve.llm.attention import AttentionMetadata, paged_attention
 from bitserve.llm.parallel import TensorParallel
+from bitserve.llm.rope import rope_parameters
 
 NO_TP = TensorParallel()
 
@@ -110,37 +111,12 @@ class RMSNorm(nn.Module):
         return (1.0 + self.weight.float()) if self.unit_offset else self.weight
 
 
-def rope_parameters(hf: dict[str, Any], layer_type: str | None = None) -> dict[str, Any]:
-    """transformers >= 5 writes `rope_parameters` (per layer type for Gemma 3); older
-    configs `rope_theta` + `rope_scaling` (+ Gemma 3's `rope_local_base_freq`)."""
-    params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    if layer_type is not None and layer_type in params:
-        params = params[layer_type]
-    elif any(isinstance(v, dict) for v in params.values()):
-        params = params.get("full_attention", {})
-    params = dict(params)
-    theta = hf.get("rope_theta", 10000.0)
-    if layer_type == "sliding_attention" and "rope_local_base_freq" in hf:
-        theta = hf["rope_local_base_freq"]
-        if "rope_parameters" not in hf:  # the old rope_scaling was for global layers only
-            params = {}
-    params.setdefault("rope_theta", theta)
-    params["rope_type"] = params.get("rope_type", params.get("type", "default"))
-    if params["rope_type"] == "su":  # Phi-3's first name for longrope
-        params["rope_type"] = "longrope"
-    if "partial_rotary_factor" in hf:
-        params.setdefault("partial_rotary_factor", hf["partial_rotary_factor"])
-    if "original_max_position_embeddings" in hf:  # Phi-3 keeps it at the top level
-        params["original_max_position_embeddings"] = hf["original_max_position_embeddings"]
-    return params
-
-
-ROPE_TYPES = ("default", "linear", "llama3", "dynamic", "longrope")
+ROPE_TYPES = ("default", "linear", "llama3", "dynamic", "longrope", "yarn")
 
 
 def inverse_frequencies(params: dict[str, Any], head_dim: int, ext=None) -> torch.Tensor:
-    """RoPE inverse frequencies for default, linear, llama3, longrope (short factors,
-    or `ext` given) scaling; `dynamic` starts as default (see RotaryEmbedding)."""
+    """RoPE inverse frequencies for default, linear, llama3, yarn, longrope (short
+    factors, or `ext` given) scaling; `dynamic` starts as default (see RotaryEmbedding)."""
     base, kind = params["rope_theta"], params["rope_type"]
     dim = rotary_dim(params, head_dim)
     exponents = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim
@@ -154,6 +130,8 @@ def inverse_frequencies(params: dict[str, Any], head_dim: int, ext=None) -> torc
         return inv_freq / params["factor"]
     if kind == "llama3":
         return llama3_scaling(inv_freq, params)
+    if kind == "yarn":
+        return yarn_scaling(base**exponents, params, dim)
     raise ValueError(f"rope_type {kind!r} is not supported (supported: {', '.join(ROPE_TYPES)})")
 
 
@@ -171,6 +149,49 @@ def llama3_scaling(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Tens
     smoothed = (1 - smooth) * scaled / factor + smooth * scaled
     is_medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
     return torch.where(is_medium, smoothed, scaled)
+
+
+def yarn_factor(params: dict[str, Any], max_positions: int) -> float:
+    """YaRN's scaling factor: `factor`, or the ratio of the lengths when it is absent."""
+    return params.get("factor") or max_positions / params["original_max_position_embeddings"]
+
+
+def yarn_scaling(pos_freqs: torch.Tensor, params: dict[str, Any], dim: int) -> torch.Tensor:
+    """YaRN (transformers' arithmetic): interpolated (1 / factor) frequencies for the
+    slow dimensions, the original ones for the fast, a linear ramp between the
+    dimensions that turn beta_slow and beta_fast times over the original length."""
+    base, factor = params["rope_theta"], params["factor"]
+    old_len = params["original_max_position_embeddings"]
+    fast, slow = params.get("beta_fast") or 32, params.get("beta_slow") or 1
+
+    def dimension(rotations: float) -> float:  # the dimension that turns `rotations` times
+        return (dim * math.log(old_len / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = dimension(fast), dimension(slow)
+    if params.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # no division by zero
+    ramp = torch.arange(dim // 2, dtype=torch.float32, device="cpu")
+    ramp = torch.clamp((ramp - low) / (high - low), 0, 1)
+    extrapolation = 1 - ramp
+    interpolated, original = 1.0 / (factor * pos_freqs), 1.0 / pos_freqs
+    return interpolated * (1 - extrapolation) + original * extrapolation
+
+
+def yarn_attention_factor(params: dict[str, Any], max_positions: int) -> float:
+    """transformers' default: 0.1 ln(factor) + 1, or the ratio of the two mscales."""
+    if params.get("attention_factor") is not None:
+        return params["attention_factor"]
+    factor = yarn_factor(params, max_positions)
+
+    def mscale(scale: float) -> float:
+        return 1.0 if factor <= 1 else 0.1 * scale * math.log(factor) + 1.0
+
+    if params.get("mscale") and params.get("mscale_all_dim"):
+        return float(mscale(params["mscale"]) / mscale(params["mscale_all_dim"]))
+    return mscale(1)
 
 
 def longrope_attention_factor(params: dict[str, Any], max_positions: int) -> float:
@@ -194,14 +215,17 @@ def dynamic_frequencies(params: dict[str, Any], head_dim: int, max_pos: int, len
 class RotaryEmbedding(nn.Module):
     """cos/sin tables for every position up to max_model_len, looked up by position.
 
-    Two scalings depend on the sequence, as transformers' `dynamic_rope_update` does:
-    - `dynamic` (NTK): a token at position p >= max_position_embeddings is rotated with
-      the base for length p + 1, the one transformers uses when it decodes that token
-      (a prompt longer than that is rotated token by token the same way, where
-      transformers uses one base for the whole prompt);
-    - `longrope` (Phi-3): a sequence longer than original_max_position_embeddings uses
-      the long factors, a shorter one the short factors (chosen per step from the
-      sequence's length, `table_positions`); rows [max_len, 2 max_len) hold the long set.
+    Two scalings depend on the sequence (`bitserve/llm/rope.py`): the token at position p
+    of a sequence is rotated as transformers rotates it in a forward over
+    L = max(S, p + 1) tokens, S being the sequence's `rope_prefix` (each row's is
+    `meta.rope_prefix`). Rows [0, max_len) of the tables hold position p rotated for
+    L = p + 1 (the short factors; dynamic NTK's base for max(p + 1,
+    max_position_embeddings)), and
+    - `longrope` (Phi-3): rows [max_len, 2 max_len) the long factors, taken when L is
+      past original_max_position_embeddings;
+    - `dynamic`: a prompt longer than max_position_embeddings rotates its tokens with the
+      base for its whole length; those rows are computed per step into rows past
+      max_len (`extra_rows`), grown when a step needs more.
     """
 
     kernels: c.Kernels | None = None  # RoPE in C (kernels.attach, at load)
@@ -218,10 +242,11 @@ class RotaryEmbedding(nn.Module):
 
     def reset_buffers(self, device: str | torch.device = "cpu") -> None:
         """Same arithmetic as transformers: fp32 position x inv_freq, cos/sin in fp32
-        (times longrope's attention factor). Computed on the CPU, moved to `device`."""
+        (times longrope's or yarn's attention factor). Computed on the CPU, moved to
+        `device`."""
         positions = torch.arange(self.max_len, dtype=torch.float32, device="cpu")
         freqs = positions[:, None] * self.inv_freq[None, :]
-        scale = 1.0
+        self.scale = 1.0
         if self.kind == "dynamic" and self.max_len > self.max_positions:
             start = self.max_positions
             lengths = torch.arange(start + 1, self.max_len + 1, dtype=torch.int64, device="cpu")
@@ -230,17 +255,46 @@ class RotaryEmbedding(nn.Module):
         if self.kind == "longrope":
             long = inverse_frequencies(self.params, self.head_dim, self.params["long_factor"])
             freqs = torch.cat([freqs, positions[:, None] * long[None, :]])
-            scale = longrope_attention_factor(self.params, self.max_positions)
+            self.scale = longrope_attention_factor(self.params, self.max_positions)
+        if self.kind == "yarn":
+            self.scale = yarn_attention_factor(self.params, self.max_positions)
+        self.cos, self.sin = self.tables(freqs, device)
+
+    def tables(self, freqs: torch.Tensor, device) -> tuple[torch.Tensor, torch.Tensor]:
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.cos, self.sin = (emb.cos() * scale).to(device), (emb.sin() * scale).to(device)
+        return (emb.cos() * self.scale).to(device), (emb.sin() * self.scale).to(device)
 
     def table_positions(self, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """The table row of each token: its position, or (longrope, a sequence past the
-        original length) its position in the long half of the table."""
-        if self.kind != "longrope":
+        """The table row of each token: its position, or the row of its rotation when
+        that depends on its sequence's length (see the class)."""
+        if self.kind not in ("longrope", "dynamic"):
             return positions
-        original = self.params["original_max_position_embeddings"]
-        return positions + (meta.row_context_lens(positions) > original) * self.max_len
+        lens = torch.maximum(meta.rope_prefix, positions + 1)
+        if self.kind == "longrope":
+            original = self.params["original_max_position_embeddings"]
+            return positions + (lens > original) * self.max_len
+        own = torch.clamp(positions + 1, min=self.max_positions)  # what rows [0, max_len) hold
+        odd = (lens > own).nonzero().squeeze(1)
+        if odd.numel() == 0:
+            return positions
+        rows = positions.clone()
+        rows[odd] = self.extra_rows(positions[odd], lens[odd])
+        return rows
+
+    def extra_rows(self, positions: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+        """Dynamic: write position p rotated for length L into rows past max_len, one per
+        token; returns their rows. The tables grow (new tensors) when they are short."""
+        n, device = len(positions), self.cos.device
+        if self.cos.shape[0] < self.max_len + n:
+            grown = self.max_len + max(n, 2 * (self.cos.shape[0] - self.max_len), 256)
+            pad = torch.zeros(grown - self.max_len, self.cos.shape[1], device=device)
+            self.cos = torch.cat([self.cos[: self.max_len], pad])
+            self.sin = torch.cat([self.sin[: self.max_len], pad])
+        inv = dynamic_frequencies(self.params, self.head_dim, self.max_positions, lens.cpu())
+        cos, sin = self.tables(positions.cpu().float()[:, None] * inv, device)
+        rows = slice(self.max_len, self.max_len + n)
+        self.cos[rows], self.sin[rows] = cos, sin
+        return torch.arange(self.max_len, self.max_len + n, device=positions.device)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """q: [T, Hq, D], k: [T, Hkv, D] -> rotated, in their dtype. On the CPU in fp32
