@@ -45,7 +45,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
 from bitserve import __version__
-from bitserve.inference import ClientGone, InvalidRequest
+from bitserve.inference import ClientGone, InvalidRequest, text_inputs
 from bitserve.repository.repository import ModelNotFound, ModelUnavailable
 from bitserve.repository.version import ModelVersion, Ticket
 from bitserve.server import classification
@@ -59,7 +59,6 @@ from bitserve.server.v2_protocol import (
     config_message,
     encode_grpc_response,
     grpc_params,
-    llm_inputs,
     model_metadata,
     model_stats,
     parse_grpc_infer,
@@ -425,7 +424,7 @@ class Service(pb_grpc.GRPCInferenceServiceServicer):
         piece of text, then, when the client asks for it, an empty final one."""
         parsed = parse_grpc_infer(version.config, request, context.time_remaining())
         name, number = version.config.name, version.version
-        async with contextlib.aclosing(text_stream(version, *llm_inputs(parsed.inputs))) as pieces:
+        async with contextlib.aclosing(text_stream(version, *text_inputs(parsed.inputs))) as pieces:
             async for delta, _ in pieces:
                 if delta or not final:
                     text = np.array([delta.encode()], dtype=object)

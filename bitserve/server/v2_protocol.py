@@ -10,8 +10,10 @@ response, checked in one place whichever wire brought them:
 - gRPC: a `ModelInferRequest`, its data in `raw_input_contents` (one entry per input,
   laid out as the binary extension) or in typed `contents`; outputs always go back as
   `raw_output_contents`, as Triton's.
-Both read the request parameters `priority` and `timeout`, an output's `classification`,
-and, for an llm model, `text_input` and its JSON `sampling_parameters`. Every problem
+Both read the request parameters `priority` and `timeout` and an output's
+`classification` (an llm model's `text_input` and `sampling_parameters` are read by
+`bitserve.inference.text_inputs`, below the backends, which can read them there too).
+Every problem
 becomes an `InvalidRequest` whose message names the field (400 / INVALID_ARGUMENT).
 Model metadata, config and statistics are encoded here too.
 """
@@ -199,31 +201,6 @@ def int_param(params: dict, key: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise InvalidRequest(f"parameter '{key}' must be a non-negative integer")
     return value
-
-
-def llm_inputs(inputs: dict[str, np.ndarray]) -> tuple[str, Any]:
-    """An llm model's v2 inputs, as Triton's vLLM backend takes them: the prompt of
-    `text_input` and the JSON object of the optional `sampling_parameters`."""
-    raw = inputs.get("sampling_parameters")
-    parameters = _json(_one(raw, "sampling_parameters")) if raw is not None else {}
-    return _one(inputs["text_input"], "text_input"), parameters
-
-
-def _one(array: np.ndarray, name: str) -> str:
-    if array.size != 1:
-        raise InvalidRequest(f"input '{name}' takes one element")
-    item = array.reshape(-1)[0]
-    try:
-        return item.decode() if isinstance(item, bytes) else str(item)
-    except UnicodeDecodeError:
-        raise InvalidRequest(f"input '{name}' is not UTF-8") from None
-
-
-def _json(text: str) -> Any:
-    try:
-        return orjson.loads(text)
-    except orjson.JSONDecodeError as e:
-        raise InvalidRequest(f"input 'sampling_parameters' is not JSON: {e}") from None
 
 
 def output_datatype(name: str, array: np.ndarray) -> str:
