@@ -123,9 +123,7 @@ def read_input(
         raise InvalidRequest(
             f"input '{name}': datatype {datatype!r}, model '{config.name}' expects {spec.datatype}"
         )
-    if not isinstance(shape, list) or not all(
-        isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
-    ):
+    if type(shape) is not list or not all(type(d) is int and d >= 0 for d in shape):
         raise InvalidRequest(f"input '{name}': 'shape' must be a list of non-negative ints")
     check_shape(config, spec, shape)
     try:
@@ -355,11 +353,13 @@ def parse_grpc_infer(
         raise InvalidRequest(
             f"field 'raw_input_contents' has {len(raw)} entries for {len(request.inputs)} inputs"
         )
-    wire_inputs = [
-        (t.name, t.datatype, list(t.shape), _reader(t, raw[i] if raw else None))
-        for i, t in enumerate(request.inputs)
-    ]
-    outputs = [(o.name, grpc_params(o.parameters)) for o in request.outputs]
+    wire_inputs = []
+    for i, tensor in enumerate(request.inputs):
+        shape = list(tensor.shape)
+        read = _reader(tensor, shape, raw[i] if raw else None)
+        wire_inputs.append((tensor.name, tensor.datatype, shape, read))
+    asked = request.outputs
+    outputs = [(o.name, grpc_params(o.parameters)) for o in asked] if asked else None
     parsed = infer_request(
         config, wire_inputs, grpc_params(request.parameters), outputs, request.id or None
     )
@@ -370,10 +370,10 @@ def parse_grpc_infer(
 
 
 def _reader(
-    tensor: pb.ModelInferRequest.InferInputTensor, raw: bytes | None
+    tensor: pb.ModelInferRequest.InferInputTensor, shape: list[int], raw: bytes | None
 ) -> Callable[[], np.ndarray]:
     def read() -> np.ndarray:
-        name, datatype, shape = tensor.name, tensor.datatype, list(tensor.shape)
+        name, datatype = tensor.name, tensor.datatype
         if raw is None:
             return _from_contents(name, datatype, shape, tensor.contents)
         if tensor.HasField("contents"):
