@@ -10,8 +10,10 @@ the errors here are the caller's and the client's, named once for every protocol
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
+import orjson
 
 
 class InvalidRequest(ValueError):
@@ -33,3 +35,29 @@ class InferRequest:
     classification: dict[str, int] = field(default_factory=dict)  # output -> top k
     priority: int = 0  # 0: the model's default level
     timeout_us: int = 0  # 0: the model's default queue timeout
+
+
+def text_inputs(inputs: dict[str, np.ndarray]) -> tuple[str, Any]:
+    """An llm model's v2 inputs (config.py declares them, as Triton's vLLM backend does):
+    the prompt in `text_input` and the JSON object of the optional `sampling_parameters`.
+    Here, below the backends and the protocols, so that both can read them alike."""
+    raw = inputs.get("sampling_parameters")
+    parameters = _json(_one(raw, "sampling_parameters")) if raw is not None else {}
+    return _one(inputs["text_input"], "text_input"), parameters
+
+
+def _one(array: np.ndarray, name: str) -> str:
+    if array.size != 1:
+        raise InvalidRequest(f"input '{name}' takes one element")
+    item = array.reshape(-1)[0]
+    try:
+        return item.decode() if isinstance(item, bytes) else str(item)
+    except UnicodeDecodeError:
+        raise InvalidRequest(f"input '{name}' is not UTF-8") from None
+
+
+def _json(text: str) -> Any:
+    try:
+        return orjson.loads(text)
+    except orjson.JSONDecodeError as e:
+        raise InvalidRequest(f"input 'sampling_parameters' is not JSON: {e}") from None

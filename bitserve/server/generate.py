@@ -1,4 +1,4 @@
-"""Triton's generate extension for LLM models.
+"""Triton's generate extension for LLM models, and the v2 token stream it shares with gRPC.
 
 `POST /v2/models/{m}/generate` takes `{"text_input": ..., "parameters": {...}}` and
 answers `{"model_name", "model_version", "text_output"}`; `.../generate_stream` sends
@@ -6,11 +6,17 @@ the same as server-sent events, one per new piece of text, and an error that com
 the headers as a last `{"error": ...}` event. Sampling parameters are the engine's
 (`max_tokens`, `temperature`, ...), checked strictly (backends/llm.py `sampling`).
 Plain v2 infer on an llm model goes the one request path (`ModelVersion.start`).
+
+`text_stream` is the LLM token stream over v2, written once: generate_stream encodes its
+pieces as server-sent events here, ModelStreamInfer as gRPC stream responses
+(grpc_server.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator
+from typing import Any
 
 import orjson
 from starlette.requests import Request
@@ -20,30 +26,62 @@ from starlette.routing import Route
 from bitserve.backends.llm import sampling
 from bitserve.inference import InvalidRequest
 from bitserve.llm.sampling_params import SamplingParams
-from bitserve.repository.version import ModelVersion
+from bitserve.repository.version import Lease, ModelVersion
 from bitserve.server.errors import handle
 from bitserve.server.http import json_object, pinned_version
 from bitserve.server.state import ServerState
 
+# one piece of a text stream: the new text and, on the last piece, why it finished
+Piece = tuple[str, str | None]
+
+
+def prepare(version: ModelVersion, text: Any, parameters: Any) -> tuple[list[int], SamplingParams]:
+    """A v2 text request's prompt tokens and sampling parameters, checked."""
+    if version.llm is None:
+        raise InvalidRequest(f"model '{version.config.name}' does not generate text")
+    if not isinstance(text, str):
+        raise InvalidRequest("field 'text_input' must be a string")
+    params = sampling({} if parameters is None else parameters)
+    return version.llm.encode(text), params
+
+
+def text_stream(version: ModelVersion, text: Any, parameters: Any) -> AsyncIterator[Piece]:
+    """The generation of `text`, piece by piece: checked now (a 4xx or 503 before a wire
+    sends anything), admitted and generated as it is iterated. Every piece has new text
+    but the last, which has its finish reason. Closing it early stops the generation
+    and frees its KV blocks."""
+    prompt, params = prepare(version, text, parameters)
+    version.llm.check(prompt, params)
+    lease = version.begin()  # no await since the caller's lookup: a drain cannot miss it
+    return _pieces(version, prompt, params, lease)
+
+
+async def _pieces(
+    version: ModelVersion, prompt: list[int], params: SamplingParams, lease: Lease
+) -> AsyncIterator[Piece]:
+    try:
+        async with contextlib.aclosing(version.llm.generate(prompt, params)) as outs:
+            async for out in outs:
+                delta = out.outputs[0].delta_text
+                if delta or out.finished:
+                    yield delta, out.outputs[0].finish_reason
+    finally:
+        lease.release()
+
 
 def routes(state: ServerState) -> list[Route]:
-    async def body(request: Request) -> tuple[ModelVersion, list[int], SamplingParams]:
+    async def body(request: Request) -> tuple[ModelVersion, dict]:
         doc = json_object(await request.body())
         model = request.path_params["model"]
         await state.repository.ensure_loaded(model)
         # looked up after the last await (see v2.infer); a traffic policy's canary split
         # applies (bitserve/rollout), its statistics count v2 infer only
         version, _ = state.route_model(model, pinned_version(request))
-        if version.llm is None:
-            raise InvalidRequest(f"model '{version.config.name}' does not generate text")
-        if not isinstance(doc.get("text_input"), str):
-            raise InvalidRequest("field 'text_input' must be a string")
-        parameters = doc.get("parameters")
-        params = sampling({} if parameters is None else parameters)
-        return version, version.llm.encode(doc["text_input"]), params
+        return version, doc
 
     async def generate(request: Request) -> Response:
-        version, prompt, params = await body(request)
+        version, doc = await body(request)
+        prompt, params = prepare(version, doc.get("text_input"), doc.get("parameters"))
         lease = version.begin()
         try:
             text = await version.llm.complete(prompt, params)
@@ -52,22 +90,19 @@ def routes(state: ServerState) -> list[Route]:
         return Response(orjson.dumps(_doc(version, text)), media_type="application/json")
 
     async def generate_stream(request: Request) -> Response:
-        version, prompt, params = await body(request)
-        version.llm.check(prompt, params)  # a 4xx/503 now, not a stream that starts and breaks
-        lease = version.begin()  # no await since the lookup: a drain cannot miss it
+        version, doc = await body(request)
+        pieces = text_stream(version, doc.get("text_input"), doc.get("parameters"))
 
         async def events() -> AsyncIterator[bytes]:
-            try:
-                async for out in version.llm.generate(prompt, params):
-                    delta = out.outputs[0].delta_text
-                    if delta or out.finished:
+            async with contextlib.aclosing(pieces):  # a client gone stops the generation
+                try:
+                    async for delta, finish_reason in pieces:
                         doc = _doc(version, delta)
-                        doc["finish_reason"] = out.outputs[0].finish_reason
+                        doc["finish_reason"] = finish_reason
                         yield b"data: " + orjson.dumps(doc) + b"\n\n"
-            except Exception as e:  # the headers are gone: the error is the last event
-                yield b"data: " + orjson.dumps({"error": str(e) or type(e).__name__}) + b"\n\n"
-            finally:
-                lease.release()
+                except Exception as e:  # the headers are gone: the error is the last event
+                    error = {"error": str(e) or type(e).__name__}
+                    yield b"data: " + orjson.dumps(error) + b"\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream")
 

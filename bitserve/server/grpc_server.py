@@ -9,8 +9,12 @@ the drain. Infer takes the one request path (`ModelVersion.start`), as HTTP does
   passes while it waits is dropped by the batcher and never runs;
 - a call the client cancels (or whose deadline passes) takes its request off the queue;
   an LLM generation it started stops, and its KV blocks go back to the pool;
-- errors become status codes through errors.py (grpc_protocol.code_of), the message
-  naming the field; an error that says when to come back sends `retry-after` metadata.
+- errors become status codes through errors.py (`code_of`), the message naming the
+  field; an error that says when to come back sends `retry-after` metadata.
+
+This module is the gRPC plumbing only: the messages are decoded and encoded by the v2
+codec HTTP uses too (v2_protocol.py), and an LLM's tokens come from the one v2 token
+stream (generate.text_stream).
 
 ModelStreamInfer serves each request of the stream as it comes, concurrently; an LLM
 model answers token by token (Triton's decoupled models; `"stream": false` in its
@@ -37,26 +41,30 @@ from typing import Any
 
 import grpc
 import numpy as np
-import orjson
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_health.v1._async import HealthServicer
+from grpc_health.v1.health import aio as health_aio
 
 from bitserve import __version__
-from bitserve.backends.llm import sampling
-from bitserve.inference import ClientGone, InvalidRequest
+from bitserve.inference import ClientGone, InvalidRequest, text_inputs
 from bitserve.repository.repository import ModelNotFound, ModelUnavailable
 from bitserve.repository.version import ModelVersion, Ticket
 from bitserve.server import classification
-from bitserve.server.errors import (
-    EXPECTED,
-    headers_of,
-    status_of,
-)
-from bitserve.server.grpc_protocol import code_of, encode_response, parse_infer
+from bitserve.server.errors import EXPECTED, headers_of, status_of
+from bitserve.server.generate import text_stream
 from bitserve.server.proto import grpc_service_pb2 as pb
 from bitserve.server.proto import grpc_service_pb2_grpc as pb_grpc
 from bitserve.server.record import Record
 from bitserve.server.state import ServerState
+from bitserve.server.v2_protocol import (
+    config_message,
+    encode_grpc_response,
+    grpc_params,
+    model_metadata,
+    model_stats,
+    parse_grpc_infer,
+    stats_message,
+    streams,
+)
 
 log = logging.getLogger("bitserve.server")
 
@@ -67,6 +75,18 @@ GRACE_S = 5.0
 FINAL = "triton_final_response"
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+# Triton's codes for the HTTP statuses errors.py gives: the two protocols cannot disagree
+CODES = {
+    400: grpc.StatusCode.INVALID_ARGUMENT,
+    401: grpc.StatusCode.UNAUTHENTICATED,
+    403: grpc.StatusCode.PERMISSION_DENIED,
+    404: grpc.StatusCode.NOT_FOUND,
+    413: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    429: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    499: grpc.StatusCode.CANCELLED,
+    503: grpc.StatusCode.UNAVAILABLE,
+    504: grpc.StatusCode.DEADLINE_EXCEEDED,
+}
 
 
 async def start(state: ServerState) -> list[asyncio.Task]:
@@ -85,7 +105,7 @@ async def start(state: ServerState) -> list[asyncio.Task]:
         ]
     )
     pb_grpc.add_GRPCInferenceServiceServicer_to_server(Service(state), server)
-    health = HealthServicer()
+    health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     server.add_insecure_port(address)
     await server.start()
@@ -93,7 +113,9 @@ async def start(state: ServerState) -> list[asyncio.Task]:
     return [asyncio.create_task(_run(server, health, state))]
 
 
-async def _run(server: grpc.aio.Server, health: HealthServicer, state: ServerState) -> None:
+async def _run(
+    server: grpc.aio.Server, health: health_aio.HealthServicer, state: ServerState
+) -> None:
     helpers: set[int] = set()
     try:
         while True:
@@ -157,6 +179,10 @@ def _ready(state: ServerState, model: str, version: str | None = None) -> bool:
     return not state.draining
 
 
+def code_of(exc: BaseException) -> grpc.StatusCode:
+    return CODES.get(status_of(exc), grpc.StatusCode.INTERNAL)
+
+
 def rpc(method: Callable) -> Callable:
     """A unary method whose exceptions end the call with their status code."""
 
@@ -215,42 +241,18 @@ class Service(pb_grpc.GRPCInferenceServiceServicer):
     @rpc
     async def ModelMetadata(self, request: Any, context: Any) -> pb.ModelMetadataResponse:
         version = self.repository.get(request.name, request.version or None)
-        config = version.config
-        entry = self.repository.entry(config.name)
-        tensor = pb.ModelMetadataResponse.TensorMetadata
-        return pb.ModelMetadataResponse(
-            name=config.name,
-            versions=[str(n) for n, v in sorted(entry.versions.items()) if v.ready],
-            platform=version.platform,
-            inputs=[
-                tensor(name=t.name, datatype=t.datatype, shape=config.full_shape(t))
-                for t in config.input
-            ],
-            outputs=[
-                tensor(name=t.name, datatype=t.datatype, shape=config.full_shape(t))
-                for t in config.output
-            ],
-        )
+        entry = self.repository.entry(version.config.name)
+        return pb.ModelMetadataResponse(**model_metadata(version, entry))
 
     @rpc
     async def ModelConfig(self, request: Any, context: Any) -> pb.ModelConfigResponse:
         version = self.repository.get(request.name, request.version or None)
-        return pb.ModelConfigResponse(config=_config(version))
+        return pb.ModelConfigResponse(config=config_message(version))
 
     @rpc
     async def ModelStatistics(self, request: Any, context: Any) -> pb.ModelStatisticsResponse:
-        if request.name:
-            self.repository.entry(request.name)
-        stats = []
-        for name, entry in sorted(self.repository.models.items()):
-            if request.name and name != request.name:
-                continue
-            for number, version in sorted(entry.versions.items()):
-                if request.version and str(number) != request.version:
-                    continue
-                if version.batcher is not None:
-                    stats.append(_stats(name, number, version))
-        return pb.ModelStatisticsResponse(model_stats=stats)
+        stats = model_stats(self.repository, request.name, request.version)
+        return pb.ModelStatisticsResponse(model_stats=[stats_message(s) for s in stats])
 
     # ------------------------------------------------------------ repository
 
@@ -339,7 +341,7 @@ class Service(pb_grpc.GRPCInferenceServiceServicer):
         it fails to start, else by `_answer` or by whoever gives up on its result."""
         record = Record(self.state, version, route)
         try:
-            record.parsed = parse_infer(version.config, request, context.time_remaining())
+            record.parsed = parse_grpc_infer(version.config, request, context.time_remaining())
             ticket = version.start(record.parsed)
         except BaseException as exc:
             record.close(exc)
@@ -359,7 +361,7 @@ class Service(pb_grpc.GRPCInferenceServiceServicer):
         try:
             record.outputs = outputs
             answer = classification.apply(version, record.parsed, outputs)
-            response = encode_response(
+            response = encode_grpc_response(
                 version.config.name, version.version, record.parsed, answer, into
             )
         except BaseException as exc:
@@ -399,10 +401,10 @@ class Service(pb_grpc.GRPCInferenceServiceServicer):
     ) -> None:
         """A stream's request that needs its own task: an LLM generation, or a lazy
         model's first load. The caller entered the server state for it."""
-        final = _bool_param(request, "triton_enable_empty_final_response")
+        final = _final(request)
         try:
             version, route = await self._route(request)
-            if version.llm is not None and _streams(request):
+            if version.llm is not None and streams(request):
                 async for response in self._generate(version, request, context, final):
                     stream.put(pb.ModelStreamInferResponse(infer_response=response))
             else:
@@ -418,30 +420,20 @@ class Service(pb_grpc.GRPCInferenceServiceServicer):
     async def _generate(
         self, version: ModelVersion, request: pb.ModelInferRequest, context: Any, final: bool
     ) -> AsyncIterator[pb.ModelInferResponse]:
-        """generate.py's generate_stream over gRPC: one response per new piece of text."""
-        assert version.llm is not None
-        parsed = parse_infer(version.config, request, context.time_remaining())
-        prompt = version.llm.encode(_text(parsed.inputs["text_input"], "text_input"))
-        params = sampling(_sampling_doc(parsed.inputs.get("sampling_parameters")))
-        version.llm.check(prompt, params)
-        lease = version.begin()
-        try:
-            async for step in version.llm.generate(prompt, params):
-                delta = step.outputs[0].delta_text
-                if delta or (step.finished and not final):
+        """The v2 token stream (generate.text_stream) as gRPC responses: one per new
+        piece of text, then, when the client asks for it, an empty final one."""
+        parsed = parse_grpc_infer(version.config, request, context.time_remaining())
+        name, number = version.config.name, version.version
+        async with contextlib.aclosing(text_stream(version, *text_inputs(parsed.inputs))) as pieces:
+            async for delta, _ in pieces:
+                if delta or not final:
                     text = np.array([delta.encode()], dtype=object)
-                    response = encode_response(
-                        version.config.name, version.version, parsed, {"text_output": text}
-                    )
+                    response = encode_grpc_response(name, number, parsed, {"text_output": text})
                     if final:
                         response.parameters[FINAL].bool_param = False
                     yield response
-        finally:
-            lease.release()
         if final:
-            last = pb.ModelInferResponse(
-                model_name=version.config.name, model_version=str(version.version)
-            )
+            last = pb.ModelInferResponse(model_name=name, model_version=str(number))
             last.parameters[FINAL].bool_param = True
             if parsed.id is not None:
                 last.id = parsed.id
@@ -494,7 +486,7 @@ class _Stream:
             return self.put(_stream_error(exc))
         try:
             routed = service._route_now(request)
-            if routed is None or (routed[0].llm is not None and _streams(request)):
+            if routed is None or (routed[0].llm is not None and streams(request)):
                 task = asyncio.create_task(service._stream_one(request, self.context, self))
                 self.tasks.add(task)
                 task.add_done_callback(self._task_done)
@@ -506,7 +498,7 @@ class _Stream:
             if not isinstance(exc, Exception):
                 raise
             return self.put(_stream_error(exc))
-        final = _bool_param(request, "triton_enable_empty_final_response")
+        final = _final(request)
         self.pending[ticket.result] = (version, ticket, record, final)
         ticket.result.add_done_callback(self._answer)
 
@@ -563,97 +555,7 @@ def _stream_error(exc: BaseException) -> pb.ModelStreamInferResponse:
     return pb.ModelStreamInferResponse(error_message=_message(exc))
 
 
-def _bool_param(request: pb.ModelInferRequest, key: str) -> bool:
-    value = request.parameters.get(key)
-    return (
-        value is not None
-        and value.WhichOneof("parameter_choice") == "bool_param"
-        and (value.bool_param)
-    )
-
-
-def _streams(request: pb.ModelInferRequest) -> bool:
-    """An LLM streams unless its sampling_parameters say `"stream": false` (a request
-    that cannot be read streams, and fails there with the error that names the field)."""
-    for i, tensor in enumerate(request.inputs):
-        if tensor.name != "sampling_parameters":
-            continue
-        if request.raw_input_contents and i < len(request.raw_input_contents):
-            raw = request.raw_input_contents[i][4:]  # one BYTES element: length, then bytes
-        else:
-            raw = next(iter(tensor.contents.bytes_contents), b"{}")
-        with contextlib.suppress(orjson.JSONDecodeError, AttributeError):
-            return orjson.loads(raw).get("stream", True) is not False
-    return True
-
-
-def _text(array: np.ndarray, name: str) -> str:
-    if array.size != 1:
-        raise InvalidRequest(f"input '{name}' takes one element")
-    try:
-        return array.reshape(-1)[0].decode()
-    except UnicodeDecodeError:
-        raise InvalidRequest(f"input '{name}' is not UTF-8") from None
-
-
-def _sampling_doc(array: np.ndarray | None) -> Any:
-    if array is None:
-        return {}
-    try:
-        return orjson.loads(_text(array, "sampling_parameters"))
-    except orjson.JSONDecodeError as e:
-        raise InvalidRequest(f"input 'sampling_parameters' is not JSON: {e}") from None
-
-
-def _config(version: ModelVersion) -> pb.ModelConfig:
-    """The model's config.toml in model_config.proto's words (times in microseconds)."""
-    c = version.config
-    config = pb.ModelConfig(
-        name=c.name, platform=version.platform, backend=c.backend, max_batch_size=c.max_batch_size
-    )
-    for t in c.input:
-        config.input.add(
-            name=t.name,
-            data_type=f"TYPE_{'STRING' if t.datatype == 'BYTES' else t.datatype}",
-            dims=t.dims,
-            allow_ragged_batch=t.ragged,
-            optional=t.optional,
-        )
-    for t in c.output:
-        config.output.add(
-            name=t.name,
-            data_type=f"TYPE_{'STRING' if t.datatype == 'BYTES' else t.datatype}",
-            dims=t.dims,
-            label_filename=t.labels or "",
-        )
-    if c.dynamic_batching is not None:
-        d = c.dynamic_batching
-        config.dynamic_batching.preferred_batch_size.extend(d.preferred_batch_sizes)
-        config.dynamic_batching.max_queue_delay_microseconds = round(d.max_queue_delay_ms * 1000)
-        config.dynamic_batching.priority_levels = d.priority_levels
-        config.dynamic_batching.default_priority_level = d.default_priority_level
-    for key, value in c.parameters.items():
-        config.parameters[key].string_value = (
-            value if isinstance(value, str) else orjson.dumps(value).decode()
-        )
-    return config
-
-
-def _stats(name: str, number: int, version: ModelVersion) -> pb.ModelStatistics:
-    assert version.batcher is not None
-    s = version.batcher.stats
-    duration = pb.StatisticDuration
-    return pb.ModelStatistics(
-        name=name,
-        version=str(number),
-        inference_count=s.inference_count,
-        execution_count=s.execution_count,
-        inference_stats=pb.InferStatistics(
-            queue=duration(count=s.inference_count, ns=round(s.queue_seconds * 1e9)),
-            fail=duration(count=s.rejected_full + s.rejected_timeout + s.cancelled),
-        ),
-        batch_stats=[
-            pb.InferBatchStatistics(batch_size=size, compute_infer=duration(count=count))
-            for size, count in sorted(s.batch_sizes.items())
-        ],
-    )
+def _final(request: pb.ModelInferRequest) -> bool:
+    """Whether the client asks for an empty last response (tritonclient's
+    `enable_empty_final_response`)."""
+    return grpc_params(request.parameters).get("triton_enable_empty_final_response") is True

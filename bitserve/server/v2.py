@@ -1,5 +1,6 @@
 """The v2 protocol's routes: server and model metadata, model readiness, config and
-statistics, infer, and the rollout report. The wire format is in v2_protocol.py.
+statistics, infer, and the rollout report. The wire format is v2_protocol.py's (the
+codec it shares with gRPC).
 
 Infer reads the body (capped, gzip/deflate), picks the version (a pinned one, or the
 traffic policy's), parses the request against the model's config, and hands it to the
@@ -26,7 +27,13 @@ from bitserve.server.errors import BodyTooLarge, handle
 from bitserve.server.http import json_response, pinned_version, until_disconnect
 from bitserve.server.record import recorded
 from bitserve.server.state import ServerState
-from bitserve.server.v2_protocol import HEADER_LENGTH, encode_response, parse_infer
+from bitserve.server.v2_protocol import (
+    HEADER_LENGTH,
+    encode_response,
+    model_metadata,
+    model_stats,
+    parse_infer,
+)
 
 EXTENSIONS = [
     "binary_tensor_data",
@@ -90,38 +97,14 @@ class V2:
 
     async def model_metadata(self, request: Request) -> Response:
         version = self._lookup(request)
-        config = version.config
-        entry = self.repository.entry(config.name)
-        return json_response(
-            {
-                "name": config.name,
-                "versions": [str(v) for v, mv in sorted(entry.versions.items()) if mv.ready],
-                "platform": version.platform,
-                "inputs": [
-                    {"name": t.name, "datatype": t.datatype, "shape": config.full_shape(t)}
-                    for t in config.input
-                ],
-                "outputs": [
-                    {"name": t.name, "datatype": t.datatype, "shape": config.full_shape(t)}
-                    for t in config.output
-                ],
-            }
-        )
+        entry = self.repository.entry(version.config.name)
+        return json_response(model_metadata(version, entry))
 
     async def model_config(self, request: Request) -> Response:
         return json_response(self._lookup(request).config.model_dump(mode="json"))
 
     async def model_stats(self, request: Request) -> Response:
-        wanted = request.path_params.get("model")
-        if wanted is not None:
-            self.repository.entry(wanted)
-        stats = []
-        for name, entry in sorted(self.repository.models.items()):
-            if wanted is not None and name != wanted:
-                continue
-            for number, version in sorted(entry.versions.items()):
-                if version.batcher is not None:
-                    stats.append(_stats(name, number, version))
+        stats = model_stats(self.repository, request.path_params.get("model"))
         return json_response({"model_stats": stats})
 
     async def rollout_report(self, request: Request) -> Response:
@@ -194,26 +177,6 @@ class V2:
         elif encoding not in ("", "identity"):
             raise InvalidRequest(f"unsupported Content-Encoding {encoding!r}")
         return body
-
-
-def _stats(name: str, number: int, version: ModelVersion) -> dict:
-    assert version.batcher is not None
-    s = version.batcher.stats
-    return {
-        "name": name,
-        "version": str(number),
-        "state": version.state,
-        "inference_count": s.inference_count,
-        "execution_count": s.execution_count,
-        "batch_stats": [
-            {"batch_size": size, "count": count} for size, count in sorted(s.batch_sizes.items())
-        ],
-        "queue_seconds": s.queue_seconds,
-        "queue_depth": version.batcher.queued,
-        "rejected_queue_full": s.rejected_full,
-        "rejected_timeout": s.rejected_timeout,
-        "cancelled": s.cancelled,
-    }
 
 
 def _decompress(body: bytes, encoding: str, limit: int) -> bytes:

@@ -1,16 +1,30 @@
-"""The KServe v2 / Open Inference Protocol infer request and response, with Triton's
-binary tensor extension.
+"""The KServe v2 / Open Inference Protocol's messages, for HTTP and gRPC alike: the one
+codec both front-ends (v2.py, grpc_server.py) call.
 
-A request body is JSON, or JSON followed by raw tensor bytes when the header
-`Inference-Header-Content-Length` gives the JSON's length; each input with a
-`binary_data_size` parameter takes its bytes from there, in input order. Every problem
-becomes an `InvalidRequest` whose message names the field (a 400 `{"error": ...}`).
-The handlers are in v2.py; the request they hand a model is `bitserve.inference`'s.
+A request becomes the one `InferRequest` (bitserve/inference.py) and outputs become a
+response, checked in one place whichever wire brought them:
+- HTTP: a JSON body, or JSON followed by raw tensor bytes when the header
+  `Inference-Header-Content-Length` gives the JSON's length (Triton's binary tensor
+  extension); each input with a `binary_data_size` parameter takes its bytes from there,
+  in input order. Outputs are JSON data, or binary where `binary_data` asks for it.
+- gRPC: a `ModelInferRequest`, its data in `raw_input_contents` (one entry per input,
+  laid out as the binary extension) or in typed `contents`; outputs always go back as
+  `raw_output_contents`, as Triton's.
+Both read the request parameters `priority` and `timeout` and an output's
+`classification` (an llm model's `text_input` and `sampling_parameters` are read by
+`bitserve.inference.text_inputs`, below the backends, which can read them there too).
+Every problem
+becomes an `InvalidRequest` whose message names the field (400 / INVALID_ARGUMENT).
+Model metadata, config and statistics are encoded here too.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import math
+from collections.abc import Callable, Iterable
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -19,36 +33,235 @@ import orjson
 from bitserve.batching.collate import shape_key
 from bitserve.config import ModelConfig, TensorSpec
 from bitserve.inference import InferRequest, InvalidRequest
+from bitserve.repository.repository import ModelEntry, Repository
+from bitserve.repository.version import ModelVersion
 from bitserve.server.classification import top_k
 from bitserve.server.http import json_object
-from bitserve.tensors import DATATYPES, TensorError, from_binary, from_json, to_binary, to_json
+from bitserve.server.proto import grpc_service_pb2 as pb
+from bitserve.tensors import (
+    DATATYPES,
+    TensorError,
+    datatype_of,
+    from_binary,
+    from_json,
+    to_binary,
+    to_json,
+)
 
 HEADER_LENGTH = "inference-header-content-length"
 
+# datatype -> (the typed field of InferTensorContents, the numpy dtype its values take)
+CONTENTS = {
+    "BOOL": ("bool_contents", np.bool_),
+    "INT8": ("int_contents", np.int64),
+    "INT16": ("int_contents", np.int64),
+    "INT32": ("int_contents", np.int64),
+    "INT64": ("int64_contents", np.int64),
+    "UINT8": ("uint_contents", np.uint64),
+    "UINT16": ("uint_contents", np.uint64),
+    "UINT32": ("uint_contents", np.uint64),
+    "UINT64": ("uint64_contents", np.uint64),
+    "FP32": ("fp32_contents", np.float32),
+    "FP64": ("fp64_contents", np.float64),
+    "BYTES": ("bytes_contents", object),
+}
+
+# (name, datatype, shape, read the data): one input as a wire gives it
+WireInput = tuple[str, Any, Any, Callable[[], np.ndarray]]
+
+
+# ------------------------------------------------------------ the one request
+
+
+def infer_request(
+    config: ModelConfig,
+    inputs: Iterable[WireInput],
+    params: dict,
+    outputs: list[tuple[str, dict]] | None,
+    request_id: str | None,
+    binary_default: bool = False,
+    after_inputs: Callable[[], None] | None = None,
+) -> InferRequest:
+    """The request both wires decode into: each input checked against the model's
+    config before its data is read (`after_inputs` runs once all are read), then the
+    batch size, the requested outputs (name, parameters) and the request parameters."""
+    arrays: dict[str, np.ndarray] = {}
+    for name, datatype, shape, read in inputs:
+        arrays[name] = read_input(config, arrays, name, datatype, shape, read)
+    if after_inputs is not None:
+        after_inputs()
+    rows = check_inputs(config, arrays)
+    names, binary, classification = read_outputs(config, outputs, binary_default)
+    return InferRequest(
+        inputs=arrays,
+        rows=rows,
+        shape_key=shape_key(config, arrays),
+        id=request_id,
+        outputs=names,
+        binary=binary,
+        classification=classification,
+        priority=int_param(params, "priority"),
+        timeout_us=int_param(params, "timeout"),
+    )
+
+
+def read_input(
+    config: ModelConfig,
+    seen: dict[str, np.ndarray],
+    name: str,
+    datatype: Any,
+    shape: Any,
+    read: Callable[[], np.ndarray],
+) -> np.ndarray:
+    spec = config.input_spec(name)
+    if spec is None:
+        expected = [t.name for t in config.input]
+        raise InvalidRequest(f"unknown input '{name}'; model '{config.name}' expects {expected}")
+    if name in seen:
+        raise InvalidRequest(f"input '{name}' is given twice")
+    if datatype != spec.datatype:
+        raise InvalidRequest(
+            f"input '{name}': datatype {datatype!r}, model '{config.name}' expects {spec.datatype}"
+        )
+    if type(shape) is not list or not all(type(d) is int and d >= 0 for d in shape):
+        raise InvalidRequest(f"input '{name}': 'shape' must be a list of non-negative ints")
+    check_shape(config, spec, shape)
+    try:
+        array = read()
+    except TensorError as e:
+        raise InvalidRequest(str(e)) from None
+    check_range(spec, array)
+    return array
+
+
+def check_shape(config: ModelConfig, spec: TensorSpec, shape: list[int]) -> None:
+    """The shape a request declares must fit the config, before any data is decoded."""
+    batched = config.max_batch_size > 0
+    dims = shape[1:] if batched else shape
+    if len(dims) != len(spec.dims) or any(
+        d != e and e != -1 for d, e in zip(dims, spec.dims, strict=True)
+    ):
+        raise InvalidRequest(
+            f"input '{spec.name}': shape {shape} does not match the model's "
+            f"{config.full_shape(spec)}"
+        )
+    if batched and not 1 <= shape[0] <= config.max_batch_size:
+        raise InvalidRequest(
+            f"input '{spec.name}': batch size {shape[0]} is outside 1..{config.max_batch_size}"
+        )
+
+
+def check_range(spec: TensorSpec, array: np.ndarray) -> None:
+    if spec.value_range is None or not array.size:
+        return
+    low, high = spec.value_range
+    if not (array.min() >= low and array.max() <= high):  # NaN is in no range
+        raise InvalidRequest(
+            f"input '{spec.name}': values must be in [{low:g}, {high:g}], got "
+            f"[{array.min()}, {array.max()}]"
+        )
+
+
+def check_inputs(config: ModelConfig, inputs: dict[str, np.ndarray]) -> int:
+    """Every required input is there and all agree on the batch size (rows)."""
+    missing = [t.name for t in config.input if t.name not in inputs and not t.optional]
+    if missing:
+        raise InvalidRequest(f"missing inputs {missing} for model '{config.name}'")
+    if config.max_batch_size == 0:
+        return 1
+    rows = {name: a.shape[0] for name, a in inputs.items()}
+    if len(set(rows.values())) > 1:
+        raise InvalidRequest(f"inputs disagree on the batch size: {rows}")
+    return next(iter(rows.values()))
+
+
+def read_outputs(
+    config: ModelConfig, asked: list[tuple[str, dict]] | None, binary_default: bool
+) -> tuple[list[str], dict[str, bool], dict[str, int]]:
+    """The requested outputs (all declared ones when none is named), each one's binary
+    choice and the top k of those the classification extension ranks."""
+    declared = [t.name for t in config.output]
+    if not asked:
+        return declared, dict.fromkeys(declared, binary_default), {}
+    names, binary, classes = [], {}, {}
+    for name, params in asked:
+        if name not in declared:
+            raise InvalidRequest(f"unknown output '{name}'; model '{config.name}' has {declared}")
+        names.append(name)
+        binary[name] = bool(params.get("binary_data", binary_default))
+        if "classification" in params:  # Triton's classification extension
+            classes[name] = top_k(params["classification"], name)
+    return names, binary, classes
+
+
+def int_param(params: dict, key: str) -> int:
+    value = params.get(key, 0)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise InvalidRequest(f"parameter '{key}' must be a non-negative integer")
+    return value
+
+
+def output_datatype(name: str, array: np.ndarray) -> str:
+    try:
+        return "BYTES" if array.dtype == object else datatype_of(array)
+    except TensorError as e:
+        raise InvalidRequest(f"output '{name}': {e}") from None
+
+
+# ------------------------------------------------------------------- HTTP: JSON
+
 
 def parse_infer(config: ModelConfig, body: bytes, header_length: int | None) -> InferRequest:
+    """An HTTP request body: JSON, or JSON and the binary tensor extension's bytes."""
     header, binary = _split_body(body, header_length)
     doc = json_object(header)
     raw_inputs = doc.get("inputs")
     if not isinstance(raw_inputs, list) or not raw_inputs:
         raise InvalidRequest("field 'inputs' must be a non-empty list")
     params = _params(doc, "request")
-    inputs = _read_inputs(config, raw_inputs, binary)
-    rows = _check_inputs(config, inputs)
-    outputs, choices, classes = _read_outputs(config, doc.get("outputs"), params)
+    offset = 0
+
+    def wire_inputs() -> Iterable[WireInput]:
+        for item in raw_inputs:
+            if not isinstance(item, dict) or not isinstance(item.get("name"), str):
+                raise InvalidRequest("each entry of 'inputs' must be an object with a 'name'")
+            yield item["name"], item.get("datatype"), item.get("shape"), partial(read, item)
+
+    def read(item: dict) -> np.ndarray:
+        nonlocal offset
+        name, datatype, shape = item["name"], item["datatype"], item["shape"]
+        size = _params(item, f"input '{name}'").get("binary_data_size")
+        if size is not None:
+            if not isinstance(size, int) or size < 0:
+                raise InvalidRequest(f"input '{name}': binary_data_size must be an integer")
+            if offset + size > len(binary):
+                raise InvalidRequest(
+                    f"input '{name}': binary data truncated: binary_data_size is {size} "
+                    f"but {len(binary) - offset} bytes remain"
+                )
+            offset += size
+            return from_binary(name, datatype, shape, binary[offset - size : offset])
+        if "data" in item:
+            return from_json(name, datatype, shape, item["data"])
+        raise InvalidRequest(f"input '{name}': needs 'data' or binary_data_size")
+
+    def all_claimed() -> None:
+        if offset != len(binary):
+            raise InvalidRequest(
+                f"body holds {len(binary) - offset} bytes of binary data that no input claims"
+            )
+
     request_id = doc.get("id")
     if request_id is not None and not isinstance(request_id, str):
         raise InvalidRequest("field 'id' must be a string")
-    return InferRequest(
-        inputs=inputs,
-        rows=rows,
-        shape_key=shape_key(config, inputs),
-        id=request_id,
-        outputs=outputs,
-        binary=choices,
-        classification=classes,
-        priority=_int_param(params, "priority"),
-        timeout_us=_int_param(params, "timeout"),
+    return infer_request(
+        config,
+        wire_inputs(),
+        params,
+        _json_outputs(doc.get("outputs")),
+        request_id,
+        binary_default=bool(params.get("binary_data_output", False)),
+        after_inputs=all_claimed,
     )
 
 
@@ -71,131 +284,17 @@ def _params(doc: dict, where: str) -> dict:
     return params
 
 
-def _int_param(params: dict, key: str) -> int:
-    value = params.get(key, 0)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise InvalidRequest(f"parameter '{key}' must be a non-negative integer")
-    return value
-
-
-def _spec(config: ModelConfig, name: str) -> TensorSpec:
-    spec = config.input_spec(name)
-    if spec is None:
-        expected = [t.name for t in config.input]
-        raise InvalidRequest(f"unknown input '{name}'; model '{config.name}' expects {expected}")
-    return spec
-
-
-def _read_inputs(config: ModelConfig, raw: list, binary: memoryview) -> dict[str, np.ndarray]:
-    inputs: dict[str, np.ndarray] = {}
-    offset = 0
-    for item in raw:
-        if not isinstance(item, dict) or not isinstance(item.get("name"), str):
-            raise InvalidRequest("each entry of 'inputs' must be an object with a 'name'")
-        name = item["name"]
-        spec = _spec(config, name)
-        if name in inputs:
-            raise InvalidRequest(f"input '{name}' is given twice")
-        datatype, shape = item.get("datatype"), item.get("shape")
-        if datatype != spec.datatype:
-            raise InvalidRequest(
-                f"input '{name}': datatype {datatype!r}, model '{config.name}' expects "
-                f"{spec.datatype}"
-            )
-        if not isinstance(shape, list) or not all(
-            isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
-        ):
-            raise InvalidRequest(f"input '{name}': 'shape' must be a list of non-negative ints")
-        _check_shape(config, spec, shape)
-        size = _params(item, f"input '{name}'").get("binary_data_size")
-        try:
-            if size is not None:
-                if not isinstance(size, int) or size < 0:
-                    raise InvalidRequest(f"input '{name}': binary_data_size must be an integer")
-                if offset + size > len(binary):
-                    raise InvalidRequest(
-                        f"input '{name}': binary data truncated: binary_data_size is {size} "
-                        f"but {len(binary) - offset} bytes remain"
-                    )
-                inputs[name] = from_binary(name, datatype, shape, binary[offset : offset + size])
-                offset += size
-            elif "data" in item:
-                inputs[name] = from_json(name, datatype, shape, item["data"])
-            else:
-                raise InvalidRequest(f"input '{name}': needs 'data' or binary_data_size")
-        except TensorError as e:
-            raise InvalidRequest(str(e)) from None
-        _check_range(spec, inputs[name])
-    if offset != len(binary):
-        raise InvalidRequest(
-            f"body holds {len(binary) - offset} bytes of binary data that no input claims"
-        )
-    return inputs
-
-
-def _check_shape(config: ModelConfig, spec: TensorSpec, shape: list[int]) -> None:
-    """The shape a request declares must fit the config, before any data is decoded."""
-    batched = config.max_batch_size > 0
-    dims = shape[1:] if batched else shape
-    if len(dims) != len(spec.dims) or any(
-        d != e and e != -1 for d, e in zip(dims, spec.dims, strict=True)
-    ):
-        raise InvalidRequest(
-            f"input '{spec.name}': shape {shape} does not match the model's "
-            f"{config.full_shape(spec)}"
-        )
-    if batched and not 1 <= shape[0] <= config.max_batch_size:
-        raise InvalidRequest(
-            f"input '{spec.name}': batch size {shape[0]} is outside 1..{config.max_batch_size}"
-        )
-
-
-def _check_range(spec: TensorSpec, array: np.ndarray) -> None:
-    if spec.value_range is None or not array.size:
-        return
-    low, high = spec.value_range
-    if not (array.min() >= low and array.max() <= high):  # NaN is in no range
-        raise InvalidRequest(
-            f"input '{spec.name}': values must be in [{low:g}, {high:g}], got "
-            f"[{array.min()}, {array.max()}]"
-        )
-
-
-def _check_inputs(config: ModelConfig, inputs: dict[str, np.ndarray]) -> int:
-    """Every required input is there and all agree on the batch size (rows)."""
-    missing = [t.name for t in config.input if t.name not in inputs and not t.optional]
-    if missing:
-        raise InvalidRequest(f"missing inputs {missing} for model '{config.name}'")
-    if config.max_batch_size == 0:
-        return 1
-    rows = {name: a.shape[0] for name, a in inputs.items()}
-    if len(set(rows.values())) > 1:
-        raise InvalidRequest(f"inputs disagree on the batch size: {rows}")
-    return next(iter(rows.values()))
-
-
-def _read_outputs(
-    config: ModelConfig, raw: Any, params: dict
-) -> tuple[list[str], dict[str, bool], dict[str, int]]:
-    default_binary = bool(params.get("binary_data_output", False))
-    declared = [t.name for t in config.output]
+def _json_outputs(raw: Any) -> list[tuple[str, dict]] | None:
     if raw is None:
-        return declared, dict.fromkeys(declared, default_binary), {}
+        return None
     if not isinstance(raw, list):
         raise InvalidRequest("field 'outputs' must be a list")
-    names, choices, classes = [], {}, {}
+    asked = []
     for item in raw:
         if not isinstance(item, dict) or not isinstance(item.get("name"), str):
             raise InvalidRequest("each entry of 'outputs' must be an object with a 'name'")
-        name = item["name"]
-        if name not in declared:
-            raise InvalidRequest(f"unknown output '{name}'; model '{config.name}' has {declared}")
-        names.append(name)
-        asked = _params(item, f"output '{name}'")
-        choices[name] = bool(asked.get("binary_data", default_binary))
-        if "classification" in asked:  # Triton's classification extension
-            classes[name] = top_k(asked["classification"], name)
-    return names, choices, classes
+        asked.append((item["name"], _params(item, f"output '{item['name']}'")))
+    return asked
 
 
 def encode_response(
@@ -212,7 +311,7 @@ def encode_response(
         array = outputs[name]
         entry: dict[str, Any] = {
             "name": name,
-            "datatype": _datatype(array),
+            "datatype": output_datatype(name, array),
             "shape": list(array.shape),
         }
         if request.binary.get(name):
@@ -239,10 +338,238 @@ def encode_response(
     return b"".join([header, *blobs]), len(header)
 
 
-def _datatype(array: np.ndarray) -> str:
-    if array.dtype == object:
-        return "BYTES"
-    for name, dtype in DATATYPES.items():
-        if dtype == array.dtype:
-            return name
-    raise InvalidRequest(f"output dtype {array.dtype} has no v2 datatype")
+# -------------------------------------------------------------- gRPC: protobuf
+
+
+def parse_grpc_infer(
+    config: ModelConfig, request: pb.ModelInferRequest, deadline_s: float | None
+) -> InferRequest:
+    """A `ModelInferRequest`. A client deadline becomes the request's queue timeout, so
+    the batcher drops it unrun once the deadline passes."""
+    if not request.inputs:
+        raise InvalidRequest("field 'inputs' must be a non-empty list")
+    raw = request.raw_input_contents
+    if raw and len(raw) != len(request.inputs):
+        raise InvalidRequest(
+            f"field 'raw_input_contents' has {len(raw)} entries for {len(request.inputs)} inputs"
+        )
+    wire_inputs = []
+    for i, tensor in enumerate(request.inputs):
+        shape = list(tensor.shape)
+        read = _reader(tensor, shape, raw[i] if raw else None)
+        wire_inputs.append((tensor.name, tensor.datatype, shape, read))
+    asked = request.outputs
+    outputs = [(o.name, grpc_params(o.parameters)) for o in asked] if asked else None
+    parsed = infer_request(
+        config, wire_inputs, grpc_params(request.parameters), outputs, request.id or None
+    )
+    if deadline_s is not None:
+        left = max(1, int(deadline_s * 1e6))
+        parsed.timeout_us = min(parsed.timeout_us, left) if parsed.timeout_us else left
+    return parsed
+
+
+def _reader(
+    tensor: pb.ModelInferRequest.InferInputTensor, shape: list[int], raw: bytes | None
+) -> Callable[[], np.ndarray]:
+    def read() -> np.ndarray:
+        name, datatype = tensor.name, tensor.datatype
+        if raw is None:
+            return _from_contents(name, datatype, shape, tensor.contents)
+        if tensor.HasField("contents"):
+            raise InvalidRequest(
+                f"input '{name}': give its data in 'contents' or in 'raw_input_contents', not both"
+            )
+        return from_binary(name, datatype, shape, raw)
+
+    return read
+
+
+def _from_contents(
+    name: str, datatype: str, shape: list[int], contents: pb.InferTensorContents
+) -> np.ndarray:
+    if datatype not in CONTENTS:
+        raise InvalidRequest(f"input '{name}': {datatype} data must come in raw_input_contents")
+    field, wide = CONTENTS[datatype]
+    values = getattr(contents, field)
+    count = math.prod(shape)
+    if len(values) != count:
+        raise InvalidRequest(
+            f"input '{name}': contents.{field} holds {len(values)} values, shape {shape} "
+            f"needs {count}"
+        )
+    if wide is object:
+        array = np.empty(count, dtype=object)
+        array[:] = list(values)
+        return array.reshape(shape)
+    array = np.array(values, dtype=wide)
+    dtype = DATATYPES[datatype]
+    if dtype.kind in "iu" and array.size:
+        info = np.iinfo(dtype)
+        if array.min() < info.min or array.max() > info.max:
+            raise InvalidRequest(
+                f"input '{name}': contents.{field} has values outside {datatype}'s range "
+                f"[{info.min}, {info.max}]"
+            )
+    return array.astype(dtype, copy=False).reshape(shape)
+
+
+def grpc_params(parameters: Any) -> dict:
+    """A protobuf map of `InferParameter` as the plain values JSON parameters hold."""
+    if not parameters:
+        return {}
+    return {
+        k: getattr(v, v.WhichOneof("parameter_choice") or "bool_param")
+        for k, v in parameters.items()
+    }
+
+
+def streams(request: pb.ModelInferRequest) -> bool:
+    """An LLM streams unless its sampling_parameters say `"stream": false` (a request
+    that cannot be read streams, and fails there with the error that names the field)."""
+    for i, tensor in enumerate(request.inputs):
+        if tensor.name != "sampling_parameters":
+            continue
+        if request.raw_input_contents and i < len(request.raw_input_contents):
+            raw = request.raw_input_contents[i][4:]  # one BYTES element: length, then bytes
+        else:
+            raw = next(iter(tensor.contents.bytes_contents), b"{}")
+        with contextlib.suppress(orjson.JSONDecodeError, AttributeError):
+            return orjson.loads(raw).get("stream", True) is not False
+    return True
+
+
+def encode_grpc_response(
+    model: str,
+    version: int,
+    request: InferRequest,
+    outputs: dict[str, np.ndarray],
+    response: pb.ModelInferResponse | None = None,
+) -> pb.ModelInferResponse:
+    """The response message, or `response` filled in (a stream's `infer_response`,
+    which then needs no copy into its envelope)."""
+    if response is None:
+        response = pb.ModelInferResponse()
+    response.model_name = model
+    response.model_version = str(version)
+    if request.id is not None:
+        response.id = request.id
+    for name in request.outputs:
+        array = outputs[name]
+        datatype = output_datatype(name, array)
+        response.outputs.add(name=name, datatype=datatype, shape=array.shape)
+        response.raw_output_contents.append(to_binary(array))
+    return response
+
+
+# ------------------------------------------------ metadata, config, statistics
+
+
+def model_metadata(version: ModelVersion, entry: ModelEntry) -> dict:
+    """A model version's metadata (`GET /v2/models/{m}`, ModelMetadata): its name, the
+    versions of its `entry` that serve, its platform and its tensors."""
+    config = version.config
+
+    def tensors(specs: list[TensorSpec]) -> list[dict]:
+        return [
+            {"name": t.name, "datatype": t.datatype, "shape": config.full_shape(t)} for t in specs
+        ]
+
+    return {
+        "name": config.name,
+        "versions": [str(n) for n, v in sorted(entry.versions.items()) if v.ready],
+        "platform": version.platform,
+        "inputs": tensors(config.input),
+        "outputs": tensors(config.output),
+    }
+
+
+def model_stats(
+    repository: Repository, model: str | None, version: str | None = None
+) -> list[dict]:
+    """The statistics of every batched model version (of `model`, `version` when given)."""
+    if model:
+        repository.entry(model)  # unknown: ModelNotFound
+    stats = []
+    for name, entry in sorted(repository.models.items()):
+        if model and name != model:
+            continue
+        for number, served in sorted(entry.versions.items()):
+            if served.batcher is None or (version and str(number) != version):
+                continue
+            s = served.batcher.stats
+            stats.append(
+                {
+                    "name": name,
+                    "version": str(number),
+                    "state": served.state,
+                    "inference_count": s.inference_count,
+                    "execution_count": s.execution_count,
+                    "batch_stats": [
+                        {"batch_size": size, "count": count}
+                        for size, count in sorted(s.batch_sizes.items())
+                    ],
+                    "queue_seconds": s.queue_seconds,
+                    "queue_depth": served.batcher.queued,
+                    "rejected_queue_full": s.rejected_full,
+                    "rejected_timeout": s.rejected_timeout,
+                    "cancelled": s.cancelled,
+                }
+            )
+    return stats
+
+
+def stats_message(stats: dict) -> pb.ModelStatistics:
+    """One entry of `model_stats` as Triton's ModelStatistics (times in nanoseconds)."""
+    duration = pb.StatisticDuration
+    failed = stats["rejected_queue_full"] + stats["rejected_timeout"] + stats["cancelled"]
+    return pb.ModelStatistics(
+        name=stats["name"],
+        version=stats["version"],
+        inference_count=stats["inference_count"],
+        execution_count=stats["execution_count"],
+        inference_stats=pb.InferStatistics(
+            queue=duration(count=stats["inference_count"], ns=round(stats["queue_seconds"] * 1e9)),
+            fail=duration(count=failed),
+        ),
+        batch_stats=[
+            pb.InferBatchStatistics(
+                batch_size=b["batch_size"], compute_infer=duration(count=b["count"])
+            )
+            for b in stats["batch_stats"]
+        ],
+    )
+
+
+def config_message(version: ModelVersion) -> pb.ModelConfig:
+    """The model's config.toml in model_config.proto's words (times in microseconds)."""
+    c = version.config
+    config = pb.ModelConfig(
+        name=c.name, platform=version.platform, backend=c.backend, max_batch_size=c.max_batch_size
+    )
+    for t in c.input:
+        config.input.add(
+            name=t.name,
+            data_type=f"TYPE_{'STRING' if t.datatype == 'BYTES' else t.datatype}",
+            dims=t.dims,
+            allow_ragged_batch=t.ragged,
+            optional=t.optional,
+        )
+    for t in c.output:
+        config.output.add(
+            name=t.name,
+            data_type=f"TYPE_{'STRING' if t.datatype == 'BYTES' else t.datatype}",
+            dims=t.dims,
+            label_filename=t.labels or "",
+        )
+    if c.dynamic_batching is not None:
+        d = c.dynamic_batching
+        config.dynamic_batching.preferred_batch_size.extend(d.preferred_batch_sizes)
+        config.dynamic_batching.max_queue_delay_microseconds = round(d.max_queue_delay_ms * 1000)
+        config.dynamic_batching.priority_levels = d.priority_levels
+        config.dynamic_batching.default_priority_level = d.default_priority_level
+    for key, value in c.parameters.items():
+        config.parameters[key].string_value = (
+            value if isinstance(value, str) else orjson.dumps(value).decode()
+        )
+    return config
