@@ -76,6 +76,10 @@ def server(default_repository, tmp_path_factory):
     bow = repository / "bow_classifier"
     shutil.copytree(bow / "1", bow / "2")
     (bow / "config.toml").write_text((bow / "config.toml").read_text() + CANARY)
+    # a stream long enough that the stop button always lands mid-stream, however fast
+    # the box: RoPE has no hard end, the engine honours a longer max_model_len
+    tinylm = repository / "tinylm" / "config.toml"
+    tinylm.write_text(tinylm.read_text().replace("max_model_len = 256", "max_model_len = 8192"))
     s = Server(
         repository, *("--admin-token", TOKEN, "--model-control", "explicit"), "--load-model=*"
     )
@@ -194,8 +198,8 @@ def test_chat_streams_and_stop_frees_the_request(console, server):
     aborted = 'bitserve_llm_request_success_total{finished_reason="abort",'
     console.play("tinylm")
     page = console.page
-    page.fill("#chat-max-tokens", "200")
-    page.check("#chat-ignore-eos")  # 200 tokens for sure: the stop lands mid-stream
+    page.fill("#chat-max-tokens", "8000")
+    page.check("#chat-ignore-eos")  # 8000 tokens for sure: the stop lands mid-stream
     page.fill("#chat-input", "And it came to pass")
     page.click("#chat-send")
     page.wait_for_selector("#chat-answer:text-matches('.')")  # the first tokens are in
