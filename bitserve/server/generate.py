@@ -17,9 +17,8 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
-from bitserve.backends.llm import sampling
+from bitserve.backends.llm import EngineRequest, LLMService, sampling
 from bitserve.inference import InvalidRequest
-from bitserve.llm.sampling_params import SamplingParams
 from bitserve.repository.version import ModelVersion
 from bitserve.server.errors import handle
 from bitserve.server.http import json_object, pinned_version
@@ -27,38 +26,38 @@ from bitserve.server.state import ServerState
 
 
 def routes(state: ServerState) -> list[Route]:
-    async def body(request: Request) -> tuple[ModelVersion, list[int], SamplingParams]:
+    async def body(request: Request) -> tuple[ModelVersion, LLMService, EngineRequest]:
         doc = json_object(await request.body())
         model = request.path_params["model"]
         await state.repository.ensure_loaded(model)
         # looked up after the last await (see v2.infer); a traffic policy's canary split
         # applies (bitserve/rollout), its statistics count v2 infer only
         version, _ = state.route_model(model, pinned_version(request))
-        if version.llm is None:
-            raise InvalidRequest(f"model '{version.config.name}' does not generate text")
+        llm = version.serving("generate")  # NotSupported: a 400 naming the model
         if not isinstance(doc.get("text_input"), str):
             raise InvalidRequest("field 'text_input' must be a string")
         parameters = doc.get("parameters")
         params = sampling({} if parameters is None else parameters)
-        return version, version.llm.encode(doc["text_input"]), params
+        return version, llm, llm.process([doc["text_input"]], [params])[0]
 
     async def generate(request: Request) -> Response:
-        version, prompt, params = await body(request)
+        version, llm, admitted = await body(request)
         lease = version.begin()
         try:
-            text = await version.llm.complete(prompt, params)
+            text = await llm.complete(admitted)
         finally:
             lease.release()
         return Response(orjson.dumps(_doc(version, text)), media_type="application/json")
 
     async def generate_stream(request: Request) -> Response:
-        version, prompt, params = await body(request)
-        version.llm.check(prompt, params)  # a 4xx/503 now, not a stream that starts and breaks
+        # checked and admitted by the front door already: a 4xx/503 now, not a stream
+        # that starts and breaks
+        version, llm, admitted = await body(request)
         lease = version.begin()  # no await since the lookup: a drain cannot miss it
 
         async def events() -> AsyncIterator[bytes]:
             try:
-                async for out in version.llm.generate(prompt, params):
+                async for out in llm.generate(admitted):
                     delta = out.outputs[0].delta_text
                     if delta or out.finished:
                         doc = _doc(version, delta)

@@ -248,7 +248,7 @@ class Service(pb_grpc.GRPCInferenceServiceServicer):
             for number, version in sorted(entry.versions.items()):
                 if request.version and str(number) != request.version:
                     continue
-                if version.batcher is not None:
+                if version.report().batch is not None:
                     stats.append(_stats(name, number, version))
         return pb.ModelStatisticsResponse(model_stats=stats)
 
@@ -402,7 +402,7 @@ class Service(pb_grpc.GRPCInferenceServiceServicer):
         final = _bool_param(request, "triton_enable_empty_final_response")
         try:
             version, route = await self._route(request)
-            if version.llm is not None and _streams(request):
+            if version.serves("generate") and _streams(request):
                 async for response in self._generate(version, request, context, final):
                     stream.put(pb.ModelStreamInferResponse(infer_response=response))
             else:
@@ -419,14 +419,14 @@ class Service(pb_grpc.GRPCInferenceServiceServicer):
         self, version: ModelVersion, request: pb.ModelInferRequest, context: Any, final: bool
     ) -> AsyncIterator[pb.ModelInferResponse]:
         """generate.py's generate_stream over gRPC: one response per new piece of text."""
-        assert version.llm is not None
+        llm = version.serving("generate")
         parsed = parse_infer(version.config, request, context.time_remaining())
-        prompt = version.llm.encode(_text(parsed.inputs["text_input"], "text_input"))
+        prompt = _text(parsed.inputs["text_input"], "text_input")
         params = sampling(_sampling_doc(parsed.inputs.get("sampling_parameters")))
-        version.llm.check(prompt, params)
+        admitted = llm.process([prompt], [params])[0]  # the LLM front door
         lease = version.begin()
         try:
-            async for step in version.llm.generate(prompt, params):
+            async for step in llm.generate(admitted):
                 delta = step.outputs[0].delta_text
                 if delta or (step.finished and not final):
                     text = np.array([delta.encode()], dtype=object)
@@ -494,7 +494,7 @@ class _Stream:
             return self.put(_stream_error(exc))
         try:
             routed = service._route_now(request)
-            if routed is None or (routed[0].llm is not None and _streams(request)):
+            if routed is None or (routed[0].serves("generate") and _streams(request)):
                 task = asyncio.create_task(service._stream_one(request, self.context, self))
                 self.tasks.add(task)
                 task.add_done_callback(self._task_done)
@@ -640,8 +640,8 @@ def _config(version: ModelVersion) -> pb.ModelConfig:
 
 
 def _stats(name: str, number: int, version: ModelVersion) -> pb.ModelStatistics:
-    assert version.batcher is not None
-    s = version.batcher.stats
+    s = version.report().batch
+    assert s is not None
     duration = pb.StatisticDuration
     return pb.ModelStatistics(
         name=name,

@@ -19,6 +19,7 @@ from starlette.routing import Route
 
 from bitserve import __version__
 from bitserve.inference import ClientGone, InvalidRequest
+from bitserve.repository.paths import Report, tasks_of
 from bitserve.repository.repository import ModelNotFound, ModelUnavailable
 from bitserve.repository.version import ModelVersion
 from bitserve.server import classification
@@ -73,7 +74,9 @@ class V2:
         from bitserve.server.openapi import document
 
         models = self.repository.models.items()
-        return json_response(document({n: e.config.backend for n, e in models if e.config}))
+        return json_response(
+            document({n: tasks_of(e.config.backend) for n, e in models if e.config})
+        )
 
     def _lookup(self, request: Request) -> ModelVersion:
         params = request.path_params
@@ -120,8 +123,9 @@ class V2:
             if wanted is not None and name != wanted:
                 continue
             for number, version in sorted(entry.versions.items()):
-                if version.batcher is not None:
-                    stats.append(_stats(name, number, version))
+                report = version.report()
+                if report.batch is not None:
+                    stats.append(_stats(name, number, version.state, report))
         return json_response({"model_stats": stats})
 
     async def rollout_report(self, request: Request) -> Response:
@@ -196,20 +200,20 @@ class V2:
         return body
 
 
-def _stats(name: str, number: int, version: ModelVersion) -> dict:
-    assert version.batcher is not None
-    s = version.batcher.stats
+def _stats(name: str, number: int, state: str, report: Report) -> dict:
+    s = report.batch
+    assert s is not None
     return {
         "name": name,
         "version": str(number),
-        "state": version.state,
+        "state": state,
         "inference_count": s.inference_count,
         "execution_count": s.execution_count,
         "batch_stats": [
             {"batch_size": size, "count": count} for size, count in sorted(s.batch_sizes.items())
         ],
         "queue_seconds": s.queue_seconds,
-        "queue_depth": version.batcher.queued,
+        "queue_depth": report.queued,
         "rejected_queue_full": s.rejected_full,
         "rejected_timeout": s.rejected_timeout,
         "cancelled": s.cancelled,
