@@ -4,7 +4,7 @@ mirror, a batch job or a future protocol front-end all hand a model version an
 
 Protocol modules turn their wire format into this and the outputs back into theirs;
 the errors here are the caller's and the client's, named once for every protocol
-(server/errors.py maps them to status codes).
+(bitserve/api/errors.py maps them to status codes).
 """
 
 from __future__ import annotations
@@ -22,6 +22,15 @@ class InvalidRequest(ValueError):
 
 class ClientGone(Exception):
     """The client went away while its request was queued (nginx's 499)."""
+
+
+class Overloaded(Exception):
+    """A model's waiting queue is full (HTTP 429, gRPC RESOURCE_EXHAUSTED); `retry_after` is a
+    whole-second hint for the Retry-After header."""
+
+    def __init__(self, message: str, retry_after: int = 1):
+        super().__init__(message)
+        self.retry_after = retry_after
 
 
 @dataclass

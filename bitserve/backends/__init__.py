@@ -21,11 +21,6 @@ _MODULES = {
 }
 
 
-def is_llm(backend: str) -> bool:
-    """llm models run on the engine (continuous batching), not on instances."""
-    return backend == "llm"
-
-
 def backend_class(name: str) -> type[Model]:
     """The `Model` subclass for a config's `backend` field."""
     return importlib.import_module(_MODULES[name]).BACKEND

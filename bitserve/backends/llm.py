@@ -45,12 +45,12 @@ import orjson
 
 from bitserve.backends.base import LoadError
 from bitserve.config import ModelConfig
-from bitserve.inference import InvalidRequest
+from bitserve.inference import InvalidRequest, Overloaded
 from bitserve.llm.async_engine import AsyncLLMEngine, EngineDead
 from bitserve.llm.config import EngineConfig, check_type
 from bitserve.llm.outputs import RequestOutput
 from bitserve.llm.sampling_params import SamplingError, SamplingParams
-from bitserve.llm.structured import GUIDED_FIELDS, GuideError, guide_from
+from bitserve.llm.structured import GUIDED_FIELDS, Guide, guide_from
 from bitserve.llm.tools import SYNTAXES, instructions
 
 log = logging.getLogger("bitserve.llm")
@@ -71,18 +71,6 @@ FAULT_HOOK_ENV = "BITSERVE_LLM_FAULT_HOOK"
 MAX_RESTART_BACKOFF_S = 30.0
 
 
-class Overloaded(Exception):
-    """The waiting queue is full (429)."""
-
-    def __init__(self, message: str, retry_after: int):
-        super().__init__(message)
-        self.retry_after = retry_after
-
-
-class PromptTooLong(ValueError):
-    """Prompt plus max_tokens exceeds the model's context (400)."""
-
-
 def _param(params: dict, name: str, hint: Any, default: Any, where: Path) -> Any:
     """A service parameter of the model's config.toml, refused naming it when it is not
     a `hint` (strictly, as EngineConfig's fields) or is a float that is not finite."""
@@ -96,7 +84,7 @@ def _param(params: dict, name: str, hint: Any, default: Any, where: Path) -> Any
     return value
 
 
-class NoChatTemplate(ValueError):
+class NoChatTemplate(InvalidRequest):
     """The model's tokenizer_config.json has no chat template (400)."""
 
 
@@ -227,22 +215,47 @@ class LLMService:
             return f"engine loop stalled: no progress for {silent:.0f} s with work queued"
         return None
 
-    def check(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        """Everything that refuses a request before it is queued, so callers can check
-        before a stream's headers go out: a dead or restarting engine (503, retry), a
-        prompt past the context (400), a guide that cannot compile (400; compiled once
-        per guide and cached for the engine)."""
+    # ------------------------------------------------------------ the front door
+
+    def process(
+        self, prompts: list[str | list[int]], params: list[SamplingParams], queue: bool = True
+    ) -> list[EngineRequest]:
+        """The one way in, whichever protocol a request came from (vLLM's
+        `Processor.process_inputs`): every prompt is encoded and checked against the one
+        set of limits, then the whole API request is admitted once. It raises before
+        anything is queued, so a stream's headers go out only for a request that can
+        run: a dead or restarting engine (503, retry), an empty prompt, token ids
+        outside the vocabulary, a prompt past the context (RequestTooLong: the
+        scheduler's own check), a guide that cannot compile (400; compiled once per
+        guide and cached), a full waiting queue (Overloaded, 429). `queue=False` (batch
+        jobs: nobody to answer 429, only an engine to keep full) skips the last."""
+        assert self.engine is not None
         if (why := self.down()) is not None:
             raise EngineDead(f"model '{self.config.name}': {why}")
-        total = len(prompt_ids) + params.max_tokens
-        if total > self.max_model_len:
-            raise PromptTooLong(
-                f"this model's maximum context length is {self.max_model_len} tokens; the "
-                f"request has {len(prompt_ids)} prompt tokens and max_tokens "
-                f"{params.max_tokens} ({total} in all)"
-            )
-        if params.guide is not None and self.engine is not None:
-            self.engine.engine.grammars().template(params.guide)
+        engine = self.engine.engine
+        vocab = int(engine.config.hf_config.get("vocab_size") or len(self.tokenizer))
+        encoded = [self.encode(p) for p in prompts]
+        for ids, sp in zip(encoded, params, strict=True):
+            if not ids:
+                raise InvalidRequest("prompt: the prompt is empty")
+            if any(not 0 <= t < vocab for t in ids):
+                raise InvalidRequest(f"prompt: token ids must be in [0, {vocab})")
+            sp.check_vocab(vocab)
+            engine.scheduler.check_length(len(ids), sp.max_tokens)
+            if sp.guide is not None:
+                engine.grammars().template(sp.guide)
+        if queue:
+            self.admit(max(map(len, encoded)), count=len(encoded))
+        return [self._reserve(ids, sp) for ids, sp in zip(encoded, params, strict=True)]
+
+    def _reserve(self, ids: list[int], params: SamplingParams) -> EngineRequest:
+        self.waiting += 1
+        self.waiting_tokens += len(ids)
+        return EngineRequest(ids, params, self)
+
+    def _unreserve(self, prompt_tokens: int) -> None:
+        self.waiting -= 1
+        self.waiting_tokens -= prompt_tokens
 
     # ------------------------------------------------------------ prompts
 
@@ -295,21 +308,21 @@ class LLMService:
 
     async def generate(
         self,
-        prompt: str | list[int],
-        params: SamplingParams,
+        request: EngineRequest,
         request_id: str | None = None,
         priority: int = 0,
+        stream: bool = True,
     ) -> AsyncIterator[RequestOutput]:
-        """Stream outputs; closing the iterator early aborts the request at once."""
+        """Stream the outputs of a request the front door admitted (`process`); its
+        place in the waiting queue is this generation's from the first step. Closing the
+        iterator early aborts the request at once."""
         assert self.engine is not None
-        prompt_ids = self.encode(prompt)
-        self.check(prompt_ids, params)
-        self.admit(len(prompt_ids))
-        self.waiting += 1
-        self.waiting_tokens += len(prompt_ids)
+        prompt_ids = request.take()
         started = False
         try:
-            async for out in self.engine.generate(prompt_ids, params, request_id, priority):
+            async for out in self.engine.generate(
+                prompt_ids, request.params, request_id, priority, stream
+            ):
                 self.last_progress = time.monotonic()
                 if not started:
                     started = True
@@ -319,25 +332,29 @@ class LLMService:
             if started:
                 self.running -= 1
             else:
-                self.waiting -= 1
-                self.waiting_tokens -= len(prompt_ids)
+                self._unreserve(len(prompt_ids))
 
-    async def infer(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """v2 infer on an llm model, as Triton's vLLM backend: `text_input` (BYTES) and
-        an optional JSON `sampling_parameters` -> `text_output`."""
+    async def complete(self, request: EngineRequest) -> str:
+        """The finished text of one admitted request (no stream)."""
+        text = ""
+        async for out in self.generate(request):
+            text = out.outputs[0].text
+        return text
+
+    def text_request(self, inputs: dict[str, np.ndarray]) -> EngineRequest:
+        """A v2 request's tensors as Triton's vLLM backend reads them (`text_input`,
+        BYTES, and an optional JSON `sampling_parameters`), through the front door (v2
+        infer; its answer is `text_output`)."""
         prompt = _one(inputs["text_input"], "text_input")
         raw = inputs.get("sampling_parameters")
         params = sampling(_json(_one(raw, "sampling_parameters")) if raw is not None else {})
-        result = np.empty(1, dtype=object)
-        result[0] = (await self.complete(prompt, params)).encode()
-        return {"text_output": result}
+        return self.process([prompt], [params])[0]
 
-    async def complete(self, prompt: str | list[int], params: SamplingParams) -> str:
-        """The finished text of one generation (no stream)."""
-        text = ""
-        async for out in self.generate(prompt, params):
-            text = out.outputs[0].text
-        return text
+    async def text_output(self, request: EngineRequest) -> dict[str, np.ndarray]:
+        """v2 infer on an llm model, as Triton's vLLM backend: -> `text_output`."""
+        result = np.empty(1, dtype=object)
+        result[0] = (await self.complete(request)).encode()
+        return {"text_output": result}
 
     def _start_running(self, prompt_tokens: int) -> None:
         self.waiting -= 1
@@ -346,6 +363,30 @@ class LLMService:
 
     def decode_token(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
+
+
+class EngineRequest:
+    """One prompt the front door admitted: its token ids and sampling parameters, and
+    its place in the service's waiting queue, held until a generation takes it (or
+    given back by `release`, or when dropped: a response that never started)."""
+
+    def __init__(self, ids: list[int], params: SamplingParams, service: LLMService):
+        self.ids, self.params = ids, params
+        self.service: LLMService | None = service
+
+    def take(self) -> list[int]:
+        if self.service is None:
+            raise RuntimeError("an admitted request generates once")
+        self.service = None
+        return self.ids
+
+    def release(self) -> None:
+        if self.service is not None:
+            self.service._unreserve(len(self.ids))
+            self.service = None
+
+    def __del__(self) -> None:
+        self.release()
 
 
 def _plain(message: dict) -> dict:
@@ -358,21 +399,31 @@ def _plain(message: dict) -> dict:
     }
 
 
-def sampling(parameters: Any) -> SamplingParams:
-    """The engine's sampling parameters from a JSON object, strictly (sampling_params)."""
+def sampling(
+    parameters: Any, names: dict[str, str] | None = None, guide: Guide | None = None
+) -> SamplingParams:
+    """The one way to build a request's SamplingParams, from its JSON fields as sent
+    (every door: OpenAI bodies, v2 generate's `parameters`, v2 infer's and gRPC's
+    `sampling_parameters`, batch lines). Types and ranges are SamplingParams' own, so
+    a value out of range gets the same message from every door, naming the field;
+    `names` renames a field in that message (OpenAI's `top_logprobs` is `logprobs`);
+    `guide` is one the caller read already (OpenAI's `response_format`)."""
     if not isinstance(parameters, dict):
         raise InvalidRequest("'parameters' must be a JSON object")
     unknown = set(parameters) - SAMPLING_FIELDS - {"stream", "guide", *GUIDED_FIELDS}
     if unknown:
         raise InvalidRequest(f"unknown sampling parameters {sorted(unknown)}")
     if "stream" in parameters and not isinstance(parameters["stream"], bool):
-        raise InvalidRequest("parameters.stream: must be a bool")
+        raise InvalidRequest("stream: must be a bool")
     try:
-        guide = guide_from(parameters)
+        guide = guide if guide is not None else guide_from(parameters)
         fields = {k: v for k, v in parameters.items() if k in SAMPLING_FIELDS}
         return SamplingParams(**fields, guide=guide)
-    except (SamplingError, GuideError) as e:
-        raise InvalidRequest(f"parameters.{e}") from None
+    except SamplingError as e:
+        name = (names or {}).get(e.field)
+        if name is None:
+            raise
+        raise SamplingError(name, str(e).removeprefix(f"{e.field}: ")) from None
 
 
 def _json(text: str) -> Any:

@@ -31,7 +31,7 @@ from bitserve.diffusion.params import GenerationParams
 from bitserve.diffusion.sampler import Row, advance, denoise, new_row
 from bitserve.diffusion.schedule import Schedule
 from bitserve.diffusion.unet import Denoiser
-from bitserve.inference import ClientGone
+from bitserve.inference import ClientGone, Overloaded  # Overloaded: more rows than max_waiting
 
 QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -39,12 +39,6 @@ ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 class Cancelled(ClientGone):
     """The request was cancelled (its client went away) before its image was done."""
-
-
-class Overloaded(Exception):
-    """More rows are waiting than `max_waiting` (HTTP 429)."""
-
-    retry_after = 1
 
 
 class EngineStopped(RuntimeError):

@@ -26,7 +26,7 @@ MAX_LOGPROBS = 20
 LIMITS: dict[str, tuple[float, float]] = {
     "max_tokens": (1, 2**31 - 1),
     "min_tokens": (0, 2**31 - 1),
-    "temperature": (0.0, 100.0),
+    "temperature": (0.0, 2.0),  # OpenAI's range, on every door
     "top_k": (-1, 2**31 - 1),
     "top_p": (0.0, 1.0),
     "min_p": (0.0, 1.0),

@@ -20,14 +20,16 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from bitserve.inference import InvalidRequest
 from bitserve.llm.block_manager import BlockManager
 from bitserve.llm.config import EngineConfig
 from bitserve.llm.rope import RopeRegime
 from bitserve.llm.sequence import Sequence, SequenceStatus
 
 
-class RequestTooLong(ValueError):
-    """The request can never fit: refused at admission instead of waiting forever."""
+class RequestTooLong(InvalidRequest):
+    """The request can never fit (prompt + max_tokens past the context, or the KV pool):
+    refused at admission instead of waiting forever. The one "too long" error (400)."""
 
 
 @dataclass
@@ -92,14 +94,19 @@ class Scheduler:
 
     # -- admission --------------------------------------------------------------------
     def check_fits(self, seq: Sequence) -> None:
-        total = seq.num_prompt_tokens + seq.sampling_params.max_tokens
         if seq.num_prompt_tokens == 0:
-            raise ValueError("the prompt is empty")
+            raise InvalidRequest("the prompt is empty")
+        self.check_length(seq.num_prompt_tokens, seq.sampling_params.max_tokens)
+
+    def check_length(self, prompt_tokens: int, max_tokens: int) -> None:
+        """The one "too long" check: every protocol's front door (backends/llm.py) and
+        the engine's own admission call it. Read-only, so safe on any thread."""
+        total = prompt_tokens + max_tokens
         if total > self.config.max_model_len:
             raise RequestTooLong(
-                f"prompt ({seq.num_prompt_tokens} tokens) + max_tokens "
-                f"({seq.sampling_params.max_tokens}) = {total} exceeds max_model_len "
-                f"({self.config.max_model_len})"
+                f"this model's maximum context length is {self.config.max_model_len} tokens; "
+                f"the request has {prompt_tokens} prompt tokens and max_tokens {max_tokens} "
+                f"({total} in all), which exceeds max_model_len"
             )
         # under a sliding window the blocks behind it are freed: the window bounds it
         num_blocks = self.block_manager.blocks_needed(total, self.config.max_num_batched_tokens)

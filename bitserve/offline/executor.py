@@ -3,9 +3,10 @@
 `prepare` parses and validates a record at once (so a bad one becomes an error line
 without touching a model, and its length is known for bucketing); `run` executes it.
 OpenAI lines are parsed with the server's own request schemas and answered with its
-own response builders (`bitserve.server.openai_protocol`), so a batch output body equals what
+own response builders (`bitserve.api.openai`), so a batch output body equals what
 `serve` returns. LLM jobs go straight to the engine, skipping the server's admission
-gate: offline there is no caller to answer 429, only an engine to keep full.
+gate (`process(queue=False)`): offline there is no caller to answer 429, only an
+engine to keep full.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from typing import Any
 
 import orjson
 
+from bitserve.api import errors
+from bitserve.api import openai as api
 from bitserve.batching.batcher import QueueFull
 from bitserve.batching.collate import shape_key
 from bitserve.inference import InferRequest
@@ -24,8 +27,6 @@ from bitserve.offline.records import Record, error_line, ok_line, record_key
 from bitserve.offline.rows import RowMapping, row_inputs, v2_body
 from bitserve.repository.repository import Repository
 from bitserve.repository.version import ModelVersion
-from bitserve.server import errors
-from bitserve.server import openai_protocol as api
 
 ENDPOINTS = {"/v1/completions", "/v1/chat/completions", "/v1/embeddings"}
 
@@ -88,38 +89,28 @@ class Executor:
     def _generation(self, custom_id: str, line: int, raw: bytes, chat: bool) -> Work:
         req = api.parse(api.ChatRequest if chat else api.CompletionRequest, raw)
         version = self._version(req.model)
-        llm = version.llm
-        if llm is None:
-            raise errors.APIError(
-                400, f"model '{req.model}' is not a text generation model", "invalid_request_error"
-            )
+        llm = version.serving("generate")  # NotSupported: a 400 naming the model
         jobs = api.chat_jobs(req, llm) if chat else api.completion_jobs(req)
-        encoded = [llm.encode(p) for p, _, _ in jobs]
-        for ids, (_, _, params) in zip(encoded, jobs, strict=True):
-            llm.check(ids, params)
+        # the server's front door, but no admission gate: nobody here to answer 429
+        admitted = llm.process([p for p, _, _ in jobs], [sp for _, _, sp in jobs], queue=False)
 
         async def run() -> dict:
             responses = api.Responses(llm, req, jobs, chat)
-            params = [job[2] for job in jobs]
-            outs = await asyncio.gather(
-                *(_generate(llm, i, p, req.priority) for i, p in zip(encoded, params, strict=True))
-            )
+            outs = await asyncio.gather(*(_generate(llm, a, req.priority) for a in admitted))
             return ok_line(custom_id, responses.body(dict(enumerate(outs))))
 
-        return Work(custom_id, line, sum(map(len, encoded)), run)
+        return Work(custom_id, line, sum(len(a.ids) for a in admitted), run)
 
     def _embeddings(self, custom_id: str, line: int, raw: bytes) -> Work:
         req = api.parse(api.EmbeddingRequest, raw)
         version = self._version(req.model)
-        if version.config.backend != "hf" or not version.instances:
-            raise errors.APIError(
-                400, f"model '{req.model}' is not an embedding model", "invalid_request_error"
-            )
+        tokenizer = version.serving("embed").tokenizer()  # NotSupported: a 400
         texts = api.embedding_texts(req)
 
         async def run() -> dict:
             vectors = await _embed(version, texts)
-            return ok_line(custom_id, api.embedding_body(req, texts, vectors, version))
+            body = api.embedding_body(req, texts, vectors, version, tokenizer)
+            return ok_line(custom_id, body)
 
         return Work(custom_id, line, max(map(len, texts)), run)
 
@@ -150,10 +141,10 @@ def failure(custom_id: str | None, line: int, e: BaseException) -> dict:
     return error_line(custom_id, line, code, str(error), error.status, body)
 
 
-async def _generate(llm: Any, ids: list[int], params: Any, priority: int) -> Any:
+async def _generate(llm: Any, admitted: Any, priority: int) -> Any:
     """The final output of one engine request (the engine streams; batch needs the end)."""
     final = None
-    async for out in llm.engine.generate(ids, params, priority=priority, stream=False):
+    async for out in llm.generate(admitted, priority=priority, stream=False):
         final = out
     return final
 

@@ -15,7 +15,7 @@ import numpy as np
 import orjson
 
 from bitserve.config import ModelConfig
-from bitserve.inference import InferRequest
+from bitserve.inference import InferRequest, InvalidRequest
 from bitserve.repository.version import ModelVersion
 from bitserve.server.v2_protocol import encode_response
 from bitserve.tensors import from_json
@@ -42,7 +42,7 @@ def parse_mapping(items: tuple[str, ...] | list[str]) -> dict[str, str]:
 def row_inputs(config: ModelConfig, mapping: RowMapping, row: dict) -> tuple[dict, int]:
     """One-row input arrays, and the row's length (for bucketing similar rows together)."""
     if config.max_batch_size == 0:
-        raise ValueError(f"model '{config.name}' does not batch; bitserve batch needs rows")
+        raise InvalidRequest(f"model '{config.name}' does not batch; bitserve batch needs rows")
     inputs, length = {}, 1
     for spec in config.input:
         column = mapping.columns.get(spec.name, spec.name)
@@ -50,9 +50,12 @@ def row_inputs(config: ModelConfig, mapping: RowMapping, row: dict) -> tuple[dic
         if value is None or value == "":
             if spec.optional:
                 continue
-            raise ValueError(f"input '{spec.name}': the row has no column {column!r}")
+            raise InvalidRequest(f"input '{spec.name}': the row has no column {column!r}")
         if isinstance(value, str) and spec.datatype != "BYTES":
-            value = orjson.loads(value)
+            try:
+                value = orjson.loads(value)
+            except orjson.JSONDecodeError as e:
+                raise InvalidRequest(f"input '{spec.name}': the cell is not JSON: {e}") from None
         shape = [1, *np.shape(value)] if isinstance(value, list) else [1] * (len(spec.dims) + 1)
         _check_dims(spec.name, spec.dims, shape[1:])
         array = from_json(spec.name, spec.datatype, shape, value)
@@ -63,7 +66,7 @@ def row_inputs(config: ModelConfig, mapping: RowMapping, row: dict) -> tuple[dic
 
 def _check_dims(name: str, dims: list[int], shape: list[int]) -> None:
     if len(dims) != len(shape) or any(d != e and e != -1 for d, e in zip(shape, dims, strict=True)):
-        raise ValueError(f"input '{name}': a row of shape {shape} does not match dims {dims}")
+        raise InvalidRequest(f"input '{name}': a row of shape {shape} does not match dims {dims}")
 
 
 def v2_body(version: ModelVersion, outputs: dict[str, Any]) -> dict:

@@ -129,11 +129,7 @@ class Repository:
                 entry.error = entry.error or str(e)
             log.error("model %s version %d failed to load: %s", entry.name, version.version, e)
             return False
-        if version.llm is not None:
-            detail = f"LLM engine, warm-up generation {version.llm.warmup_seconds:.2f} s"
-        else:
-            warmups = sum(w.count for w in version.config.model_warmup)
-            detail = f"{len(version.instances)} instance(s), {warmups} warmup request(s)"
+        detail = version.describe()
         log.info(
             "loaded model %s version %d in %.2f s (%s)",
             entry.name,
@@ -227,7 +223,7 @@ class Repository:
                 raise ModelNotFound(f"unknown version '{version}' of model '{name}'")
             raise ModelUnavailable(f"model '{name}' is unloaded")
         if not found.ready:
-            state = "restarting an instance" if found.unhealthy else found.state
+            state = found.restarting() or found.state
             raise ModelUnavailable(f"model '{name}' version {version} is {state}")
         return found
 
@@ -237,7 +233,7 @@ class Repository:
         if not entry.wanted:
             return f"model '{entry.name}' is unloaded"
         states = sorted(
-            {("restarting" if v.unhealthy else v.state) for v in entry.versions.values()}
+            {("restarting" if v.restarting() else v.state) for v in entry.versions.values()}
         )
         return f"model '{entry.name}' is not ready ({', '.join(states) or 'loading'})"
 
@@ -250,15 +246,13 @@ class Repository:
             return "loading"
         for entry in self.models.values():
             for v in entry.versions.values():
-                if v.llm is not None and v.llm.restarting is not None:
-                    return f"model '{entry.name}' version {v.version}: {v.llm.restarting}"
+                # a restart that leaves it serving (Ray replicas: degraded) is ready
+                if (why := v.restarting()) is not None and not v.ready:
+                    return f"model '{entry.name}' version {v.version}: {why}"
             if entry.wanted and not any(
                 v.ready or v.state == "lazy" for v in entry.versions.values()
             ):
                 return self._why_unavailable(entry)
-            for v in entry.versions.values():
-                if v.unhealthy and not v.ready:  # Ray replicas: degraded, still serving
-                    return f"model '{entry.name}' version {v.version} is restarting an instance"
         return None
 
     def lazy_models(self) -> list[str]:

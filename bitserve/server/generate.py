@@ -23,9 +23,8 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
-from bitserve.backends.llm import sampling
+from bitserve.backends.llm import EngineRequest, LLMService, sampling
 from bitserve.inference import InvalidRequest
-from bitserve.llm.sampling_params import SamplingParams
 from bitserve.repository.version import Lease, ModelVersion
 from bitserve.server.errors import handle
 from bitserve.server.http import json_object, pinned_version
@@ -35,32 +34,28 @@ from bitserve.server.state import ServerState
 Piece = tuple[str, str | None]
 
 
-def prepare(version: ModelVersion, text: Any, parameters: Any) -> tuple[list[int], SamplingParams]:
-    """A v2 text request's prompt tokens and sampling parameters, checked."""
-    if version.llm is None:
-        raise InvalidRequest(f"model '{version.config.name}' does not generate text")
+def admit(version: ModelVersion, text: Any, parameters: Any) -> tuple[LLMService, EngineRequest]:
+    """A v2 text request through the LLM front door: encoded, checked against the one set
+    of limits and admitted (a 4xx or 503 before a wire sends anything)."""
+    llm = version.serving("generate")  # NotSupported: a 400 naming the model
     if not isinstance(text, str):
         raise InvalidRequest("field 'text_input' must be a string")
     params = sampling({} if parameters is None else parameters)
-    return version.llm.encode(text), params
+    return llm, llm.process([text], [params])[0]
 
 
 def text_stream(version: ModelVersion, text: Any, parameters: Any) -> AsyncIterator[Piece]:
-    """The generation of `text`, piece by piece: checked now (a 4xx or 503 before a wire
-    sends anything), admitted and generated as it is iterated. Every piece has new text
-    but the last, which has its finish reason. Closing it early stops the generation
-    and frees its KV blocks."""
-    prompt, params = prepare(version, text, parameters)
-    version.llm.check(prompt, params)
+    """The generation of `text`, piece by piece: admitted now, generated as it is
+    iterated. Every piece has new text but the last, which has its finish reason.
+    Closing it early stops the generation and frees its KV blocks."""
+    llm, admitted = admit(version, text, parameters)
     lease = version.begin()  # no await since the caller's lookup: a drain cannot miss it
-    return _pieces(version, prompt, params, lease)
+    return _pieces(llm, admitted, lease)
 
 
-async def _pieces(
-    version: ModelVersion, prompt: list[int], params: SamplingParams, lease: Lease
-) -> AsyncIterator[Piece]:
+async def _pieces(llm: LLMService, admitted: EngineRequest, lease: Lease) -> AsyncIterator[Piece]:
     try:
-        async with contextlib.aclosing(version.llm.generate(prompt, params)) as outs:
+        async with contextlib.aclosing(llm.generate(admitted)) as outs:
             async for out in outs:
                 delta = out.outputs[0].delta_text
                 if delta or out.finished:
@@ -81,10 +76,10 @@ def routes(state: ServerState) -> list[Route]:
 
     async def generate(request: Request) -> Response:
         version, doc = await body(request)
-        prompt, params = prepare(version, doc.get("text_input"), doc.get("parameters"))
+        llm, admitted = admit(version, doc.get("text_input"), doc.get("parameters"))
         lease = version.begin()
         try:
-            text = await version.llm.complete(prompt, params)
+            text = await llm.complete(admitted)
         finally:
             lease.release()
         return Response(orjson.dumps(_doc(version, text)), media_type="application/json")

@@ -404,7 +404,7 @@ class Service(pb_grpc.GRPCInferenceServiceServicer):
         final = _final(request)
         try:
             version, route = await self._route(request)
-            if version.llm is not None and streams(request):
+            if version.serves("generate") and streams(request):
                 async for response in self._generate(version, request, context, final):
                     stream.put(pb.ModelStreamInferResponse(infer_response=response))
             else:
@@ -486,7 +486,7 @@ class _Stream:
             return self.put(_stream_error(exc))
         try:
             routed = service._route_now(request)
-            if routed is None or (routed[0].llm is not None and streams(request)):
+            if routed is None or (routed[0].serves("generate") and streams(request)):
                 task = asyncio.create_task(service._stream_one(request, self.context, self))
                 self.tasks.add(task)
                 task.add_done_callback(self._task_done)

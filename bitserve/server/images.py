@@ -39,7 +39,7 @@ from bitserve.backends.diffusion import defaults
 from bitserve.diffusion.engine import DiffusionEngine
 from bitserve.diffusion.params import GenerationParams, InvalidParams, parse_label
 from bitserve.repository.version import ModelVersion
-from bitserve.server.errors import APIError, handle
+from bitserve.server.errors import handle
 from bitserve.server.http import json_object, json_response, until_disconnect
 
 if TYPE_CHECKING:
@@ -113,9 +113,9 @@ class Images:
 
     async def generations(self, request: Request) -> Response:
         req = parse_request(await request.body())
-        version, engine = await self._engine(req.model)
-        params = image_params(req, defaults(version.config), engine)
-        ticket = version.diffuse(engine, params)  # no await since the lookup: drain-safe
+        version, steps = await self._images(req.model)
+        params = image_params(req, defaults(version.config), steps.engine)
+        ticket = steps.diffuse(params)  # no await since the lookup: drain-safe
         images = await until_disconnect(request, ticket.result, lambda: ticket.cancel(None))
         pixels = await asyncio.to_thread(lambda: [png(a) for a in images["image"]])
         data = [
@@ -129,18 +129,11 @@ class Images:
         version.m["success"].inc()
         return json_response({"created": int(time.time()), "data": data})
 
-    async def _engine(self, name: str) -> tuple[ModelVersion, DiffusionEngine]:
+    async def _images(self, name: str) -> tuple[ModelVersion, Any]:
+        """The version and its step loop's path (NotSupported: 400, param "model")."""
         await self.server.repository.ensure_loaded(name)
         version = self.server.serving(name)
-        engine = version.step_engine()
-        if engine is None:
-            raise APIError(
-                400,
-                f"model '{name}' is not a diffusion model served in this process",
-                "invalid_request_error",
-                "model",
-            )
-        return version, engine
+        return version, version.serving("images")
 
 
 def _revised(req: ImagesRequest) -> str:
@@ -161,8 +154,7 @@ def routes(server: Server) -> list[Route]:
 def engines(server: Server) -> Iterator[tuple[list[str], DiffusionEngine]]:
     for name, entry in sorted(server.repository.models.items()):
         for number, version in sorted(entry.versions.items()):
-            engine = version.step_engine()
-            if engine is not None:
+            if version.serves("images") and (engine := version.path.engine) is not None:
                 yield [name, str(number)], engine
 
 

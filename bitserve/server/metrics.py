@@ -56,16 +56,17 @@ def collect(server: ServerState) -> Iterator[Metric]:
     yield from _engine_metrics(server)
     for name, entry in server.repository.models.items():
         for number, version in entry.versions.items():
-            if version.batcher is None:
+            report = version.report()
+            if report.batch is None:
                 continue  # llm versions export the engine's own metrics
             labels = [name, str(number)]
-            depth.add_metric(labels, version.batcher.queued)
-            healthy.add_metric(labels, len(version.instances) - len(version.unhealthy))
-            rows.add_metric(labels, version.batcher.stats.inference_count)
-            runs.add_metric(labels, version.batcher.stats.execution_count)
-            for reason, count in version.restarts.items():
+            depth.add_metric(labels, report.queued)
+            healthy.add_metric(labels, report.healthy)
+            rows.add_metric(labels, report.batch.inference_count)
+            runs.add_metric(labels, report.batch.execution_count)
+            for reason, count in report.restarts.items():
                 restarts.add_metric([*labels, reason], count)
-            retried.add_metric(labels, version.retried)
+            retried.add_metric(labels, report.retried)
     yield from (depth, healthy, rows, runs, restarts, retried, draining)
 
 
@@ -114,10 +115,11 @@ def _engine_metrics(server: ServerState) -> Iterator[Metric]:
     )
     for name, entry in server.repository.models.items():
         for number, version in entry.versions.items():
-            if version.llm is None or version.llm.engine is None or version.state != "ready":
+            report = version.report()
+            snapshot = report.engine
+            if snapshot is None:
                 continue
-            restarts.add_metric([name, str(number)], float(version.llm.restarts))
-            snapshot = version.llm.engine.metrics().as_dict()
+            restarts.add_metric([name, str(number)], float(report.engine_restarts))
             for key, family in families.items():
                 family.add_metric([name, str(number)], float(snapshot[key]))
             for expert, count in enumerate(snapshot["tokens_per_expert"]):

@@ -1,5 +1,5 @@
 """The OpenAI API's routes over bitserve's LLM engine (and `/v1/embeddings` over hf
-embedders); the protocol itself (schemas, errors, bodies) is in openai_protocol.py.
+embedders); the protocol itself (schemas, errors, bodies) is in bitserve/api/openai.py.
 
 `GET /v1/models`, `POST /v1/completions`, `/v1/chat/completions`, `/v1/embeddings`,
 `/tokenize`, `/detokenize`. Streaming is server-sent events ending with
@@ -19,14 +19,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
-from bitserve.backends.llm import LLMService
-from bitserve.inference import ClientGone
-from bitserve.llm import tools
-from bitserve.llm.outputs import RequestOutput
-from bitserve.repository.version import ModelVersion
-from bitserve.server.errors import APIError, handle, to_openai
-from bitserve.server.http import until_disconnect
-from bitserve.server.openai_protocol import (
+from bitserve.api.openai import (
     ChatRequest,
     CompletionRequest,
     DetokenizeRequest,
@@ -40,7 +33,16 @@ from bitserve.server.openai_protocol import (
     embedding_texts,
     parse,
 )
+from bitserve.backends.llm import EngineRequest, LLMService
+from bitserve.inference import ClientGone
+from bitserve.llm import tools
+from bitserve.llm.outputs import RequestOutput
+from bitserve.repository.version import ModelVersion
+from bitserve.server.errors import APIError, handle, to_openai
+from bitserve.server.http import until_disconnect
 from bitserve.server.state import ServerState
+
+OPENAI_TASKS = ("generate", "embed", "images")  # what /v1/models lists
 
 
 def routes(state: ServerState) -> list[Route]:
@@ -67,20 +69,13 @@ class OpenAI:
 
     def _llm(self, name: str) -> tuple[ModelVersion, LLMService]:
         version = self.state.serving(name)
-        if version.llm is None:
-            raise APIError(
-                400,
-                f"model '{name}' is not a text generation model",
-                "invalid_request_error",
-                "model",
-            )
-        return version, version.llm
+        return version, version.serving("generate")  # NotSupported: 400, param "model"
 
     async def models(self, request: Request) -> Response:
         data = []
         for name, entry in sorted(self.state.repository.models.items()):
             for number, version in sorted(entry.versions.items()):
-                if version.ready and version.config.backend in ("llm", "hf", "diffusion"):
+                if version.ready and any(map(version.serves, OPENAI_TASKS)):
                     card = {
                         "id": name,
                         "object": "model",
@@ -88,8 +83,8 @@ class OpenAI:
                         "owned_by": "bitserve",
                         "version": str(number),
                     }
-                    if version.llm is not None:  # the context it serves (vLLM's field too)
-                        card["max_model_len"] = version.llm.max_model_len
+                    if version.serves("generate"):  # the context it serves (vLLM's field too)
+                        card["max_model_len"] = version.serving("generate").max_model_len
                     data.append(card)
                     break
         return _json({"object": "list", "data": data})
@@ -119,12 +114,10 @@ class OpenAI:
         jobs: list,
         chat: bool,
     ) -> Response:
-        encoded = [llm.encode(p) for p, _, _ in jobs]
-        for ids, (_, _, sp) in zip(encoded, jobs, strict=True):
-            llm.check(ids, sp)
-        llm.admit(max(len(ids) for ids in encoded), count=len(jobs))
+        # the front door: encoded, checked against the one set of limits, admitted once
+        admitted = llm.process([p for p, _, _ in jobs], [sp for _, _, sp in jobs])
         # held now, with no await since the lookup: a drain cannot miss it
-        stream = _Streams(self.state, version, llm, req, jobs, encoded, chat)
+        stream = _Streams(self.state, version, llm, req, jobs, admitted, chat)
         if req.stream:
             return StreamingResponse(stream.sse(), media_type="text/event-stream")
         return _json(await until_disconnect(http, stream.complete()))
@@ -135,16 +128,10 @@ class OpenAI:
         req: EmbeddingRequest = parse(EmbeddingRequest, await request.body())
         await self.state.repository.ensure_loaded(req.model)
         version = self.state.serving(req.model)
-        if version.config.backend != "hf" or not version.instances:
-            raise APIError(
-                400,
-                f"model '{req.model}' is not an embedding model",
-                "invalid_request_error",
-                "model",
-            )
+        embedder = version.serving("embed")  # NotSupported: 400, param "model"
         texts = embedding_texts(req)
         vectors = await self._embed(request, version, texts)
-        return _json(embedding_body(req, texts, vectors, version))
+        return _json(embedding_body(req, texts, vectors, version, embedder.tokenizer()))
 
     async def _embed(self, http: Request, version: ModelVersion, texts: list[str]) -> list:
         results: list = []
@@ -193,11 +180,11 @@ class _Streams(Responses):
         llm: LLMService,
         req: Any,
         jobs: list,
-        encoded: list[list[int]],
+        admitted: list[EngineRequest],
         chat: bool,
     ):
         super().__init__(llm, req, jobs, chat)
-        self.state, self.version, self.encoded = server, version, encoded
+        self.state, self.version, self.admitted = server, version, admitted
         self.labels = (version.config.name, str(version.version))
         self.lease = version.begin()
 
@@ -207,10 +194,8 @@ class _Streams(Responses):
 
         async def run(index: int) -> None:
             try:
-                _, _, params = self.jobs[index]
-                async for out in self.llm.generate(
-                    self.encoded[index], params, priority=self.req.priority
-                ):
+                admitted = self.admitted[index]
+                async for out in self.llm.generate(admitted, priority=self.req.priority):
                     await queue.put((index, out))
             except BaseException as e:
                 await queue.put((index, e))
@@ -234,6 +219,8 @@ class _Streams(Responses):
             for task in tasks:
                 task.cancel()
             recorder.aborted(len(tasks) - len(finished))
+            for admitted in self.admitted:  # a job that never started gives its place back
+                admitted.release()
             self.lease.release()
             await asyncio.gather(*tasks, return_exceptions=True)
 

@@ -1,23 +1,23 @@
 """`GET /openapi.json`: the published schema of the v2 and OpenAI endpoints.
 
 Generated, not hand-kept: the OpenAI bodies are the request models the server validates
-with (openai_protocol.py), and the sampling parameters of v2 generate are
-`SamplingParams` with the ranges of its own `LIMITS`. The v2 infer body is described
-here, as the KServe v2 protocol defines it. `model` is an enum of the repository's
-models that the endpoint serves (LLMs for text generation, hf models for embeddings),
-so that a schema fuzzer (tests/server/test_fuzz.py) reaches past the lookup.
+with (bitserve/api/openai.py), and the sampling parameters of every door are
+`SamplingParams` with the ranges of its own `LIMITS` (bitserve/api/sampling.py). The
+v2 infer body is described here, as the KServe v2 protocol defines it. `model` is an
+enum of the repository's models that the endpoint serves (LLMs for text generation, hf
+models for embeddings), so that a schema fuzzer (tests/server/test_fuzz.py) reaches
+past the lookup.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from pydantic import TypeAdapter
 from pydantic.json_schema import models_json_schema
 
 from bitserve import __version__
-from bitserve.llm.sampling_params import LIMITS, OPEN_BELOW, SamplingParams
-from bitserve.server.openai_protocol import (
+from bitserve.api import sampling
+from bitserve.api.openai import (
     ChatRequest,
     CompletionRequest,
     DetokenizeRequest,
@@ -32,17 +32,17 @@ OPENAI_BODIES += [DetokenizeRequest]
 ERROR_CODES = ("400", "404", "413", "429", "503", "504")
 
 
-def document(backends: dict[str, str]) -> dict:
-    """The OpenAPI 3.1 document for a server whose models use these backends."""
-    models = sorted(backends)
-    llms = [name for name in models if backends[name] == "llm"] or models
-    embedders = [name for name in models if backends[name] == "hf"] or models
+def document(tasks: dict[str, frozenset[str]]) -> dict:
+    """The OpenAPI 3.1 document for a server whose models serve these tasks."""
+    models = sorted(tasks)
+    llms = [name for name in models if "generate" in tasks[name]] or models
+    embedders = [name for name in models if "embed" in tasks[name]] or models
     _, defs = models_json_schema([(m, "validation") for m in OPENAI_BODIES], ref_template=REF)
     schemas: dict[str, Any] = defs["$defs"]
     for body in OPENAI_BODIES:
         served = embedders if body is EmbeddingRequest else llms
         schemas[body.__name__]["properties"]["model"] = {"type": "string", "enum": served}
-    schemas["SamplingParameters"] = sampling_schema()
+    schemas["SamplingParameters"] = sampling.schema()
     schemas["GenerateRequest"] = {
         "type": "object",
         "required": ["text_input"],
@@ -75,19 +75,6 @@ def document(backends: dict[str, str]) -> dict:
         "paths": paths,
         "components": {"schemas": schemas},
     }
-
-
-def sampling_schema() -> dict:
-    """SamplingParams as JSON Schema, each field with its range from LIMITS."""
-    schema = TypeAdapter(SamplingParams).json_schema()
-    schema["additionalProperties"] = False
-    schema["properties"]["stream"] = {"type": "boolean"}  # generate accepts it, ignored
-    for name, (low, high) in LIMITS.items():
-        prop = schema["properties"][name]
-        target = next((o for o in prop.get("anyOf", [prop]) if o.get("type") != "null"), prop)
-        target["exclusiveMinimum" if name in OPEN_BELOW else "minimum"] = low
-        target["maximum"] = high
-    return schema
 
 
 def infer_schema() -> dict:

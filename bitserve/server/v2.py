@@ -20,6 +20,7 @@ from starlette.routing import Route
 
 from bitserve import __version__
 from bitserve.inference import ClientGone, InvalidRequest
+from bitserve.repository.paths import tasks_of
 from bitserve.repository.repository import ModelNotFound, ModelUnavailable
 from bitserve.repository.version import ModelVersion
 from bitserve.server import classification
@@ -80,7 +81,9 @@ class V2:
         from bitserve.server.openapi import document
 
         models = self.repository.models.items()
-        return json_response(document({n: e.config.backend for n, e in models if e.config}))
+        return json_response(
+            document({n: tasks_of(e.config.backend) for n, e in models if e.config})
+        )
 
     def _lookup(self, request: Request) -> ModelVersion:
         params = request.path_params

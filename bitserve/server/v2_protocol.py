@@ -495,9 +495,10 @@ def model_stats(
         if model and name != model:
             continue
         for number, served in sorted(entry.versions.items()):
-            if served.batcher is None or (version and str(number) != version):
+            report = served.report()
+            if report.batch is None or (version and str(number) != version):
                 continue
-            s = served.batcher.stats
+            s = report.batch
             stats.append(
                 {
                     "name": name,
@@ -510,7 +511,7 @@ def model_stats(
                         for size, count in sorted(s.batch_sizes.items())
                     ],
                     "queue_seconds": s.queue_seconds,
-                    "queue_depth": served.batcher.queued,
+                    "queue_depth": report.queued,
                     "rejected_queue_full": s.rejected_full,
                     "rejected_timeout": s.rejected_timeout,
                     "cancelled": s.cancelled,

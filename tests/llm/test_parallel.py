@@ -413,7 +413,8 @@ async def test_config_toml_parameters_split_a_served_model(llama_dir):
         os.kill(svc.engine.engine.workers.launcher.procs[1].pid, signal.SIGKILL)
         with pytest.raises(Exception, match="rank 1"):
             params = SamplingParams(temperature=0, max_tokens=4)
-            await asyncio.wait_for(collect_all(svc.generate([5, 6, 7], params)), timeout=30)
+            admitted = svc.process([[5, 6, 7]], [params])[0]
+            await asyncio.wait_for(collect_all(svc.generate(admitted)), timeout=30)
         assert "died" in svc.healthy()
         # the supervisor rebuilds the whole engine (new workers) and serves again
         for _ in range(600):
@@ -421,7 +422,8 @@ async def test_config_toml_parameters_split_a_served_model(llama_dir):
                 break
             await asyncio.sleep(0.1)
         assert svc.healthy() is None and svc.restarts == 1
-        outs = await asyncio.wait_for(collect_all(svc.generate([5, 6, 7], params)), timeout=60)
+        admitted = svc.process([[5, 6, 7]], [params])[0]
+        outs = await asyncio.wait_for(collect_all(svc.generate(admitted)), timeout=60)
         assert len(outs[-1].outputs[0].token_ids) == 4
     finally:
         await svc.stop()

@@ -13,7 +13,7 @@ import pytest
 from bitserve.batching.batcher import DynamicBatcher, Request
 from bitserve.batching.clock import LoopClock
 from bitserve.config import ModelConfig
-from bitserve.repository import version as version_module
+from bitserve.repository.paths import batched as batched_module
 from bitserve.repository.replica import ReplicaGone
 from bitserve.repository.version import ModelVersion, ReplicaLost
 
@@ -69,13 +69,13 @@ class FakeReplica:
 
 
 def served_version(monkeypatch) -> ModelVersion:
-    monkeypatch.setattr(version_module, "Instance", FakeReplica)
+    monkeypatch.setattr(batched_module, "Instance", FakeReplica)
     config = ModelConfig.model_validate(CONFIG)
     version = ModelVersion(config, 1, __import__("pathlib").Path("/nonexistent/1"))
-    version.instances = [FakeReplica(config, None, i, "cpu") for i in range(2)]
+    version.path.instances = [FakeReplica(config, None, i, "cpu") for i in range(2)]
     loop = asyncio.get_running_loop()
-    version.batcher = DynamicBatcher(
-        "m", 4, config.dynamic_batching, 2, version._execute, LoopClock(loop)
+    version.path.batcher = DynamicBatcher(
+        "m", 4, config.dynamic_batching, 2, version.path._execute, LoopClock(loop)
     )
     version.state = "ready"
     return version
@@ -94,44 +94,44 @@ def request(x: float) -> Request:
 
 async def test_a_batch_not_started_on_a_dead_replica_runs_on_another(monkeypatch):
     version = served_version(monkeypatch)
-    doomed = version.instances[0]  # the batcher hands out slot 0 first
+    doomed = version.path.instances[0]  # the batcher hands out slot 0 first
     doomed.doom = False
-    futures = [version.submit(request(float(i))) for i in range(3)]
+    futures = [version.path.submit(request(float(i))) for i in range(3)]
     answers = await asyncio.wait_for(asyncio.gather(*futures), 2)
     assert [float(a["y"][0, 0]) for a in answers] == [0.0, 1.0, 2.0]
-    assert version.retried >= 1
+    assert version.path.retried >= 1
     assert version.ready  # the other replica serves while slot 0 is replaced
-    assert version.degraded() is not None or 0 not in version.unhealthy
+    assert version.degraded() is not None or 0 not in version.path.unhealthy
     await asyncio.sleep(0.1)
-    assert not version.unhealthy and version.degraded() is None
-    assert version.instances[0] is not doomed  # a fresh replica took the slot
-    assert version.restarts["died"] == 1
+    assert not version.path.unhealthy and version.degraded() is None
+    assert version.path.instances[0] is not doomed  # a fresh replica took the slot
+    assert version.path.restarts["died"] == 1
 
 
 async def test_a_batch_running_on_a_replica_that_dies_fails_with_503(monkeypatch):
     from bitserve.server.errors import handle, status_of
 
     version = served_version(monkeypatch)
-    version.instances[0].doom = True
-    first = version.submit(request(1.0))
+    version.path.instances[0].doom = True
+    first = version.path.submit(request(1.0))
     with pytest.raises(ReplicaLost) as caught:
         await asyncio.wait_for(first, 2)
     assert status_of(caught.value) == 503 and "retry" in str(caught.value)
     response = await handle(_raise(caught.value))(None)
     assert response.status_code == 503 and response.headers["Retry-After"] == "1"
     assert version.ready  # degraded: one replica left
-    answer = await asyncio.wait_for(version.submit(request(2.0)), 2)
+    answer = await asyncio.wait_for(version.path.submit(request(2.0)), 2)
     assert float(answer["y"][0, 0]) == 2.0
     await asyncio.sleep(0.1)
-    assert not version.unhealthy
+    assert not version.path.unhealthy
 
 
 async def test_not_ready_only_when_every_replica_is_down(monkeypatch):
     version = served_version(monkeypatch)
-    version.unhealthy = {0}
+    version.path.unhealthy = {0}
     assert version.ready and "1 of 2 replicas healthy" in version.degraded()
     assert version.problem() is None  # a lost replica is not a liveness failure
-    version.unhealthy = {0, 1}
+    version.path.unhealthy = {0, 1}
     assert not version.ready and version.degraded() is None
 
 

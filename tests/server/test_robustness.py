@@ -104,24 +104,24 @@ def test_numerical_extremes_in_range_complete(server, field):
     serves(server)
 
 
-BAD_GENERATE = [
-    {"stop": [1, 2]},
-    {"skip_special_tokens": {}},
-    {"skip_special_tokens": None},
-    {"seed": "x"},
-    {"temperature": 5e-324, "top_p": -1},
-    {"max_tokens": 1.5},
-    {"unknown_field": 1},
-    [1, 2],
+BAD_GENERATE = [  # (parameters, what the message names)
+    ({"stop": [1, 2]}, "stop"),
+    ({"skip_special_tokens": {}}, "skip_special_tokens"),
+    ({"skip_special_tokens": None}, "skip_special_tokens"),
+    ({"seed": "x"}, "seed"),
+    ({"temperature": 5e-324, "top_p": -1}, "top_p"),
+    ({"max_tokens": 1.5}, "max_tokens"),
+    ({"unknown_field": 1}, "unknown_field"),
+    ([1, 2], "parameters"),
 ]
 
 
-@pytest.mark.parametrize("parameters", BAD_GENERATE)
-def test_v2_generate_mistakes_are_400(server, parameters):
+@pytest.mark.parametrize("parameters, field", BAD_GENERATE)
+def test_v2_generate_mistakes_are_400(server, parameters, field):
     for path in ("/v2/models/tinylm/generate", "/v2/models/tinylm/generate_stream"):
         answer = post(server, path, {"text_input": "hi", "parameters": parameters})
         assert answer.status_code == 400, answer.text
-        assert "parameters" in answer.json()["error"]
+        assert field in answer.json()["error"]
     serves(server)
 
 

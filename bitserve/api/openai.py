@@ -1,10 +1,16 @@
 """The OpenAI API apart from HTTP: request schemas and their validation, sampling
-parameters, and response bodies built from engine outputs (errors: server/errors.py).
+parameters, and response bodies built from engine outputs (errors: api/errors.py).
 
 The server's routes (server/openai.py) and `bitserve batch` (offline/executor.py) both
 build on it, so a batch output body is exactly what the server answers. Parameters
 beyond OpenAI's (`top_k`, `min_p`, `repetition_penalty`, `ignore_eos`, `min_tokens`,
 `stop_token_ids`, `priority`) are accepted as extra fields, as vLLM does.
+
+The sampling fields are taken as sent and checked once, by `SamplingParams` (built by
+`backends.llm.sampling`, the one builder of every door), so an out-of-range value gets
+the same message here as on v2 generate, v2 infer, gRPC and batch lines; the schema
+publishes their types and ranges (api/sampling.py). The rest (`n`, `messages`, `tools`,
+...) is OpenAI's own and checked by the schema.
 """
 
 from __future__ import annotations
@@ -17,24 +23,18 @@ from collections.abc import Iterator
 from typing import Annotated, Any, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema, model_validator
 
-from bitserve.backends.llm import LLMService
+from bitserve.api.errors import APIError
+from bitserve.api.sampling import field_schema
+from bitserve.backends.llm import SAMPLING_FIELDS, LLMService, sampling
 from bitserve.batching.collate import shape_key
 from bitserve.inference import InferRequest
 from bitserve.llm import tools
 from bitserve.llm.outputs import RequestOutput
-from bitserve.llm.sampling_params import (
-    LIMITS,
-    MAX_STOP_STRINGS,
-    MAX_STOP_TOKEN_IDS,
-    OPEN_BELOW,
-    SamplingError,
-    SamplingParams,
-)
-from bitserve.llm.structured import GUIDED_FIELDS, Guide, GuideError, guide_from
+from bitserve.llm.sampling_params import SamplingParams
+from bitserve.llm.structured import GUIDED_FIELDS, Guide, guide_from
 from bitserve.repository.version import ModelVersion
-from bitserve.server.errors import APIError
 
 # ------------------------------------------------------------------- schemas
 
@@ -43,10 +43,10 @@ from bitserve.server.errors import APIError
 STRICT = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
 
-def _limit(name: str) -> Any:
-    """A sampling field's range, as sampling_params.LIMITS says it (one schema)."""
-    low, high = LIMITS[name]
-    return Field(gt=low, le=high) if name in OPEN_BELOW else Field(ge=low, le=high)
+def _sampled(name: str) -> Any:
+    """A sampling field as sent; SamplingParams checks it (types and ranges, once for
+    every door) and the published schema is SamplingParams' own."""
+    return WithJsonSchema(field_schema(name))
 
 
 TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
@@ -79,23 +79,23 @@ class _Request(BaseModel):
     n: Annotated[int, Field(ge=1, le=16)] = 1
     stream: bool = False
     stream_options: dict[str, bool] | None = None
-    temperature: Annotated[float, Field(ge=0, le=2)] = 1.0  # OpenAI's range
-    top_p: Annotated[float, _limit("top_p")] = 1.0
-    stop: str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None = None
-    seed: Annotated[int, _limit("seed")] | None = None
-    presence_penalty: Annotated[float, _limit("presence_penalty")] = 0.0
-    frequency_penalty: Annotated[float, _limit("frequency_penalty")] = 0.0
+    temperature: Annotated[Any, _sampled("temperature")] = 1.0
+    top_p: Annotated[Any, _sampled("top_p")] = 1.0
+    stop: Annotated[Any, _sampled("stop")] = None
+    seed: Annotated[Any, _sampled("seed")] = None
+    presence_penalty: Annotated[Any, _sampled("presence_penalty")] = 0.0
+    frequency_penalty: Annotated[Any, _sampled("frequency_penalty")] = 0.0
     user: str | None = None
     # vLLM's extra sampling parameters
-    top_k: Annotated[int, _limit("top_k")] = -1
-    min_p: Annotated[float, _limit("min_p")] = 0.0
-    repetition_penalty: Annotated[float, _limit("repetition_penalty")] = 1.0
-    ignore_eos: bool = False
-    min_tokens: Annotated[int, _limit("min_tokens")] = 0
-    stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] = []
+    top_k: Annotated[Any, _sampled("top_k")] = -1
+    min_p: Annotated[Any, _sampled("min_p")] = 0.0
+    repetition_penalty: Annotated[Any, _sampled("repetition_penalty")] = 1.0
+    ignore_eos: Annotated[Any, _sampled("ignore_eos")] = False
+    min_tokens: Annotated[Any, _sampled("min_tokens")] = 0
+    stop_token_ids: Annotated[Any, _sampled("stop_token_ids")] = []
     priority: Annotated[int, Field(ge=-(2**31), le=2**31 - 1)] = 0
-    skip_special_tokens: bool = True
-    include_stop_str_in_output: bool = False
+    skip_special_tokens: Annotated[Any, _sampled("skip_special_tokens")] = True
+    include_stop_str_in_output: Annotated[Any, _sampled("include_stop_str_in_output")] = False
     # structured outputs: OpenAI's response_format, or vLLM's guided_* (one of them)
     response_format: ResponseFormat | None = None
     guided_json: dict | str | None = None
@@ -112,8 +112,8 @@ class _Request(BaseModel):
 
 class CompletionRequest(_Request):
     prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
-    max_tokens: Annotated[int, _limit("max_tokens")] = 16
-    logprobs: Annotated[int, _limit("logprobs")] | None = None
+    max_tokens: Annotated[Any, _sampled("max_tokens")] = 16
+    logprobs: Annotated[Any, _sampled("logprobs")] = None
     echo: bool = False
     best_of: int | None = None
 
@@ -182,10 +182,10 @@ class NamedTool(BaseModel):
 
 class ChatRequest(_Request):
     messages: Annotated[list[Message], Field(min_length=1)]
-    max_tokens: Annotated[int, _limit("max_tokens")] | None = None
-    max_completion_tokens: Annotated[int, _limit("max_tokens")] | None = None
+    max_tokens: Annotated[Any, _sampled("max_tokens")] = None
+    max_completion_tokens: Annotated[Any, _sampled("max_tokens")] = None
     logprobs: bool = False
-    top_logprobs: Annotated[int, _limit("logprobs")] | None = None
+    top_logprobs: Annotated[Any, _sampled("logprobs")] = None
     few_shot: bool = True  # bitserve: prepend the model's system prompt and examples
     tools: Annotated[list[Tool], Field(max_length=128)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedTool | None = None
@@ -389,7 +389,7 @@ def completion_jobs(req: CompletionRequest) -> list[tuple[Any, int, SamplingPara
             400, "best_of different from n is not supported", "invalid_request_error", "best_of"
         )
     prompts = _prompts(req.prompt)
-    params = [_sampling(req, req.max_tokens, req.logprobs, i) for i in range(req.n)]
+    params = _sampling(req, req.max_tokens, req.logprobs, {})
     return [(p, i, sp) for p in prompts for i, sp in enumerate(params)]
 
 
@@ -398,11 +398,19 @@ def chat_jobs(req: ChatRequest, llm: LLMService) -> list[tuple[Any, int, Samplin
     choice; a required or named tool call is enforced by a grammar."""
     messages = [_message(m, llm) for m in req.messages]
     prompt = llm.chat_prompt(messages, few_shot=req.few_shot, tools=req.tool_dicts() or None)
-    max_tokens = req.max_completion_tokens or req.max_tokens
+    names = {"logprobs": "top_logprobs"}
+    max_tokens = req.max_tokens
+    if req.max_completion_tokens is not None:
+        max_tokens, names["max_tokens"] = req.max_completion_tokens, "max_completion_tokens"
     if max_tokens is None:
         max_tokens = max(1, llm.max_model_len - len(prompt))
-    top = (req.top_logprobs or 0) if req.logprobs else None
-    params = [_sampling(req, max_tokens, top, i) for i in range(req.n)]
+    if req.logprobs:
+        top = 0 if req.top_logprobs is None else req.top_logprobs
+    else:  # no logprobs asked for: top_logprobs is still checked, then unused
+        top = None
+        if req.top_logprobs is not None:
+            sampling({"logprobs": req.top_logprobs}, names)
+    params = _sampling(req, max_tokens, top, names)
     required, only = req.forced_tool()
     if required:
         if req.guide() is not None:
@@ -433,10 +441,9 @@ def embedding_texts(req: EmbeddingRequest) -> list[str]:
 
 
 def embedding_body(
-    req: EmbeddingRequest, texts: list[str], vectors: list, version: ModelVersion
+    req: EmbeddingRequest, texts: list[str], vectors: list, version: ModelVersion, tokenizer: Any
 ) -> dict:
     """The /v1/embeddings body: vectors as float32 lists or base64, token usage."""
-    tokenizer = getattr(version.instances[0].model, "tokenizer", None)
     tokens = sum(len(tokenizer(t)["input_ids"]) for t in texts) if tokenizer else 0
     data = []
     for i, vector in enumerate(vectors):
@@ -464,29 +471,26 @@ def _prompts(prompt: Any) -> list[str | list[int]]:
     return list(prompt)
 
 
-def _sampling(req: Any, max_tokens: int, logprobs: int | None, choice: int) -> SamplingParams:
-    try:
-        return SamplingParams(
-            max_tokens=max_tokens,
-            min_tokens=min(req.min_tokens, max_tokens),
-            temperature=req.temperature,
-            top_p=req.top_p,
-            top_k=req.top_k,
-            min_p=req.min_p,
-            repetition_penalty=req.repetition_penalty,
-            presence_penalty=req.presence_penalty,
-            frequency_penalty=req.frequency_penalty,
-            seed=None if req.seed is None else req.seed + choice,
-            stop=req.stop,
-            stop_token_ids=list(req.stop_token_ids),
-            ignore_eos=req.ignore_eos,
-            include_stop_str_in_output=req.include_stop_str_in_output,
-            logprobs=logprobs,
-            skip_special_tokens=req.skip_special_tokens,
-            guide=req.guide(),
-        )
-    except (SamplingError, GuideError) as e:
-        raise APIError(400, str(e), "invalid_request_error", e.field) from None
+# the request fields that are SamplingParams fields of the same name and meaning
+SAMPLED = sorted(SAMPLING_FIELDS & set(_Request.model_fields) - {"max_tokens", "logprobs"})
+
+
+def _sampling(req: Any, max_tokens: Any, logprobs: Any, names: dict) -> list[SamplingParams]:
+    """One SamplingParams per choice, through the one builder (`sampling`); choice i
+    samples with `seed + i`."""
+    fields = {name: getattr(req, name) for name in SAMPLED}
+    fields["max_tokens"], fields["logprobs"] = max_tokens, logprobs
+    if _plain_int(fields["min_tokens"]) and _plain_int(max_tokens):
+        fields["min_tokens"] = min(fields["min_tokens"], max_tokens)
+    base = sampling(fields, names, guide=req.guide())
+    return [
+        dataclasses.replace(base, seed=None if base.seed is None else base.seed + choice)
+        for choice in range(req.n)
+    ]
+
+
+def _plain_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def embedding_requests(version: ModelVersion, texts: list[str]) -> Iterator[InferRequest]:
