@@ -26,6 +26,8 @@ from starlette.responses import FileResponse, Response
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
+from bitserve.config import ModelConfig
+from bitserve.repository.paths import tasks_of
 from bitserve.server.http import error, json_response
 from bitserve.server.state import ServerState
 
@@ -77,7 +79,7 @@ def summary(state: ServerState) -> dict:
                 **row,
                 "reason": scrub(row.get("reason", "")),
                 "backend": config.backend if config else None,
-                "kind": kind(config.backend, config.parameters) if config else None,
+                "kind": kind(config) if config else None,
                 "rollout": entry is not None and state.rollout.get(entry) is not None,
             }
         )
@@ -86,11 +88,19 @@ def summary(state: ServerState) -> dict:
     return {"admin": admin, "models": rows}
 
 
-def kind(backend: str, parameters: dict) -> str:
-    """Which playground fits a model."""
-    if backend == "hf" and parameters.get("task") == "embedding":
+def kind(config: ModelConfig) -> str:
+    """Which playground fits a model: by the tasks its path serves, and a detector by its
+    outputs (boxes, scores and classes), never by the backend's name."""
+    tasks = tasks_of(config.backend)
+    if "generate" in tasks:
+        return "chat"
+    if "images" in tasks:
+        return "image"
+    if "embed" in tasks and config.parameters.get("task", "embedding") == "embedding":
         return "embedding"
-    return {"llm": "chat", "diffusion": "image", "detector": "detector"}.get(backend, "infer")
+    if {"boxes", "scores", "classes"} <= {t.name for t in config.output}:
+        return "detector"
+    return "infer"
 
 
 def scrub(text: str) -> str:
