@@ -450,8 +450,8 @@ def grpc_checks(target: str) -> dict:
     import grpc
     import numpy as np
 
-    from bitserve.server.proto import grpc_service_pb2 as pb
-    from bitserve.server.proto import grpc_service_pb2_grpc as rpc
+    from bitserve.api.proto import grpc_service_pb2 as pb
+    from bitserve.api.proto import grpc_service_pb2_grpc as rpc
 
     with grpc.insecure_channel(target) as channel:
         stub = rpc.GRPCInferenceServiceStub(channel)

@@ -45,10 +45,10 @@ import numpy as np
 
 from bench.batching import copy_model, float_rows, mlp_repo, sentences, v2_body
 from bench.server import Server, free_port
+from bitserve.api.proto import grpc_service_pb2 as pb
 from bitserve.loadtest import loadgen, metrics
 from bitserve.loadtest.client import build_request
 from bitserve.loadtest.workloads import Request
-from bitserve.server.proto import grpc_service_pb2 as pb
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results" / "grpc.json"

@@ -66,10 +66,6 @@ def test_domain_packages_never_reach_up_into_the_server():
         assert not imports(edges, f"bitserve.{package}", "bitserve.server"), package
 
 
-# the v2 codec moves below server/ with issue #40's item 3 (one v2 codec module)
-V2_CODEC_PENDING = {"bitserve.offline.rows -> bitserve.server.v2_protocol"}
-
-
 def test_only_the_server_and_the_cli_import_the_server():
     """Batch jobs and every other package use the protocol-neutral wire formats
     (bitserve.api), never the server's modules."""
@@ -78,7 +74,7 @@ def test_only_the_server_and_the_cli_import_the_server():
         for edge in imports(graph(), "bitserve", "bitserve.server")
         if not edge.startswith(("bitserve.server", "bitserve.cli "))
     ]
-    assert set(outside) <= V2_CODEC_PENDING, outside
+    assert outside == [], outside
 
 
 def test_repository_loading_is_a_leaf():

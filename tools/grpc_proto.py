@@ -1,10 +1,10 @@
-"""Regenerate the gRPC stubs of bitserve/server/proto from grpc_service.proto.
+"""Regenerate the gRPC stubs of bitserve/api/proto from grpc_service.proto.
 
     python tools/grpc_proto.py [--out DIR]
 
 The stubs are committed (serving needs grpcio and protobuf, not grpcio-tools); run this
 after editing the .proto. Paths are given from the repository root, so the generated
-`_grpc.py` imports its messages as `bitserve.server.proto.grpc_service_pb2`.
+`_grpc.py` imports its messages as `bitserve.api.proto.grpc_service_pb2`.
 tests/server/test_grpc.py checks that the committed stubs are what this writes.
 """
 
@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PROTO = "bitserve/server/proto/grpc_service.proto"
+PROTO = "bitserve/api/proto/grpc_service.proto"
 
 
 def generate(out: Path) -> None:

@@ -3,7 +3,7 @@
 A column mapping names the column behind each model input (`--map text=sentence`);
 an input without one reads the column of its own name. CSV cells are text, so a
 non-BYTES cell is read as JSON (`[0.1, 0.2]`, `3`). The answer body is the v2 response
-the server would send (`bitserve.server.v2_protocol.encode_response`).
+the server would send (`bitserve.api.v2.encode_response`).
 """
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ from typing import Any
 import numpy as np
 import orjson
 
+from bitserve.api.v2 import encode_response
 from bitserve.config import ModelConfig
 from bitserve.inference import InferRequest, InvalidRequest
 from bitserve.repository.version import ModelVersion
-from bitserve.server.v2_protocol import encode_response
 from bitserve.tensors import from_json
 
 

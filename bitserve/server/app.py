@@ -1,6 +1,6 @@
 """The HTTP app: it only assembles. Each protocol front-end is one module exposing
 `routes(state)` over the shared `ServerState` (state.py): v2 (v2.py, wire format in
-v2_protocol.py), Triton's generate extension (generate.py), the OpenAI API (openai.py,
+bitserve/api/v2.py), Triton's generate extension (generate.py), the OpenAI API (openai.py,
 wire format in bitserve/api/openai.py), images (images.py), the repository extension
 (admin.py), health (health.py), metrics (metrics.py) and the web console (console.py).
 Errors map once, in bitserve/api/errors.py; every request reaches its model through its

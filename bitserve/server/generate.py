@@ -23,11 +23,12 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
+from bitserve.api.jsonbody import json_object
 from bitserve.backends.llm import EngineRequest, LLMService, sampling
 from bitserve.inference import InvalidRequest
 from bitserve.repository.version import Lease, ModelVersion
 from bitserve.server.errors import handle
-from bitserve.server.http import json_object, pinned_version
+from bitserve.server.http import pinned_version
 from bitserve.server.state import ServerState
 
 # one piece of a text stream: the new text and, on the last piece, why it finished

@@ -13,7 +13,7 @@ the drain. Infer takes the one request path (`ModelVersion.start`), as HTTP does
   field; an error that says when to come back sends `retry-after` metadata.
 
 This module is the gRPC plumbing only: the messages are decoded and encoded by the v2
-codec HTTP uses too (v2_protocol.py), and an LLM's tokens come from the one v2 token
+codec HTTP uses too (bitserve/api/v2.py), and an LLM's tokens come from the one v2 token
 stream (generate.text_stream).
 
 ModelStreamInfer serves each request of the stream as it comes, concurrently; an LLM
@@ -45,17 +45,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
 from bitserve import __version__
-from bitserve.inference import ClientGone, InvalidRequest, text_inputs
-from bitserve.repository.repository import ModelNotFound, ModelUnavailable
-from bitserve.repository.version import ModelVersion, Ticket
-from bitserve.server import classification
-from bitserve.server.errors import EXPECTED, headers_of, status_of
-from bitserve.server.generate import text_stream
-from bitserve.server.proto import grpc_service_pb2 as pb
-from bitserve.server.proto import grpc_service_pb2_grpc as pb_grpc
-from bitserve.server.record import Record
-from bitserve.server.state import ServerState
-from bitserve.server.v2_protocol import (
+from bitserve.api import classification
+from bitserve.api.proto import grpc_service_pb2 as pb
+from bitserve.api.proto import grpc_service_pb2_grpc as pb_grpc
+from bitserve.api.v2 import (
     config_message,
     encode_grpc_response,
     grpc_params,
@@ -65,6 +58,13 @@ from bitserve.server.v2_protocol import (
     stats_message,
     streams,
 )
+from bitserve.inference import ClientGone, InvalidRequest, text_inputs
+from bitserve.repository.repository import ModelNotFound, ModelUnavailable
+from bitserve.repository.version import ModelVersion, Ticket
+from bitserve.server.errors import EXPECTED, headers_of, status_of
+from bitserve.server.generate import text_stream
+from bitserve.server.record import Record
+from bitserve.server.state import ServerState
 
 log = logging.getLogger("bitserve.server")
 

@@ -4,7 +4,6 @@ version a request pins, and waiting on work while watching for the client to lea
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -12,7 +11,6 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 
-from bitserve.inference import InvalidRequest
 from bitserve.rollout.policy import VERSION_HEADER
 
 
@@ -28,33 +26,6 @@ def json_response(doc: object, status: int = 200, headers: dict | None = None) -
 def error(status: int, message: str, headers: dict | None = None) -> Response:
     """The v2 protocol's error body: `{"error": "..."}`."""
     return json_response({"error": message}, status, headers)
-
-
-def json_object(body: bytes) -> dict:
-    """A request body that must be one JSON object (400 otherwise).
-
-    `NaN`, `Infinity` and `-Infinity` are read as floats, as Triton's parser does
-    (rapidjson's kParseNanAndInfFlag) and as Python's json and tritonclient.http write
-    them; strict JSON has no such tokens, so only a body orjson refuses is read again."""
-    try:
-        doc = orjson.loads(body)
-    except orjson.JSONDecodeError as e:
-        doc = _with_nan(body, e)
-    if not isinstance(doc, dict):
-        raise InvalidRequest("request body must be a JSON object")
-    return doc
-
-
-def _with_nan(body: bytes, error: orjson.JSONDecodeError) -> Any:
-    """`body` read with NaN and the infinities allowed, else `error` as a 400."""
-    if b"NaN" not in body and b"Infinity" not in body:
-        raise InvalidRequest(f"malformed JSON in request body: {error}") from None
-    try:
-        doc = json.loads(body)
-        orjson.dumps(doc)  # what orjson would have refused besides: lone surrogates, huge ints
-    except (ValueError, TypeError, RecursionError):  # (Unicode errors are ValueErrors)
-        raise InvalidRequest(f"malformed JSON in request body: {error}") from None
-    return doc
 
 
 def pinned_version(request: Request) -> str | None:

@@ -35,12 +35,13 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from bitserve.api.jsonbody import json_object
 from bitserve.backends.diffusion import defaults
 from bitserve.diffusion.engine import DiffusionEngine
 from bitserve.diffusion.params import GenerationParams, InvalidParams, parse_label
 from bitserve.repository.version import ModelVersion
 from bitserve.server.errors import handle
-from bitserve.server.http import json_object, json_response, until_disconnect
+from bitserve.server.http import json_response, until_disconnect
 
 if TYPE_CHECKING:
     from bitserve.server.state import ServerState as Server

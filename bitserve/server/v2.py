@@ -1,5 +1,5 @@
 """The v2 protocol's routes: server and model metadata, model readiness, config and
-statistics, infer, and the rollout report. The wire format is v2_protocol.py's (the
+statistics, infer, and the rollout report. The wire format is bitserve/api/v2.py's (the
 codec it shares with gRPC).
 
 Infer reads the body (capped, gzip/deflate), picks the version (a pinned one, or the
@@ -19,22 +19,22 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from bitserve import __version__
-from bitserve.inference import ClientGone, InvalidRequest
-from bitserve.repository.paths import tasks_of
-from bitserve.repository.repository import ModelNotFound, ModelUnavailable
-from bitserve.repository.version import ModelVersion
-from bitserve.server import classification
-from bitserve.server.errors import BodyTooLarge, handle
-from bitserve.server.http import json_response, pinned_version, until_disconnect
-from bitserve.server.record import recorded
-from bitserve.server.state import ServerState
-from bitserve.server.v2_protocol import (
+from bitserve.api import classification
+from bitserve.api.v2 import (
     HEADER_LENGTH,
     encode_response,
     model_metadata,
     model_stats,
     parse_infer,
 )
+from bitserve.inference import ClientGone, InvalidRequest
+from bitserve.repository.paths import tasks_of
+from bitserve.repository.repository import ModelNotFound, ModelUnavailable
+from bitserve.repository.version import ModelVersion
+from bitserve.server.errors import BodyTooLarge, handle
+from bitserve.server.http import json_response, pinned_version, until_disconnect
+from bitserve.server.record import recorded
+from bitserve.server.state import ServerState
 
 EXTENSIONS = [
     "binary_tensor_data",

@@ -11,10 +11,10 @@ import base64
 import json
 import sys
 
+from bitserve.api.proto import grpc_service_pb2 as pb
+from bitserve.api.v2 import parse_grpc_infer, parse_infer
 from bitserve.config import ModelConfig
 from bitserve.inference import InvalidRequest
-from bitserve.server.proto import grpc_service_pb2 as pb
-from bitserve.server.v2_protocol import parse_grpc_infer, parse_infer
 
 
 def described(decode) -> dict:

@@ -30,14 +30,14 @@ from typing import Any
 import numpy as np
 import orjson
 
+from bitserve.api.classification import top_k
+from bitserve.api.jsonbody import json_object
+from bitserve.api.proto import grpc_service_pb2 as pb
 from bitserve.batching.collate import shape_key
 from bitserve.config import ModelConfig, TensorSpec
 from bitserve.inference import InferRequest, InvalidRequest
 from bitserve.repository.repository import ModelEntry, Repository
 from bitserve.repository.version import ModelVersion
-from bitserve.server.classification import top_k
-from bitserve.server.http import json_object
-from bitserve.server.proto import grpc_service_pb2 as pb
 from bitserve.tensors import (
     DATATYPES,
     TensorError,

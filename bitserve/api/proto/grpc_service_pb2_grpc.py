@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from bitserve.server.proto import grpc_service_pb2 as bitserve_dot_server_dot_proto_dot_grpc__service__pb2
+from bitserve.api.proto import grpc_service_pb2 as bitserve_dot_api_dot_proto_dot_grpc__service__pb2
 
 GRPC_GENERATED_VERSION = '1.81.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in bitserve/server/proto/grpc_service_pb2_grpc.py depends on'
+        + ' but the generated code in bitserve/api/proto/grpc_service_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,63 +36,63 @@ class GRPCInferenceServiceStub:
         """
         self.ServerLive = channel.unary_unary(
                 '/inference.GRPCInferenceService/ServerLive',
-                request_serializer=bitserve_dot_server_dot_proto_dot_grpc__service__pb2.ServerLiveRequest.SerializeToString,
-                response_deserializer=bitserve_dot_server_dot_proto_dot_grpc__service__pb2.ServerLiveResponse.FromString,
+                request_serializer=bitserve_dot_api_dot_proto_dot_grpc__service__pb2.ServerLiveRequest.SerializeToString,
+                response_deserializer=bitserve_dot_api_dot_proto_dot_grpc__service__pb2.ServerLiveResponse.FromString,
                 _registered_method=True)
         self.ServerReady = channel.unary_unary(
                 '/inference.GRPCInferenceService/ServerReady',
-                request_serializer=bitserve_dot_server_dot_proto_dot_grpc__service__pb2.ServerReadyRequest.SerializeToString,
-                response_deserializer=bitserve_dot_server_dot_proto_dot_grpc__service__pb2.ServerReadyResponse.FromString,
+                request_serializer=bitserve_dot_api_dot_proto_dot_grpc__service__pb2.ServerReadyRequest.SerializeToString,
+                response_deserializer=bitserve_dot_api_dot_proto_dot_grpc__service__pb2.ServerReadyResponse.FromString,
                 _registered_method=True)
         self.ModelReady = channel.unary_unary(
                 '/inference.GRPCInferenceService/ModelReady',
-                request_serializer=bitserve_dot_server_dot_proto_dot_grpc__service__pb2.ModelReadyRequest.SerializeToString,
-                response_deserializer=bitserve_dot_server_dot_proto_dot_grpc__service__pb2.ModelReadyResponse.FromString,
+                request_serializer=bitserve_dot_api_dot_proto_dot_grpc__service__pb2.ModelReadyRequest.SerializeToString,
+                response_deserializer=bitserve_dot_api_dot_proto_dot_grpc__service__pb2.ModelReadyResponse.FromString,
                 _registered_method=True)
         self.ServerMetadata = channel.unary_unary(
                 '/inference.GRPCInferenceService/ServerMetadata',
-                request_serializer=bitserve_dot_server_dot_proto_dot_grpc__service__pb2.ServerMetadataRequest.SerializeToString,
-                response_deserializer=bitserve_dot_server_dot_proto_dot_grpc__service__pb2.ServerMetadataResponse.FromString,
+                request_serializer=bitserve_dot_api_dot_proto_dot_grpc__service__pb2.ServerMetadataRequest.SerializeToString,
+                response_deserializer=bitserve_dot_api_dot_proto_dot_grpc__service__pb2.ServerMetadataResponse.FromString,
                 _registered_method=True)
         self.ModelMetadata = channel.unary_unary(
                 '/inference.GRPCInferenceService/ModelMetadata',
-                request_serializer=bitserve_dot_server_dot_proto_dot_grpc__service__pb2.ModelMetadataRequest.SerializeToString,
-                response_deserializer=bitserve_dot_server_dot_proto_dot_grpc__service__pb2.ModelMetadataResponse.FromString,
+                request_serializer=bitserve_dot_api_dot_proto_dot_grpc__service__pb2.ModelMetadataRequest.SerializeToString,
+                response_deserializer=bitserve_dot_api_dot_proto_dot_grpc__service__pb2.ModelMetadataResponse.FromString,
                 _registered_method=True)
         self.ModelInfer = channel.unary_unary(
                 '/inference.GRPCInferenceService/ModelInfer',
-                request_serializer=bitserve_dot_server_dot_proto_dot_grpc__service__pb2.ModelInferRequest.SerializeToString,
-                response_deserializer=bitserve_dot_server_dot_proto_dot_grpc__service__pb2.ModelInferResponse.FromString,
+                request_serializer=bitserve_dot_api_dot_proto_dot_grpc__service__pb2.ModelInferRequest.SerializeToString,
+                response_deserializer=bitserve_dot_api_dot_proto_dot_grpc__service__pb2.ModelInferResponse.FromString,
                 _registered_method=True)
         self.ModelStreamInfer = channel.stream_stream(
                 '/inference.GRPCInferenceService/ModelStreamInfer',
-                request_serializer=bitserve_dot_server_dot_proto_dot_grpc__service__pb2.ModelInferRequest.SerializeToString,
-                response_deserializer=bitserve_dot_server_dot_proto_dot_grpc__service__pb2.ModelStreamInferResponse.FromString,
+                request_serializer=bitserve_dot_api_dot_proto_dot_grpc__service__pb2.ModelInferRequest.SerializeToString,
+                response_deserializer=bitserve_dot_api_dot_proto_dot_grpc__service__pb2.ModelStreamInferResponse.FromString,
                 _registered_method=True)
         self.ModelConfig = channel.unary_unary(
                 '/inference.GRPCInferenceService/ModelConfig',
-                request_serializer=bitserve_dot_server_dot_proto_dot_grpc__service__pb2.ModelConfigRequest.SerializeToString,
-                response_deserializer=bitserve_dot_server_dot_proto_dot_grpc__service__pb2.ModelConfigResponse.FromString,
+                request_serializer=bitserve_dot_api_dot_proto_dot_grpc__service__pb2.ModelConfigRequest.SerializeToString,
+                response_deserializer=bitserve_dot_api_dot_proto_dot_grpc__service__pb2.ModelConfigResponse.FromString,
                 _registered_method=True)
         self.ModelStatistics = channel.unary_unary(
                 '/inference.GRPCInferenceService/ModelStatistics',
-                request_serializer=bitserve_dot_server_dot_proto_dot_grpc__service__pb2.ModelStatisticsRequest.SerializeToString,
-                response_deserializer=bitserve_dot_server_dot_proto_dot_grpc__service__pb2.ModelStatisticsResponse.FromString,
+                request_serializer=bitserve_dot_api_dot_proto_dot_grpc__service__pb2.ModelStatisticsRequest.SerializeToString,
+                response_deserializer=bitserve_dot_api_dot_proto_dot_grpc__service__pb2.ModelStatisticsResponse.FromString,
                 _registered_method=True)
         self.RepositoryIndex = channel.unary_unary(
                 '/inference.GRPCInferenceService/RepositoryIndex',
-                request_serializer=bitserve_dot_server_dot_proto_dot_grpc__service__pb2.RepositoryIndexRequest.SerializeToString,
-                response_deserializer=bitserve_dot_server_dot_proto_dot_grpc__service__pb2.RepositoryIndexResponse.FromString,
+                request_serializer=bitserve_dot_api_dot_proto_dot_grpc__service__pb2.RepositoryIndexRequest.SerializeToString,
+                response_deserializer=bitserve_dot_api_dot_proto_dot_grpc__service__pb2.RepositoryIndexResponse.FromString,
                 _registered_method=True)
         self.RepositoryModelLoad = channel.unary_unary(
                 '/inference.GRPCInferenceService/RepositoryModelLoad',
-                request_serializer=bitserve_dot_server_dot_proto_dot_grpc__service__pb2.RepositoryModelLoadRequest.SerializeToString,
-                response_deserializer=bitserve_dot_server_dot_proto_dot_grpc__service__pb2.RepositoryModelLoadResponse.FromString,
+                request_serializer=bitserve_dot_api_dot_proto_dot_grpc__service__pb2.RepositoryModelLoadRequest.SerializeToString,
+                response_deserializer=bitserve_dot_api_dot_proto_dot_grpc__service__pb2.RepositoryModelLoadResponse.FromString,
                 _registered_method=True)
         self.RepositoryModelUnload = channel.unary_unary(
                 '/inference.GRPCInferenceService/RepositoryModelUnload',
-                request_serializer=bitserve_dot_server_dot_proto_dot_grpc__service__pb2.RepositoryModelUnloadRequest.SerializeToString,
-                response_deserializer=bitserve_dot_server_dot_proto_dot_grpc__service__pb2.RepositoryModelUnloadResponse.FromString,
+                request_serializer=bitserve_dot_api_dot_proto_dot_grpc__service__pb2.RepositoryModelUnloadRequest.SerializeToString,
+                response_deserializer=bitserve_dot_api_dot_proto_dot_grpc__service__pb2.RepositoryModelUnloadResponse.FromString,
                 _registered_method=True)
 
 
@@ -176,63 +176,63 @@ def add_GRPCInferenceServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'ServerLive': grpc.unary_unary_rpc_method_handler(
                     servicer.ServerLive,
-                    request_deserializer=bitserve_dot_server_dot_proto_dot_grpc__service__pb2.ServerLiveRequest.FromString,
-                    response_serializer=bitserve_dot_server_dot_proto_dot_grpc__service__pb2.ServerLiveResponse.SerializeToString,
+                    request_deserializer=bitserve_dot_api_dot_proto_dot_grpc__service__pb2.ServerLiveRequest.FromString,
+                    response_serializer=bitserve_dot_api_dot_proto_dot_grpc__service__pb2.ServerLiveResponse.SerializeToString,
             ),
             'ServerReady': grpc.unary_unary_rpc_method_handler(
                     servicer.ServerReady,
-                    request_deserializer=bitserve_dot_server_dot_proto_dot_grpc__service__pb2.ServerReadyRequest.FromString,
-                    response_serializer=bitserve_dot_server_dot_proto_dot_grpc__service__pb2.ServerReadyResponse.SerializeToString,
+                    request_deserializer=bitserve_dot_api_dot_proto_dot_grpc__service__pb2.ServerReadyRequest.FromString,
+                    response_serializer=bitserve_dot_api_dot_proto_dot_grpc__service__pb2.ServerReadyResponse.SerializeToString,
             ),
             'ModelReady': grpc.unary_unary_rpc_method_handler(
                     servicer.ModelReady,
-                    request_deserializer=bitserve_dot_server_dot_proto_dot_grpc__service__pb2.ModelReadyRequest.FromString,
-                    response_serializer=bitserve_dot_server_dot_proto_dot_grpc__service__pb2.ModelReadyResponse.SerializeToString,
+                    request_deserializer=bitserve_dot_api_dot_proto_dot_grpc__service__pb2.ModelReadyRequest.FromString,
+                    response_serializer=bitserve_dot_api_dot_proto_dot_grpc__service__pb2.ModelReadyResponse.SerializeToString,
             ),
             'ServerMetadata': grpc.unary_unary_rpc_method_handler(
                     servicer.ServerMetadata,
-                    request_deserializer=bitserve_dot_server_dot_proto_dot_grpc__service__pb2.ServerMetadataRequest.FromString,
-                    response_serializer=bitserve_dot_server_dot_proto_dot_grpc__service__pb2.ServerMetadataResponse.SerializeToString,
+                    request_deserializer=bitserve_dot_api_dot_proto_dot_grpc__service__pb2.ServerMetadataRequest.FromString,
+                    response_serializer=bitserve_dot_api_dot_proto_dot_grpc__service__pb2.ServerMetadataResponse.SerializeToString,
             ),
             'ModelMetadata': grpc.unary_unary_rpc_method_handler(
                     servicer.ModelMetadata,
-                    request_deserializer=bitserve_dot_server_dot_proto_dot_grpc__service__pb2.ModelMetadataRequest.FromString,
-                    response_serializer=bitserve_dot_server_dot_proto_dot_grpc__service__pb2.ModelMetadataResponse.SerializeToString,
+                    request_deserializer=bitserve_dot_api_dot_proto_dot_grpc__service__pb2.ModelMetadataRequest.FromString,
+                    response_serializer=bitserve_dot_api_dot_proto_dot_grpc__service__pb2.ModelMetadataResponse.SerializeToString,
             ),
             'ModelInfer': grpc.unary_unary_rpc_method_handler(
                     servicer.ModelInfer,
-                    request_deserializer=bitserve_dot_server_dot_proto_dot_grpc__service__pb2.ModelInferRequest.FromString,
-                    response_serializer=bitserve_dot_server_dot_proto_dot_grpc__service__pb2.ModelInferResponse.SerializeToString,
+                    request_deserializer=bitserve_dot_api_dot_proto_dot_grpc__service__pb2.ModelInferRequest.FromString,
+                    response_serializer=bitserve_dot_api_dot_proto_dot_grpc__service__pb2.ModelInferResponse.SerializeToString,
             ),
             'ModelStreamInfer': grpc.stream_stream_rpc_method_handler(
                     servicer.ModelStreamInfer,
-                    request_deserializer=bitserve_dot_server_dot_proto_dot_grpc__service__pb2.ModelInferRequest.FromString,
-                    response_serializer=bitserve_dot_server_dot_proto_dot_grpc__service__pb2.ModelStreamInferResponse.SerializeToString,
+                    request_deserializer=bitserve_dot_api_dot_proto_dot_grpc__service__pb2.ModelInferRequest.FromString,
+                    response_serializer=bitserve_dot_api_dot_proto_dot_grpc__service__pb2.ModelStreamInferResponse.SerializeToString,
             ),
             'ModelConfig': grpc.unary_unary_rpc_method_handler(
                     servicer.ModelConfig,
-                    request_deserializer=bitserve_dot_server_dot_proto_dot_grpc__service__pb2.ModelConfigRequest.FromString,
-                    response_serializer=bitserve_dot_server_dot_proto_dot_grpc__service__pb2.ModelConfigResponse.SerializeToString,
+                    request_deserializer=bitserve_dot_api_dot_proto_dot_grpc__service__pb2.ModelConfigRequest.FromString,
+                    response_serializer=bitserve_dot_api_dot_proto_dot_grpc__service__pb2.ModelConfigResponse.SerializeToString,
             ),
             'ModelStatistics': grpc.unary_unary_rpc_method_handler(
                     servicer.ModelStatistics,
-                    request_deserializer=bitserve_dot_server_dot_proto_dot_grpc__service__pb2.ModelStatisticsRequest.FromString,
-                    response_serializer=bitserve_dot_server_dot_proto_dot_grpc__service__pb2.ModelStatisticsResponse.SerializeToString,
+                    request_deserializer=bitserve_dot_api_dot_proto_dot_grpc__service__pb2.ModelStatisticsRequest.FromString,
+                    response_serializer=bitserve_dot_api_dot_proto_dot_grpc__service__pb2.ModelStatisticsResponse.SerializeToString,
             ),
             'RepositoryIndex': grpc.unary_unary_rpc_method_handler(
                     servicer.RepositoryIndex,
-                    request_deserializer=bitserve_dot_server_dot_proto_dot_grpc__service__pb2.RepositoryIndexRequest.FromString,
-                    response_serializer=bitserve_dot_server_dot_proto_dot_grpc__service__pb2.RepositoryIndexResponse.SerializeToString,
+                    request_deserializer=bitserve_dot_api_dot_proto_dot_grpc__service__pb2.RepositoryIndexRequest.FromString,
+                    response_serializer=bitserve_dot_api_dot_proto_dot_grpc__service__pb2.RepositoryIndexResponse.SerializeToString,
             ),
             'RepositoryModelLoad': grpc.unary_unary_rpc_method_handler(
                     servicer.RepositoryModelLoad,
-                    request_deserializer=bitserve_dot_server_dot_proto_dot_grpc__service__pb2.RepositoryModelLoadRequest.FromString,
-                    response_serializer=bitserve_dot_server_dot_proto_dot_grpc__service__pb2.RepositoryModelLoadResponse.SerializeToString,
+                    request_deserializer=bitserve_dot_api_dot_proto_dot_grpc__service__pb2.RepositoryModelLoadRequest.FromString,
+                    response_serializer=bitserve_dot_api_dot_proto_dot_grpc__service__pb2.RepositoryModelLoadResponse.SerializeToString,
             ),
             'RepositoryModelUnload': grpc.unary_unary_rpc_method_handler(
                     servicer.RepositoryModelUnload,
-                    request_deserializer=bitserve_dot_server_dot_proto_dot_grpc__service__pb2.RepositoryModelUnloadRequest.FromString,
-                    response_serializer=bitserve_dot_server_dot_proto_dot_grpc__service__pb2.RepositoryModelUnloadResponse.SerializeToString,
+                    request_deserializer=bitserve_dot_api_dot_proto_dot_grpc__service__pb2.RepositoryModelUnloadRequest.FromString,
+                    response_serializer=bitserve_dot_api_dot_proto_dot_grpc__service__pb2.RepositoryModelUnloadResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -260,8 +260,8 @@ class GRPCInferenceService:
             request,
             target,
             '/inference.GRPCInferenceService/ServerLive',
-            bitserve_dot_server_dot_proto_dot_grpc__service__pb2.ServerLiveRequest.SerializeToString,
-            bitserve_dot_server_dot_proto_dot_grpc__service__pb2.ServerLiveResponse.FromString,
+            bitserve_dot_api_dot_proto_dot_grpc__service__pb2.ServerLiveRequest.SerializeToString,
+            bitserve_dot_api_dot_proto_dot_grpc__service__pb2.ServerLiveResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -287,8 +287,8 @@ class GRPCInferenceService:
             request,
             target,
             '/inference.GRPCInferenceService/ServerReady',
-            bitserve_dot_server_dot_proto_dot_grpc__service__pb2.ServerReadyRequest.SerializeToString,
-            bitserve_dot_server_dot_proto_dot_grpc__service__pb2.ServerReadyResponse.FromString,
+            bitserve_dot_api_dot_proto_dot_grpc__service__pb2.ServerReadyRequest.SerializeToString,
+            bitserve_dot_api_dot_proto_dot_grpc__service__pb2.ServerReadyResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -314,8 +314,8 @@ class GRPCInferenceService:
             request,
             target,
             '/inference.GRPCInferenceService/ModelReady',
-            bitserve_dot_server_dot_proto_dot_grpc__service__pb2.ModelReadyRequest.SerializeToString,
-            bitserve_dot_server_dot_proto_dot_grpc__service__pb2.ModelReadyResponse.FromString,
+            bitserve_dot_api_dot_proto_dot_grpc__service__pb2.ModelReadyRequest.SerializeToString,
+            bitserve_dot_api_dot_proto_dot_grpc__service__pb2.ModelReadyResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -341,8 +341,8 @@ class GRPCInferenceService:
             request,
             target,
             '/inference.GRPCInferenceService/ServerMetadata',
-            bitserve_dot_server_dot_proto_dot_grpc__service__pb2.ServerMetadataRequest.SerializeToString,
-            bitserve_dot_server_dot_proto_dot_grpc__service__pb2.ServerMetadataResponse.FromString,
+            bitserve_dot_api_dot_proto_dot_grpc__service__pb2.ServerMetadataRequest.SerializeToString,
+            bitserve_dot_api_dot_proto_dot_grpc__service__pb2.ServerMetadataResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -368,8 +368,8 @@ class GRPCInferenceService:
             request,
             target,
             '/inference.GRPCInferenceService/ModelMetadata',
-            bitserve_dot_server_dot_proto_dot_grpc__service__pb2.ModelMetadataRequest.SerializeToString,
-            bitserve_dot_server_dot_proto_dot_grpc__service__pb2.ModelMetadataResponse.FromString,
+            bitserve_dot_api_dot_proto_dot_grpc__service__pb2.ModelMetadataRequest.SerializeToString,
+            bitserve_dot_api_dot_proto_dot_grpc__service__pb2.ModelMetadataResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -395,8 +395,8 @@ class GRPCInferenceService:
             request,
             target,
             '/inference.GRPCInferenceService/ModelInfer',
-            bitserve_dot_server_dot_proto_dot_grpc__service__pb2.ModelInferRequest.SerializeToString,
-            bitserve_dot_server_dot_proto_dot_grpc__service__pb2.ModelInferResponse.FromString,
+            bitserve_dot_api_dot_proto_dot_grpc__service__pb2.ModelInferRequest.SerializeToString,
+            bitserve_dot_api_dot_proto_dot_grpc__service__pb2.ModelInferResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -422,8 +422,8 @@ class GRPCInferenceService:
             request_iterator,
             target,
             '/inference.GRPCInferenceService/ModelStreamInfer',
-            bitserve_dot_server_dot_proto_dot_grpc__service__pb2.ModelInferRequest.SerializeToString,
-            bitserve_dot_server_dot_proto_dot_grpc__service__pb2.ModelStreamInferResponse.FromString,
+            bitserve_dot_api_dot_proto_dot_grpc__service__pb2.ModelInferRequest.SerializeToString,
+            bitserve_dot_api_dot_proto_dot_grpc__service__pb2.ModelStreamInferResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -449,8 +449,8 @@ class GRPCInferenceService:
             request,
             target,
             '/inference.GRPCInferenceService/ModelConfig',
-            bitserve_dot_server_dot_proto_dot_grpc__service__pb2.ModelConfigRequest.SerializeToString,
-            bitserve_dot_server_dot_proto_dot_grpc__service__pb2.ModelConfigResponse.FromString,
+            bitserve_dot_api_dot_proto_dot_grpc__service__pb2.ModelConfigRequest.SerializeToString,
+            bitserve_dot_api_dot_proto_dot_grpc__service__pb2.ModelConfigResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -476,8 +476,8 @@ class GRPCInferenceService:
             request,
             target,
             '/inference.GRPCInferenceService/ModelStatistics',
-            bitserve_dot_server_dot_proto_dot_grpc__service__pb2.ModelStatisticsRequest.SerializeToString,
-            bitserve_dot_server_dot_proto_dot_grpc__service__pb2.ModelStatisticsResponse.FromString,
+            bitserve_dot_api_dot_proto_dot_grpc__service__pb2.ModelStatisticsRequest.SerializeToString,
+            bitserve_dot_api_dot_proto_dot_grpc__service__pb2.ModelStatisticsResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -503,8 +503,8 @@ class GRPCInferenceService:
             request,
             target,
             '/inference.GRPCInferenceService/RepositoryIndex',
-            bitserve_dot_server_dot_proto_dot_grpc__service__pb2.RepositoryIndexRequest.SerializeToString,
-            bitserve_dot_server_dot_proto_dot_grpc__service__pb2.RepositoryIndexResponse.FromString,
+            bitserve_dot_api_dot_proto_dot_grpc__service__pb2.RepositoryIndexRequest.SerializeToString,
+            bitserve_dot_api_dot_proto_dot_grpc__service__pb2.RepositoryIndexResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -530,8 +530,8 @@ class GRPCInferenceService:
             request,
             target,
             '/inference.GRPCInferenceService/RepositoryModelLoad',
-            bitserve_dot_server_dot_proto_dot_grpc__service__pb2.RepositoryModelLoadRequest.SerializeToString,
-            bitserve_dot_server_dot_proto_dot_grpc__service__pb2.RepositoryModelLoadResponse.FromString,
+            bitserve_dot_api_dot_proto_dot_grpc__service__pb2.RepositoryModelLoadRequest.SerializeToString,
+            bitserve_dot_api_dot_proto_dot_grpc__service__pb2.RepositoryModelLoadResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -557,8 +557,8 @@ class GRPCInferenceService:
             request,
             target,
             '/inference.GRPCInferenceService/RepositoryModelUnload',
-            bitserve_dot_server_dot_proto_dot_grpc__service__pb2.RepositoryModelUnloadRequest.SerializeToString,
-            bitserve_dot_server_dot_proto_dot_grpc__service__pb2.RepositoryModelUnloadResponse.FromString,
+            bitserve_dot_api_dot_proto_dot_grpc__service__pb2.RepositoryModelUnloadRequest.SerializeToString,
+            bitserve_dot_api_dot_proto_dot_grpc__service__pb2.RepositoryModelUnloadResponse.FromString,
             options,
             channel_credentials,
             insecure,
