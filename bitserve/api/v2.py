@@ -25,14 +25,13 @@ import json
 import math
 from collections.abc import Callable, Iterable
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import orjson
 
 from bitserve.api.classification import top_k
 from bitserve.api.jsonbody import json_object
-from bitserve.api.proto import grpc_service_pb2 as pb
 from bitserve.batching.collate import shape_key
 from bitserve.config import ModelConfig, TensorSpec
 from bitserve.inference import InferRequest, InvalidRequest
@@ -47,6 +46,9 @@ from bitserve.tensors import (
     to_binary,
     to_json,
 )
+
+if TYPE_CHECKING:  # the stubs load when a gRPC message is built (grpc_messages)
+    from bitserve.api.proto import grpc_service_pb2 as pb
 
 HEADER_LENGTH = "inference-header-content-length"
 
@@ -448,6 +450,7 @@ def encode_grpc_response(
 ) -> pb.ModelInferResponse:
     """The response message, or `response` filled in (a stream's `infer_response`,
     which then needs no copy into its envelope)."""
+    pb = grpc_messages()
     if response is None:
         response = pb.ModelInferResponse()
     response.model_name = model
@@ -522,6 +525,7 @@ def model_stats(
 
 def stats_message(stats: dict) -> pb.ModelStatistics:
     """One entry of `model_stats` as Triton's ModelStatistics (times in nanoseconds)."""
+    pb = grpc_messages()
     duration = pb.StatisticDuration
     failed = stats["rejected_queue_full"] + stats["rejected_timeout"] + stats["cancelled"]
     return pb.ModelStatistics(
@@ -544,6 +548,7 @@ def stats_message(stats: dict) -> pb.ModelStatistics:
 
 def config_message(version: ModelVersion) -> pb.ModelConfig:
     """The model's config.toml in model_config.proto's words (times in microseconds)."""
+    pb = grpc_messages()
     c = version.config
     config = pb.ModelConfig(
         name=c.name, platform=version.platform, backend=c.backend, max_batch_size=c.max_batch_size
@@ -574,3 +579,12 @@ def config_message(version: ModelVersion) -> pb.ModelConfig:
             value if isinstance(value, str) else orjson.dumps(value).decode()
         )
     return config
+
+
+def grpc_messages() -> Any:
+    """The v2 protobuf messages, imported on first use: a process that never speaks gRPC
+    (a batch job, a test process that loads tritonclient's own copy of the same proto
+    package, whose names would clash in protobuf's default pool) never loads them."""
+    from bitserve.api.proto import grpc_service_pb2
+
+    return grpc_service_pb2
