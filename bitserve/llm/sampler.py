@@ -23,15 +23,15 @@ logprobs) comes back packed in one tensor.
 Seeds. A torch.Generator per request cannot be batched (one draw per seeded row, one
 launch each). The noise is computed instead, by a counter-based hash: row r's E_t is
 a hash of (key_r, t), with key_r = splitmix64(seed, output position) on the host and
-two rounds of lowbias32 (Wellons' 32-bit mixer) over the vocabulary on the device,
-in int32 arithmetic, which wraps modulo 2**32 on every torch backend. So a seeded
-request's tokens depend on its seed, its position and its own logits only: the same
-whatever else is in the batch, after a preemption, and on the CPU and a GPU alike
-(a torch.Generator's CPU and CUDA streams differ). 23 bits of the hash make
-u = (k + 1/2) / 2**23 in (0, 1) and E = -log u > 0. Unseeded rows take keys from the
-sampler's own `random.Random`, seeded from torch's seed (the engine's `seed`): one code
-path, one batched op for any mix of rows. Changing this scheme changes which tokens a
-seed gives (not their distribution).
+two rounds of lowbias32 (Wellons' 32-bit mixer) over the vocabulary on the device, in
+int32 arithmetic (products wrap modulo 2**32 on the CPU and CUDA alike; a test holds
+the CPU to the uint32 definition). So a seeded request's tokens depend on its seed, its
+position and its own logits only: the same whatever else is in the batch and after a
+preemption, and its noise is the same on the CPU and a GPU (a torch.Generator's CPU
+and CUDA streams differ). 23 bits of the hash make u = (k + 1/2) / 2**23 in (0, 1) and
+E = -log u > 0. Unseeded rows take keys from the sampler's own `random.Random`, seeded
+from torch's seed (the engine's `seed`): one code path, one batched op for any mix of
+rows. Changing this scheme changes which tokens a seed gives (not their distribution).
 
 Logprobs are those of the model's raw distribution (vLLM's default), after the grammar
 mask. No row can take the step down: a row whose logits hold NaN, or whose filtered
@@ -121,11 +121,10 @@ class Plan:
 
     def __init__(self, seqs: list[Sequence], vocab: int, eos_token_ids, rng: random.Random):
         self.size = len(seqs)
-        self.special: list[int] = []  # rows that are not plain greedy
-        self.logprobs: list[tuple[int, int]] = []  # (row, n)
-        self.top_k_max, self.nucleus, self.any_min_p, self.any_sampled = 0, 0, False, False
-        self.bans, self.pairs = 0, 0
         self._parts: dict[str, list[float]] = {name: [] for name in PARTS}
+        self.special = self._parts["special"]  # the rows that are not plain greedy
+        self.logprobs: list[tuple[int, int]] = []  # (row, n)
+        self.top_k_max, self.any_min_p, self.any_sampled = 0, False, False
         for i, seq in enumerate(seqs):
             self.add(i, seq, vocab, eos_token_ids, rng)
 
@@ -139,13 +138,11 @@ class Plan:
             return
         j = len(self.special)
         self.special.append(i)
-        part["special"].append(i)
         if suppress:  # before min_tokens, EOS and stop token ids cannot be drawn
             banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos_token_ids))
             banned = [t for t in banned if t < vocab]  # admission checked the vocabulary
             part["ban_rows"] += [j] * len(banned)
             part["ban_cols"] += banned
-            self.bans += len(banned)
         part["repetition"].append(p.repetition_penalty)
         part["frequency"].append(p.frequency_penalty)
         part["presence"].append(p.presence_penalty)
@@ -156,7 +153,6 @@ class Plan:
             part["pair_rows"] += [j] * len(seen)
             part["pair_cols"] += seen
             part["counts"] += [counts.get(t, 0) for t in seen]
-            self.pairs += len(seen)
         part["sampled"].append(not p.greedy)
         self.any_sampled |= not p.greedy
         part["temperature"].append(p.temperature or 1.0)
@@ -166,7 +162,6 @@ class Plan:
         part["top_p"].append(p.top_p)
         if p.top_p < 1.0 and not p.greedy:
             part["nucleus"].append(j)
-            self.nucleus += 1
         part["min_p"].append(p.min_p)
         self.any_min_p |= p.min_p > 0.0 and not p.greedy
         if p.greedy:
@@ -247,11 +242,12 @@ class Sampler:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Tokens of the rows that are not plain greedy ([R, vocab] logits, a copy), with
         each row's 'not a distribution' flag and the sum of its kept probabilities."""
-        if plan.bans:
+        if d["ban_rows"].numel():  # shapes are known on the host: no read
             cells = (d["ban_rows"].long(), d["ban_cols"].long())
             x.index_put_(cells, x.new_full((), float("-inf")))
-        if plan.pairs:
-            rows, cells = d["pair_rows"].long(), (d["pair_rows"].long(), d["pair_cols"].long())
+        if d["pair_rows"].numel():
+            rows = d["pair_rows"].long()
+            cells = (rows, d["pair_cols"].long())
             v, counts = x[cells], d["counts"].float()
             r = d["repetition"].float()[rows]
             v = torch.where(v > 0, v / r, v * r)  # CTRL-style: toward zero either way
@@ -268,7 +264,7 @@ class Sampler:
             k = d["top_k"].long()
             kth = probs.topk(plan.top_k_max, dim=-1).values.gather(1, (k - 1).clamp_min(0)[:, None])
             threshold = torch.where(k > 0, kth[:, 0], threshold)
-        if plan.nucleus:
+        if d["nucleus"].numel():
             rows = d["nucleus"].long()
             floor = threshold.index_select(0, rows)
             kept = probs.index_select(0, rows)
@@ -281,7 +277,7 @@ class Sampler:
             threshold = threshold.index_copy(0, rows, torch.maximum(floor, cut))
         if plan.any_min_p:
             threshold = torch.maximum(threshold, d["min_p"].float() * probs.amax(-1))
-        if plan.top_k_max or plan.nucleus or plan.any_min_p:
+        if plan.top_k_max or d["nucleus"].numel() or plan.any_min_p:
             probs = torch.where(probs >= threshold[:, None], probs, 0.0)
         total = probs.sum(-1)
         noise = exponential_noise(d["keys"].int().view(-1, 2), x.shape[-1])
