@@ -15,23 +15,20 @@ logprobs) comes back packed in one tensor.
   the smallest of the nucleus (one sort of the rows that ask for top-p, after top-k),
   min-p `min_p` times the largest; one `where` keeps what passes all three. Ties at a
   threshold are kept (the per-row sort-and-cut kept an arbitrary one of them).
-- The draw is the exponential race (Gumbel-max in another form): with E_t ~ Exp(1)
-  independent, argmax_t p_t / E_t is distributed exactly as p renormalised, so filtered
-  tokens (p = 0) never win and nothing is renormalised, cumsum'd or multinomial'd;
-  greedy and sampled rows end in the same argmax.
+- The draw is inverse-CDF sampling with one uniform u per row: the first token whose
+  cumulative probability (a float64 cumsum of the kept probabilities) reaches u times
+  their sum. Filtered tokens (p = 0) never win, nothing is renormalised, and the row's
+  sum is the validity check as well. Greedy rows with penalties take the argmax.
 
 Seeds. A torch.Generator per request cannot be batched (one draw per seeded row, one
-launch each). The noise is computed instead, by a counter-based hash: row r's E_t is
-a hash of (key_r, t), with key_r = splitmix64(seed, output position) on the host and
-two rounds of lowbias32 (Wellons' 32-bit mixer) over the vocabulary on the device, in
-int32 arithmetic (products wrap modulo 2**32 on the CPU and CUDA alike; a test holds
-the CPU to the uint32 definition). So a seeded request's tokens depend on its seed, its
-position and its own logits only: the same whatever else is in the batch and after a
-preemption, and its noise is the same on the CPU and a GPU (a torch.Generator's CPU
-and CUDA streams differ). 23 bits of the hash make u = (k + 1/2) / 2**23 in (0, 1) and
-E = -log u > 0. Unseeded rows take keys from the sampler's own `random.Random`, seeded
-from torch's seed (the engine's `seed`): one code path, one batched op for any mix of
-rows. Changing this scheme changes which tokens a seed gives (not their distribution).
+launch each). The uniforms are computed on the host instead, one per row:
+u = splitmix64(seed, output position) as 53 bits + 1/2 over 2**53, in (0, 1), sent
+with the other numbers. So a seeded request's tokens depend on its seed, its position
+and its own logits only: the same whatever else is in the batch and after a
+preemption, and its u is the same on the CPU and a GPU (a torch.Generator's CPU and
+CUDA streams differ). Unseeded rows draw u from the sampler's own `random.Random`,
+seeded from torch's seed (the engine's `seed`): one code path for any mix of rows.
+Changing this scheme changes which tokens a seed gives (not their distribution).
 
 Logprobs are those of the model's raw distribution (vLLM's default), after the grammar
 mask. No row can take the step down: a row whose logits hold NaN, or whose filtered
@@ -63,7 +60,7 @@ def to_host(packed: torch.Tensor) -> list[float]:
     return packed.tolist()
 
 
-# -- the noise ---------------------------------------------------------------------------
+# -- the uniforms -----------------------------------------------------------------------
 def splitmix64(x: int) -> int:
     x = (x + 0x9E3779B97F4A7C15) & MASK64
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
@@ -71,36 +68,19 @@ def splitmix64(x: int) -> int:
     return x ^ (x >> 31)
 
 
-def int32(x: int) -> int:
-    return x - (1 << 32) if x >= 1 << 31 else x
+def uniform(bits: int) -> float:
+    """53 random bits as a float in (0, 1), never 0 (u = 0 would pick a p = 0 token 0)."""
+    return ((bits >> 11) + 0.5) / 2**53
 
 
-def row_keys(seed: int, position: int) -> tuple[int, int]:
-    """The two int32 keys of a seeded row's noise at output position `position`."""
-    h = splitmix64(splitmix64(seed & MASK64) ^ position)
-    return int32(h & 0xFFFFFFFF), int32(h >> 32)
-
-
-def mix(x: torch.Tensor) -> torch.Tensor:
-    """lowbias32 in place on int32 (`>>` is arithmetic on int32: masked to logical)."""
-    x ^= (x >> 16) & 0xFFFF
-    x *= 0x7FEB352D
-    x ^= (x >> 15) & 0x1FFFF
-    x *= 0x846CA68B - (1 << 32)
-    x ^= (x >> 16) & 0xFFFF
-    return x
-
-
-def exponential_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
-    """[rows, vocab] Exp(1) noise from [rows, 2] int32 keys."""
-    x = torch.arange(vocab, dtype=torch.int32, device=keys.device) ^ keys[:, :1]
-    x = mix(mix(x) ^ keys[:, 1:])
-    return ((x >> 9) & 0x7FFFFF).float().add_(0.5).mul_(2.0**-23).log_().neg_()
+def row_uniform(seed: int, position: int) -> float:
+    """A seeded row's uniform at output position `position`."""
+    return uniform(splitmix64(splitmix64(seed & MASK64) ^ position))
 
 
 # -- one step's plan ---------------------------------------------------------------------
 PARTS = (
-    *("special", "sampled", "temperature", "top_k", "top_p", "min_p", "keys", "nucleus"),
+    *("special", "sampled", "temperature", "top_k", "top_p", "min_p", "uniform", "nucleus"),
     *("ban_rows", "ban_cols", "repetition", "frequency", "presence"),
     *("pair_rows", "pair_cols", "counts", "lp_rows"),
 )
@@ -108,7 +88,7 @@ PARTS = (
 
 def upload(values: list[float], device: torch.device) -> torch.Tensor:
     """Host numbers to `device` in one copy, without waiting for the device (pinned on
-    cuda); float64 holds every token id and int32 key exactly."""
+    cuda); float64 holds every token id and uniform exactly."""
     host = torch.tensor(values, dtype=torch.float64)
     if device.type == "cuda":
         host = host.pin_memory()
@@ -124,7 +104,7 @@ class Plan:
         self._parts: dict[str, list[float]] = {name: [] for name in PARTS}
         self.special = self._parts["special"]  # the rows that are not plain greedy
         self.logprobs: list[tuple[int, int]] = []  # (row, n)
-        self.top_k_max, self.any_min_p, self.any_sampled = 0, False, False
+        self.top_k_max, self.any_min_p, self.any_sampled, self.any_greedy = 0, False, False, False
         for i, seq in enumerate(seqs):
             self.add(i, seq, vocab, eos_token_ids, rng)
 
@@ -164,11 +144,13 @@ class Plan:
             part["nucleus"].append(j)
         part["min_p"].append(p.min_p)
         self.any_min_p |= p.min_p > 0.0 and not p.greedy
+        self.any_greedy |= p.greedy
         if p.greedy:
-            part["keys"] += (0, 0)
+            part["uniform"].append(0.5)
+        elif p.seed is None:
+            part["uniform"].append(uniform(rng.getrandbits(64)))
         else:
-            seed = p.seed if p.seed is not None else rng.getrandbits(64)
-            part["keys"] += row_keys(seed, seq.num_output_tokens)
+            part["uniform"].append(row_uniform(p.seed, seq.num_output_tokens))
 
     def send(self, device: torch.device) -> dict[str, torch.Tensor]:
         """The parts as device tensors: views of one copy."""
@@ -201,7 +183,7 @@ def constrain(
 # -- the sampler -------------------------------------------------------------------------
 class Sampler:
     def __init__(self) -> None:
-        self.rng = random.Random(torch.initial_seed())  # the unseeded rows' keys
+        self.rng = random.Random(torch.initial_seed())  # the unseeded rows' uniforms
 
     @torch.inference_mode()
     def __call__(
@@ -254,7 +236,7 @@ class Sampler:
             v = v - d["frequency"].float()[rows] * counts
             v = v - d["presence"].float()[rows] * (counts > 0).float()
             x.index_put_(cells, v)
-        greedy = x.argmax(-1)
+        greedy = x.argmax(-1) if plan.any_greedy else None
         if not plan.any_sampled:
             no = torch.zeros_like(greedy, dtype=torch.bool)
             return greedy, no, torch.ones_like(x[:, 0])
@@ -279,12 +261,14 @@ class Sampler:
             threshold = torch.maximum(threshold, d["min_p"].float() * probs.amax(-1))
         if plan.top_k_max or d["nucleus"].numel() or plan.any_min_p:
             probs = torch.where(probs >= threshold[:, None], probs, 0.0)
-        total = probs.sum(-1)
-        noise = exponential_noise(d["keys"].int().view(-1, 2), x.shape[-1])
-        drawn = (probs / noise).argmax(-1)
+        cdf = probs.cumsum(-1, dtype=torch.float64)
+        total = cdf[:, -1]
+        drawn = (cdf < (d["uniform"] * total)[:, None]).sum(-1)  # the first reaching u x sum
         sampled = d["sampled"].bool()
         invalid = sampled & ~(torch.isfinite(total) & (total > 0))
-        return torch.where(sampled, drawn, greedy), invalid, total
+        if greedy is not None:
+            drawn = torch.where(sampled, drawn, greedy)
+        return drawn, invalid, total
 
     @staticmethod
     def unpack(host: list[float], seqs: list[Sequence], plan: Plan) -> list[int | SamplingFailed]:

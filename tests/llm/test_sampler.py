@@ -1,7 +1,8 @@
 """Sampling: the batched sampler against the per-row reference (the per-request path it
-replaced, with the same seeded draw), frequencies against the analytic filtered
-distribution (chi-square), seeds that reproduce whatever the batch, the same ops for
-batch 1 and batch 32 with one host read, and every op on the logits' device."""
+replaced, with the same seeded draw: the inverse CDF at the row's uniform), frequencies
+against the analytic filtered distribution (chi-square), seeds that reproduce whatever
+the batch, the same ops for batch 1 and batch 32 with one host read, and every op on
+the logits' device."""
 
 from __future__ import annotations
 
@@ -12,18 +13,11 @@ from collections import Counter
 import numpy as np
 import pytest
 import torch
-from scipy.stats import chisquare
+from scipy.stats import chisquare, kstest
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from bitserve.llm import LLM, sampler
-from bitserve.llm.sampler import (
-    NAN,
-    Sampler,
-    SamplingFailed,
-    exponential_noise,
-    mix,
-    row_keys,
-)
+from bitserve.llm.sampler import NAN, Sampler, SamplingFailed, row_uniform
 from bitserve.llm.sampling_params import SamplingParams
 from bitserve.llm.sequence import Sequence
 from tests.llm.conftest import make_engine
@@ -80,8 +74,8 @@ def reference(logits: torch.Tensor, seq: Sequence, eos=()) -> int | SamplingFail
     total = float(probs.sum())
     if not math.isfinite(total) or total <= 0.0:
         return SamplingFailed("invalid")
-    keys = torch.tensor([row_keys(params.seed, seq.num_output_tokens)], dtype=torch.int32)
-    return int((probs / exponential_noise(keys, len(probs))[0]).argmax())
+    cdf = probs.double().cumsum(-1)  # the first token whose cdf reaches u x sum
+    return int((cdf < row_uniform(params.seed, seq.num_output_tokens) * cdf[-1]).sum())
 
 
 def reference_logprobs(logits: torch.Tensor, token: int, n: int) -> dict[int, float]:
@@ -222,19 +216,13 @@ def test_top_p_keeps_the_first_token_even_if_it_alone_passes():
     assert draws(SamplingParams(top_p=0.01)).tolist() == [DRAWS, 0, 0, 0, 0, 0]
 
 
-def test_noise_is_lowbias32_with_wrapping_int32():
-    """The hash as its author wrote it (uint32), against the torch one on this backend."""
-
-    def lowbias32(x: int) -> int:
-        x ^= x >> 16
-        x = (x * 0x7FEB352D) & 0xFFFFFFFF
-        x ^= x >> 15
-        x = (x * 0x846CA68B) & 0xFFFFFFFF
-        return x ^ (x >> 16)
-
-    values = [0, 1, 2, 12345, 2**31 - 1, 2**31, 2**32 - 1, 0xDEADBEEF]
-    signed = torch.tensor([v - 2**32 if v >= 2**31 else v for v in values], dtype=torch.int32)
-    assert [v & 0xFFFFFFFF for v in mix(signed.clone()).tolist()] == [lowbias32(v) for v in values]
+def test_seeded_uniforms_are_uniform_over_positions_and_seeds():
+    over_positions = [row_uniform(7, position) for position in range(5000)]
+    over_seeds = [row_uniform(seed, 3) for seed in range(-2500, 2500)]
+    for values in (over_positions, over_seeds):
+        assert min(values) > 0.0 and max(values) < 1.0
+        assert kstest(values, "uniform").pvalue > 1e-3
+    assert row_uniform(7, 0) == row_uniform(7, 0) != row_uniform(7, 1)
 
 
 def test_same_seed_same_tokens_whatever_the_batch():
