@@ -237,21 +237,21 @@ def unpack(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
 
 @torch.inference_mode()
 def apply_masks(
-    logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor, mask_rows: list[int] | None = None
+    logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor, picks: list[int] | None = None
 ) -> None:
     """Refused tokens of logits `rows` to -inf, in place (the logits are inference
-    tensors), by bitmask rows `mask_rows` (default: the bitmask's rows in order). Everything
+    tensors), by bitmask rows `picks` (default: the bitmask's rows in order). Everything
     happens on the logits' device: the bitmask goes there in one copy (without waiting
     from llguidance's pinned buffer on cuda), then is unpacked with two tensor ops
     (llguidance's own helper goes through torch.compile's wrapper, which cost more than
     the work)."""
     device = logits.device
     bitmask = bitmask.to(device, non_blocking=bitmask.is_pinned())
-    index = torch.tensor(rows + (mask_rows or []), dtype=torch.long)
+    index = torch.tensor(rows + (picks or []), dtype=torch.long)
     if device.type == "cuda":  # a copy from pageable memory would wait for the device
         index = index.pin_memory()
     index = index.to(device, non_blocking=True)
-    if mask_rows is not None and mask_rows != list(range(bitmask.shape[0])):
+    if picks is not None and picks != list(range(bitmask.shape[0])):
         bitmask = bitmask.index_select(0, index[len(rows) :])
     index = index[: len(rows)]
     allowed = unpack(bitmask, logits.shape[-1])

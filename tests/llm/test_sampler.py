@@ -20,6 +20,7 @@ from bitserve.llm import LLM, sampler
 from bitserve.llm.sampler import NAN, Sampler, SamplingFailed, row_uniform
 from bitserve.llm.sampling_params import SamplingParams
 from bitserve.llm.sequence import Sequence
+from bitserve.llm.structured import Guide
 from tests.llm.conftest import make_engine
 from tests.llm.test_structured import OneDevice
 
@@ -393,3 +394,21 @@ def test_a_sampler_that_raises_fails_only_its_request(llama_dir):
     assert "same device" in finals["r1"].error and finals["r1"].outputs[0].finish_reason == "error"
     assert [finals[r].outputs[0].token_ids for r in ("r0", "r2")] == [want[0], want[2]]
     assert engine.requests_failed_total == 1 and engine.block_manager.usage() == 0.0
+
+
+def test_a_grammar_mask_that_raises_fails_only_its_request(llama_dir):
+    """The masks are computed on another thread during the forward pass; a matcher that
+    breaks there fails its own request, and the step's other requests go on."""
+    greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    engine = make_engine(llama_dir, num_kv_blocks=64)
+    engine.add_request("plain", [5, 6, 7], greedy)
+    guided = SamplingParams(max_tokens=4, seed=1, guide=Guide.choice(["yes", "no"]))
+    engine.add_request("guided", [8, 9], guided)
+    engine.add_request("broken", [8, 9], guided)
+    engine.requests["broken"].seq.matcher = "not a matcher"  # llguidance refuses it
+    finals = {}
+    while engine.has_unfinished_requests():
+        finals |= {o.request_id: o for o in engine.step() if o.finished}
+    assert finals["broken"].outputs[0].finish_reason == "error" and finals["broken"].error
+    assert finals["plain"].error is None and len(finals["plain"].outputs[0].token_ids) == 4
+    assert finals["guided"].error is None and finals["guided"].outputs[0].text in ("yes", "no")

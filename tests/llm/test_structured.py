@@ -59,11 +59,11 @@ def test_apply_masks_sets_refused_tokens_of_the_asked_rows():
     assert torch.equal(in_order[3], torch.where(allowed[1], before[3], float("-inf")))
 
 
-@pytest.mark.parametrize("mask_rows", [None, [1, 0]])
-def test_apply_masks_stays_on_the_logits_device(mask_rows):
+@pytest.mark.parametrize("picks", [None, [1, 0]])
+def test_apply_masks_stays_on_the_logits_device(picks):
     logits = torch.empty(4, 70, device="meta")
     with OneDevice():
-        apply_masks(logits, [3, 1], random_bitmask(2, 70), mask_rows)  # the bitmask: CPU
+        apply_masks(logits, [3, 1], random_bitmask(2, 70), picks)  # the bitmask: CPU
 
 
 def test_one_device_refuses_a_cpu_index_on_meta():
