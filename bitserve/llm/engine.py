@@ -8,7 +8,8 @@ A step never dies of one request. Requests are checked at admission (token ids w
 the vocabulary, sampling parameters by their own schema). If the forward pass still
 raises, the step is run again one request at a time (each writes the same KV slots, so
 that is safe): the requests that fail alone are failed, with the error, and the others
-get their tokens. A row the sampler cannot sample fails its request only. What is not
+get their tokens. A row the sampler cannot sample fails its request only, and so does
+one whose sampling raises (the sampler is then run one row at a time). What is not
 attributable (the scheduler, tensor-parallel workers) propagates: the async engine's
 supervisor rebuilds the engine.
 """
@@ -322,13 +323,17 @@ class LLMEngine:
         self, batch: SchedulerOutput, output: ModelOutput, masks: Future | None = None
     ) -> list[RequestOutput]:
         self.scheduler.update_from_output(batch)
-        for request_id, (first, logits) in output.prompt_logits.items():
-            self.sampler.prompt_logprobs(self.requests[request_id].seq, first, logits)
-        if not output.sample_seqs:
-            return []
-        ready = masks.result() if masks is not None else None
-        tokens = self.sampler(output.logits, output.sample_seqs, self.eos_token_ids, ready)
         results = []
+        for request_id, (first, logits) in output.prompt_logits.items():
+            seq = self.requests[request_id].seq
+            try:
+                self.sampler.prompt_logprobs(seq, first, logits)
+            except Exception as error:  # this request's numbers: it alone fails
+                out = self.fail(seq, f"{type(error).__name__}: {error}")
+                results += [out] if out is not None else []
+        if not output.sample_seqs:
+            return results
+        tokens = self.sample(output, masks)
         now = time.monotonic()
         for seq, token in zip(output.sample_seqs, tokens, strict=True):
             try:
@@ -340,6 +345,23 @@ class LLMEngine:
             if out is not None:
                 results.append(out)
         return results
+
+    def sample(self, output: ModelOutput, masks: Future | None) -> list[int | SamplingFailed]:
+        """The sampler over the batch; if it raises (a grammar mask, a device), each row
+        is sampled alone and those that fail alone fail their requests only."""
+        seqs = output.sample_seqs
+        try:
+            ready = masks.result() if masks is not None else None
+            return self.sampler(output.logits, seqs, self.eos_token_ids, ready)
+        except Exception as error:
+            log.warning("sampling %d row(s) failed (%r): isolating", len(seqs), error)
+        tokens: list[int | SamplingFailed] = []
+        for i, seq in enumerate(seqs):
+            try:
+                tokens += self.sampler(output.logits[i : i + 1], [seq], self.eos_token_ids)
+            except Exception as error:
+                tokens.append(SamplingFailed(f"{type(error).__name__}: {error}"))
+        return tokens
 
     def apply(self, seq: Sequence, token: int, now: float) -> RequestOutput | None:
         """Append a sampled token, check the stops; the output to deliver, if any."""

@@ -218,21 +218,42 @@ def mask_rows(matchers: list[Any], vocab_size: int) -> torch.Tensor:
     return bitmask
 
 
-_SHIFTS = torch.arange(32, dtype=torch.int32)
+_SHIFTS: dict[torch.device, torch.Tensor] = {}
+
+
+def shifts(device: torch.device) -> torch.Tensor:
+    """0..31 as int32 on `device` (made once per device)."""
+    if device not in _SHIFTS:
+        _SHIFTS[device] = torch.arange(32, dtype=torch.int32, device=device)
+    return _SHIFTS[device]
 
 
 def unpack(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """[rows, words] int32 -> [rows, vocab_size] bool: bit t % 32 of word t // 32 allows
     token t."""
-    return ((bitmask.unsqueeze(-1) >> _SHIFTS) & 1).bool().flatten(1)[:, :vocab_size]
+    bits = (bitmask.unsqueeze(-1) >> shifts(bitmask.device)) & 1
+    return bits.bool().flatten(1)[:, :vocab_size]
 
 
 @torch.inference_mode()
-def apply_masks(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> None:
-    """Refused tokens of `rows` to -inf, in place (the logits are inference tensors).
-    Unpacked with two tensor ops: llguidance's own helper goes through torch.compile's
-    wrapper, which cost more than the work."""
+def apply_masks(
+    logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor, picks: list[int] | None = None
+) -> None:
+    """Refused tokens of logits `rows` to -inf, in place (the logits are inference
+    tensors), by bitmask rows `picks` (default: the bitmask's rows in order). Everything
+    happens on the logits' device: the bitmask goes there in one copy (without waiting
+    from llguidance's pinned buffer on cuda), then is unpacked with two tensor ops
+    (llguidance's own helper goes through torch.compile's wrapper, which cost more than
+    the work)."""
+    device = logits.device
+    bitmask = bitmask.to(device, non_blocking=bitmask.is_pinned())
+    index = torch.tensor(rows + (picks or []), dtype=torch.long)
+    if device.type == "cuda":  # a copy from pageable memory would wait for the device
+        index = index.pin_memory()
+    index = index.to(device, non_blocking=True)
+    if picks is not None and picks != list(range(bitmask.shape[0])):
+        bitmask = bitmask.index_select(0, index[len(rows) :])
+    index = index[: len(rows)]
     allowed = unpack(bitmask, logits.shape[-1])
-    index = torch.tensor(rows)
     picked = logits.index_select(0, index).masked_fill_(~allowed, float("-inf"))
     logits.index_copy_(0, index, picked)
