@@ -27,12 +27,6 @@ from tests.fakedevice import DeviceMismatch, FakeCuda, host, on_device
 from tests.llm.conftest import CONFIGS, build_model
 from tests.llm.test_engine import MIXED, MODELS, assert_parity, generate
 
-SAMPLER_OWNER = (
-    "owned by gpu-sampler: llm/structured.py apply_masks indexes cuda logits with a CPU "
-    "index (torch.tensor(rows)) and a CPU mask (unpack(bitmask), from llguidance's CPU "
-    "bitmask) in index_select / masked_fill_ / index_copy_"
-)
-
 
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory) -> dict[str, Path]:
@@ -137,7 +131,6 @@ def test_seeded_sampling_on_cuda_equals_the_cpu_run(llama_dir, no_kernels):
         assert gpu.prompt_logprobs == cpu.prompt_logprobs
 
 
-@pytest.mark.xfail(strict=True, raises=DeviceMismatch, reason=SAMPLER_OWNER)
 def test_grammar_masks_apply_to_cuda_logits():
     """`apply_masks` on cuda logits: refused tokens to -inf, as on the CPU."""
     torch.manual_seed(0)
@@ -152,7 +145,6 @@ def test_grammar_masks_apply_to_cuda_logits():
         assert torch.equal(host(got), want)
 
 
-@pytest.mark.xfail(strict=True, raises=DeviceMismatch, reason=SAMPLER_OWNER)
 def test_guided_requests_on_cuda(llama_dir, no_kernels):
     """A guided choice through a whole engine on cuda ends in one of the choices, as on
     the CPU (today the mix-up fails the step, outside the step's fault isolation)."""
