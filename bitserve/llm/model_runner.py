@@ -232,9 +232,9 @@ class CudaGraph:
 
 
 def graph_factory(config: EngineConfig):
-    """What makes one graph (all sharing one memory pool), or None: eager only (the CPU,
-    or `enforce_eager`). Tests replace it to run the capture/replay logic on the CPU."""
-    if config.on_cpu or config.enforce_eager:
+    """What makes one graph (all sharing one memory pool), or None on the CPU (eager
+    only). Tests replace it to run the capture/replay logic on the CPU."""
+    if config.on_cpu:
         return None
     pool = torch.cuda.graph_pool_handle()
     return lambda: CudaGraph(pool)
@@ -266,7 +266,8 @@ class ModelRunner:
         self.moe_layers = [m for m in self.model.modules() if hasattr(m, "row_mask")]
         self.flash = self.pick_flash_attn()
         self.paged = self.pick_paged_attention()
-        make_graph = graph_factory(config) if parallel.world_size == 1 else None
+        eager = config.enforce_eager or parallel.world_size > 1
+        make_graph = None if eager else graph_factory(config)
         self.buckets = graph_buckets(config.max_num_seqs) if make_graph is not None else []
         self.num_blocks = self.plan_num_blocks()
         if parallel.world_size > 1:  # every rank's pool has the same number of blocks
@@ -319,17 +320,19 @@ class ModelRunner:
         """Bytes the CUDA graphs' pool is counted at inside the KV budget (0 without
         graphs): the largest bucket's activations (all buckets share one pool, captured
         largest first), rows x (residual, qkv, attention out, MLP) in the model's dtype,
-        doubled for the temporaries, plus the torch attention's gather (GATHER_BYTES)."""
+        doubled for the temporaries, plus the torch attention's gather (GATHER_BYTES)
+        when that is the attention."""
         if not self.buckets:
             return 0
-        from bitserve.llm.attention import GATHER_BYTES
+        from bitserve.llm import attention
 
+        gather = 2 * attention.GATHER_BYTES if self.paged is torch_paged_decode else 0
         hf, attn = self.config.hf_config, self.attentions[0]
         hidden = hf.get("hidden_size") or hf["n_embd"]
         inter = hf.get("moe_intermediate_size") or hf.get("intermediate_size") or 4 * hidden
         per_row = 4 * hidden + attn.q_size + 2 * attn.kv_size + attn.q_size + 3 * inter
         per_row *= 2 * self.config.torch_dtype.itemsize
-        return self.buckets[-1] * per_row + 2 * GATHER_BYTES
+        return self.buckets[-1] * per_row + gather
 
     def allocate_kv_cache(self) -> None:
         """Per layer, K and V pools `[kv_heads, num_blocks + 1, block_size, head_dim]`:
