@@ -86,6 +86,7 @@ class AttentionMetadata:
     decode: DecodeBatch | None = None
     flash: FlashAttn | None = None  # set on cuda when flash-attn imports
     paged: Callable | None = None  # the `decode` rows' attention (`paged_decode`'s contract)
+    store: Callable | None = None  # writes the step's K/V (`write_kv`'s contract; None: it)
 
     def row_context_lens(self, positions: torch.Tensor) -> torch.Tensor:
         """Per row of the batch, its sequence's context length after this step."""
@@ -161,7 +162,7 @@ def paged_attention(
     """q: [T, Hq, D]; k, v: [T, Hkv, D] for the new tokens. Returns [T, Hq, D].
     `meta.decode`'s rows go to `meta.paged` (or the C kernels' `paged_decode`), the
     sequences in `meta.seqs` one by one."""
-    write_kv(cache, k, v, meta.slot_mapping)
+    (meta.store or write_kv)(cache, k, v, meta.slot_mapping)
     out = torch.empty_like(q)
     if meta.decode is not None:
         d = meta.decode

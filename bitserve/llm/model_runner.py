@@ -241,12 +241,11 @@ def graph_factory(config: EngineConfig):
 
 
 def triton_paged_decode():
-    """The Triton paged attention (cuda), when it is there; else None."""
-    try:
-        from bitserve.llm.triton_attention import paged_decode
-    except ImportError:  # no triton, or not built yet
-        return None
-    return paged_decode
+    """The Triton paged attention (triton_attention.py) when triton and a GPU are there;
+    else None."""
+    from bitserve.llm import triton_attention
+
+    return triton_attention.paged_attention_triton if triton_attention.available() else None
 
 
 class ModelRunner:
@@ -266,6 +265,11 @@ class ModelRunner:
         self.moe_layers = [m for m in self.model.modules() if hasattr(m, "row_mask")]
         self.flash = self.pick_flash_attn()
         self.paged = self.pick_paged_attention()
+        self.store = None  # how K/V go into the pool (None: attention.write_kv)
+        if self.paged is not torch_paged_decode and not self.on_cpu:
+            from bitserve.llm.triton_attention import write_kv_triton
+
+            self.store = write_kv_triton  # one launch for K and V
         eager = config.enforce_eager or parallel.world_size > 1
         make_graph = None if eager else graph_factory(config)
         self.buckets = graph_buckets(config.max_num_seqs) if make_graph is not None else []
@@ -441,7 +445,7 @@ class ModelRunner:
         bufs.upload(nbytes)
         d_ids, d_pos, d_slots, d_counted, d_ctx, d_seq_lens, d_table, d_sample = dev
         decode = DecodeBatch(bufs.rows[:rows], d_table, d_ctx, d_seq_lens)
-        meta = AttentionMetadata(d_slots, [], decode=decode, paged=self.paged)
+        meta = AttentionMetadata(d_slots, [], decode=decode, paged=self.paged, store=self.store)
         return StepTensors(d_ids, d_pos, meta, d_sample, d_counted if bucket else None)
 
     def build_per_sequence(self, step: StepInput) -> StepTensors:

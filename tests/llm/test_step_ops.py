@@ -11,11 +11,15 @@ graph that calls the captured function, on the same static buffers.
 from __future__ import annotations
 
 import itertools
+import os
 from collections import Counter
 
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+
+# the Triton kernels run in Triton's interpreter here (read when triton is imported)
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from bitserve import kernels
 from bitserve.llm import attention, model_runner
@@ -196,3 +200,38 @@ def test_graph_memory_is_counted_inside_the_kv_budget(llama_dir, monkeypatch):
     per_block = runner.bytes_per_block()
     assert runner.graph_reserve() > 0 and eager.runner.graph_reserve() == 0
     assert runner.num_blocks == (budget + (1 << 20) - runner.graph_reserve()) // per_block
+
+
+def test_the_engine_is_token_exact_through_the_triton_kernels(llama_dir, monkeypatch):
+    """The runner's DecodeBatch handed to the Triton kernels (attention and K/V store) as
+    a GPU engine does, run here in Triton's interpreter on the CPU tensors."""
+    pytest.importorskip("triton")
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("Triton kernels need a GPU or TRITON_INTERPRET=1")
+    from triton.runtime import interpreter
+
+    from bitserve.llm import triton_attention
+
+    patch_tensor = interpreter._patch_lang_tensor
+
+    def patch_numpy24(tensor, scope):  # triton 3.6's interpreter and numpy >= 2.4 (a loop
+        patch_tensor(tensor, scope)  # bound int(1-element array)), as test_triton_attention
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
+
+    monkeypatch.setattr(interpreter, "_patch_lang_tensor", patch_numpy24)
+    monkeypatch.setattr(kernels, "get", lambda: None)
+    engine = make_engine(llama_dir, device="cpu", num_kv_blocks=64, max_num_batched_tokens=32)
+    engine.runner.paged = triton_attention.paged_attention_triton
+    engine.runner.store = triton_attention.write_kv_triton
+    calls = Counter()
+    for name in ("paged", "store"):
+        fn = getattr(engine.runner, name)
+
+        def counted(*args, fn=fn, name=name, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+
+        setattr(engine.runner, name, counted)
+    prompts = MIXED[:2]
+    assert_parity(llama_dir, prompts, generate(engine, prompts))
+    assert calls["paged"] > 0 and calls["store"] == calls["paged"]
