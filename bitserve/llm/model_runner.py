@@ -270,7 +270,8 @@ class ModelRunner:
             from bitserve.llm.triton_attention import write_kv_triton
 
             self.store = write_kv_triton  # one launch for K and V
-        eager = config.enforce_eager or parallel.world_size > 1
+        # graphs replay the batched path only: not under TP/PP, nor with flash-attn's
+        eager = config.enforce_eager or parallel.world_size > 1 or self.flash is not None
         make_graph = None if eager else graph_factory(config)
         self.buckets = graph_buckets(config.max_num_seqs) if make_graph is not None else []
         self.num_blocks = self.plan_num_blocks()
@@ -339,11 +340,12 @@ class ModelRunner:
         return self.buckets[-1] * per_row + gather
 
     def allocate_kv_cache(self) -> None:
-        """Per layer, K and V pools `[kv_heads, num_blocks + 1, block_size, head_dim]`:
-        the block past the ones the block manager hands out is the scratch that padded
-        graph rows write to."""
+        """Per layer, K and V pools `[kv_heads, num_blocks, block_size, head_dim]`; with
+        CUDA graphs one block more, past the ones the block manager hands out: the
+        scratch that padded graph rows write to."""
+        blocks = self.num_blocks + (1 if self.buckets else 0)
         for attn in self.attentions:
-            shape = (attn.num_kv_heads, self.num_blocks + 1, self.config.block_size, attn.head_dim)
+            shape = (attn.num_kv_heads, blocks, self.config.block_size, attn.head_dim)
             if self.on_cpu:
                 attn.kv_cache = (
                     kernels.zeros_huge_pages(shape, self.kv_dtype),

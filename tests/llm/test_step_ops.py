@@ -235,3 +235,33 @@ def test_the_engine_is_token_exact_through_the_triton_kernels(llama_dir, monkeyp
     prompts = MIXED[:2]
     assert_parity(llama_dir, prompts, generate(engine, prompts))
     assert calls["paged"] > 0 and calls["store"] == calls["paged"]
+
+
+class FakeEvent:
+    """torch.cuda.Event's two calls the step buffers make."""
+
+    recorded = 0
+
+    def record(self) -> None:
+        FakeEvent.recorded += 1
+
+    def synchronize(self) -> None:
+        pass
+
+
+def test_the_device_side_of_the_step_buffer_reads_what_one_upload_copied(llama_dir, monkeypatch):
+    """The cuda layout on the CPU: a separate "device" buffer that only the one upload
+    per step fills, its pieces viewed at the host's offsets; greedy parity, and the
+    pieces a graph reads keep their addresses whatever the number of sampled rows."""
+    monkeypatch.setattr(kernels, "get", lambda: None)
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    engine = make_engine(llama_dir, device="cpu", num_kv_blocks=64, max_num_batched_tokens=32)
+    bufs = engine.runner.buffers
+    bufs.device_buffer = torch.full_like(bufs.host, 255)  # garbage until uploaded
+    bufs._views.clear()
+    FakeEvent.recorded = 0
+    assert_parity(llama_dir, MIXED, generate(engine, MIXED))
+    assert FakeEvent.recorded > 0
+    _, one, _ = bufs.views(8, bufs.max_width, 1)
+    _, five, _ = bufs.views(8, bufs.max_width, 5)
+    assert [t.data_ptr() for t in one[:7]] == [t.data_ptr() for t in five[:7]]
