@@ -27,16 +27,26 @@ its (m, l, acc) to a scratch buffer and `_combine_kernel` merges them. The split
 depends only on the shapes (rows, table width), never on the lengths, so a step with the
 same shapes always launches the same grid (CUDA graphs replay it).
 
+A prefill chunk of n rows through the row kernel reads its context n times.
+`_prefill_kernel` (`paged_prefill_triton`, grid `(sequences, query blocks, kv heads)`)
+takes the same step per sequence instead (query_start, seq_lens, one table row each):
+a program holds BLOCK_Q consecutive rows x the query group (M = BLOCK_Q * group query
+vectors, each masking its own keys: j <= p, j > p - window), so each K/V tile is read
+once per BLOCK_Q rows. The runner can send decode rows to the row kernel (split-K, CUDA
+graphs) and chunks here, or everything to the row kernel: the results are the same.
+
 `_store_kv_kernel` writes the step's K and V into their slots in one launch (slot < 0:
 a padding row, skipped).
 
 `paged_attention_reference` is the same arithmetic in torch with the same block-table
-indexing, the kernel's reference on a device; the tests run the kernel in Triton's
-interpreter (`TRITON_INTERPRET=1` when this module is imported) against it and against
-SDPA on the dense contexts. The interpreter stores bf16 as uint16 and cannot multiply it,
-so there (only) bf16 tiles are upcast to fp32 before the products (`UPCAST`); on a GPU
-fp16/bf16 tiles go to the tensor cores as they are, fp32 ones with IEEE precision (no
-TF32), so fp32 results match the CPU path's.
+indexing, the kernel's reference on a device; the tests run the kernels in Triton's
+interpreter (tests/conftest.py sets `TRITON_INTERPRET=1` before triton is imported)
+against it and against SDPA on the dense contexts, and compile them for sm_90 with
+Triton's own compiler (tests/llm/triton_compile_check.py), which needs no GPU. The
+interpreter stores bf16 as uint16 and cannot multiply it, so there (only) bf16 tiles
+are upcast to fp32 before the products (`UPCAST`); on a GPU fp16/bf16 tiles go to the
+tensor cores as they are, fp32 ones with IEEE precision (no TF32), so fp32 results
+match the CPU path's.
 """
 
 import os
@@ -222,6 +232,112 @@ def _combine_kernel(
 
 
 @_jit
+def _prefill_kernel(
+    q_ptr,
+    out_ptr,
+    q_start_ptr,
+    seq_lens_ptr,
+    tables_ptr,
+    k_ptr,
+    v_ptr,
+    scale,
+    softcap,
+    window,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_kh,
+    stride_kb,
+    stride_ks,
+    stride_vh,
+    stride_vb,
+    stride_vs,
+    stride_tb,
+    GROUP: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    M_P: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    D_P: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    TILE: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """BLOCK_Q consecutive query rows of one sequence x the query group of one KV head
+    (M = BLOCK_Q * GROUP query vectors), so each K/V tile is read once for all of them;
+    query m is row m // GROUP, head h * GROUP + m % GROUP, and masks its own keys."""
+    seq = tl.program_id(0)
+    h = tl.program_id(2)
+    q_lo = tl.load(q_start_ptr + seq)
+    q_hi = tl.load(q_start_ptr + seq + 1)
+    ctx = tl.load(seq_lens_ptr + seq)
+    first = q_lo + tl.program_id(1) * BLOCK_Q
+    last = tl.minimum(first + BLOCK_Q, q_hi) - 1  # < first: no rows for this program
+
+    mi = tl.arange(0, M_P)
+    row = first + mi // GROUP
+    row_ok = (mi < BLOCK_Q * GROUP) & (row <= last)
+    pos = ctx - q_hi + row  # the new tokens are the last of the context
+    d = tl.arange(0, D_P)
+    md_mask = row_ok[:, None] & (d < HEAD_DIM)[None, :]
+    heads = (h * GROUP + mi % GROUP).to(tl.int64)
+    q_off = row.to(tl.int64)[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :]
+    q = tl.load(q_ptr + q_off, mask=md_mask, other=0.0)
+    win = tl.where(window > 0, window, ctx + 1)  # no window: every key passes j > pos - win
+
+    m = tl.full([M_P], float("-inf"), tl.float32)
+    l_sum = tl.zeros([M_P], tl.float32)
+    acc = tl.zeros([M_P, D_P], tl.float32)
+    lo = tl.maximum(ctx - q_hi + first - win + 1, 0)
+    hi = tl.where(last >= first, ctx - q_hi + last + 1, 0)
+    table = tables_ptr + seq.to(tl.int64) * stride_tb
+    k_head = k_ptr + h.to(tl.int64) * stride_kh
+    v_head = v_ptr + h.to(tl.int64) * stride_vh
+    for t0 in range(lo // TILE * TILE, hi, TILE):
+        j = t0 + tl.arange(0, TILE)
+        j_ok = (j >= lo) & (j < hi)
+        block = tl.load(table + j // BLOCK_SIZE, mask=j_ok, other=0).to(tl.int64)
+        slot = j % BLOCK_SIZE
+        kv_mask = j_ok[:, None] & (d < HEAD_DIM)[None, :]
+        k = tl.load(
+            k_head + (block * stride_kb + slot * stride_ks)[:, None] + d[None, :],
+            mask=kv_mask,
+            other=0.0,
+        )
+        v = tl.load(
+            v_head + (block * stride_vb + slot * stride_vs)[:, None] + d[None, :],
+            mask=kv_mask,
+            other=0.0,
+        )
+        if UPCAST:
+            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)))
+        else:
+            s = tl.dot(q.to(k.dtype), tl.trans(k), input_precision=PRECISION)
+        s = s * scale
+        if SOFTCAP:
+            s = softcap * _tanh(s / softcap)
+        seen = (j[None, :] <= pos[:, None]) & (j[None, :] > pos[:, None] - win)
+        s = tl.where(j_ok[None, :] & seen, s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a query with no key yet
+        alpha = tl.exp(m - m_safe)
+        p = tl.exp(s - m_safe[:, None])
+        l_sum = l_sum * alpha + tl.sum(p, 1)
+        if UPCAST:
+            pv = tl.dot(p, v.to(tl.float32))
+        else:
+            pv = tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        acc = acc * alpha[:, None] + pv
+        m = m_new
+
+    o = acc / tl.where(l_sum > 0, l_sum, 1.0)[:, None]
+    o_off = row.to(tl.int64)[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :]
+    tl.store(out_ptr + o_off, o.to(out_ptr.dtype.element_ty), mask=md_mask)
+
+
+@_jit
 def _store_kv_kernel(
     k_ptr,
     v_ptr,
@@ -277,7 +393,7 @@ def default_splits(num_rows: int, kv_heads: int, max_context: int, device) -> in
     return max(1, min(want, -(-max_context // 256), 32))
 
 
-def _check(q, out, rows, k_pool, v_pool, block_tables, context_lens) -> None:
+def _check(q, out, k_pool, v_pool, block_tables, **int32s) -> None:
     hkv, _, bs, d = k_pool.shape
     if q.dim() != 3 or out.shape != q.shape or q.shape[2] != d or q.shape[1] % hkv:
         raise ValueError(f"q/out {tuple(q.shape)} do not fit the pool {tuple(k_pool.shape)}")
@@ -288,7 +404,7 @@ def _check(q, out, rows, k_pool, v_pool, block_tables, context_lens) -> None:
     for name, t in (("q", q), ("out", out), ("k_pool", k_pool), ("v_pool", v_pool)):
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must be contiguous in its last dim")
-    for name, t in (("rows", rows), ("block_tables", block_tables), ("lens", context_lens)):
+    for name, t in {**int32s, "block_tables": block_tables}.items():
         if t.dtype != torch.int32:
             raise ValueError(f"{name} must be int32, got {t.dtype}")
     if block_tables.dim() != 2 or block_tables.stride(1) != 1:
@@ -316,7 +432,7 @@ def paged_attention_triton(
     context; padding entries are never read). Rows not in `rows` are left alone; a row
     with context_lens 0 (padding, e.g. of a CUDA graph's batch) gets zeros.
     `splits`: key ranges per row (None: `default_splits`); `tile`: keys per step (>= 16)."""
-    _check(q, out, rows, k_pool, v_pool, block_tables, context_lens)
+    _check(q, out, k_pool, v_pool, block_tables, rows=rows, context_lens=context_lens)
     num_rows = rows.shape[0]
     if num_rows == 0:
         return
@@ -365,6 +481,57 @@ def paged_attention_triton(
             D_P=d_p,
             SPLITS=splits,
         )
+
+
+def paged_prefill_triton(
+    q,
+    out,
+    query_start,
+    seq_lens,
+    k_pool,
+    v_pool,
+    block_tables,
+    scale: float,
+    max_query_len: int,
+    window: int = 0,
+    softcap: float = 0.0,
+    block_q: int | None = None,
+    tile: int | None = None,
+) -> None:
+    """Prefill chunks per sequence, each K/V tile read once for BLOCK_Q query rows (the
+    row kernel reads a sequence's context once per row). Sequence s's query rows are
+    q[query_start[s] : query_start[s + 1]], the last tokens of its seq_lens[s] (their K/V
+    already in the pool); a query at position p sees keys 0 .. p (window > 0: the last
+    `window`), as in `paged_attention_triton`. query_start: int32 [S + 1]; seq_lens:
+    int32 [S]; block_tables: int32 [S, W], one row per sequence; max_query_len: the
+    longest chunk, a host int (it sizes the grid). Rows of no sequence are left alone."""
+    _check(q, out, k_pool, v_pool, block_tables, query_start=query_start, seq_lens=seq_lens)
+    num_seqs = seq_lens.shape[0]
+    if num_seqs == 0 or max_query_len <= 0:
+        return
+    hkv, _, bs, d = k_pool.shape
+    group = q.shape[1] // hkv
+    block_q = block_q or max(1, 64 // triton.next_power_of_2(group))
+    tile = tile or (32 if d > 128 else 64)
+    _launch(
+        _prefill_kernel,
+        (num_seqs, -(-max_query_len // block_q), hkv),
+        *(q, out, query_start, seq_lens, block_tables, k_pool, v_pool),
+        *(float(scale), float(softcap or 0.0), int(window or 0)),
+        *(q.stride(0), q.stride(1), out.stride(0), out.stride(1)),
+        *(k_pool.stride(0), k_pool.stride(1), k_pool.stride(2)),
+        *(v_pool.stride(0), v_pool.stride(1), v_pool.stride(2), block_tables.stride(0)),
+        GROUP=group,
+        BLOCK_Q=block_q,
+        M_P=_pow2(block_q * group),
+        HEAD_DIM=d,
+        D_P=_pow2(d),
+        BLOCK_SIZE=bs,
+        TILE=tile,
+        SOFTCAP=bool(softcap),
+        UPCAST=_INTERPRET and k_pool.dtype == torch.bfloat16,
+        PRECISION="ieee" if k_pool.dtype == torch.float32 else "tf32",
+    )
 
 
 def write_kv_triton(cache: tuple[torch.Tensor, torch.Tensor], k, v, slot_mapping) -> None:
