@@ -5,15 +5,20 @@ Layout: each layer's pool is head-major,
 along dim 1 leaves every head's keys contiguous, which is what SDPA wants. Gathers go
 into preallocated buffers (a fresh allocation page-faults and costs up to 10x).
 
-With the C kernels (`bitserve/kernels`, the CPU), every row of a step goes to one
-`paged_decode` call per layer, decodes and prompt rows alike: the row at position p
-attends keys 0 .. p of its sequence, read in place through the block tables (its own
-chunk's K/V are written first), so there is neither a gather, a mask nor per-sequence
-Python, and windows and soft-capping are the kernel's too (with the C layer around it, a
-16 x 100-token prefill of a 58M Llama went from 0.57 to 0.47 s; `python -m
-bench.llm_throughput --attention` compares the decode case with the loop below).
-Otherwise (a GPU, or no compiler), three cases per sequence, chosen so SDPA keeps its
-fast paths:
+Every row of a step goes to one batched call per layer (`DecodeBatch`), decodes and
+prompt rows alike: the row at position p attends keys 0 .. p of its sequence through
+the block tables (its own chunk's K/V are written first), so there is no per-sequence
+Python, and windows and soft-capping are the call's too. The call is the C kernel
+`paged_decode` on the CPU (reads in place; with the C layer around it, a 16 x 100-token
+prefill of a 58M Llama went from 0.57 to 0.47 s; `python -m bench.llm_throughput
+--attention` compares the decode case with the loop below), the Triton kernel on cuda
+when it is there, else `torch_paged_decode`: the same contract in torch ops whose number
+does not depend on the batch (gather every row's padded blocks at once, masked SDPA
+over [rows, max context], in chunks of rows that bound the gathered bytes).
+
+The per-sequence path below is kept for flash-attn (cuda, fp16/bf16, when it imports)
+and for callers that hand one sequence (`quantize/scoring.py`); three cases per
+sequence, chosen so SDPA keeps its fast paths:
 - a fresh prefill (nothing cached before this chunk): attend to the new K/V directly,
   `is_causal=True`, no gather;
 - a decode (one query token): gather the context, fold the GQA group into the query
@@ -28,16 +33,16 @@ every window (block_manager.py) are never read. Gemma 2's logit soft-capping
 (`softcap`) cannot go through SDPA: those layers take `eager_attention`, which is
 transformers' eager arithmetic (scores, cap * tanh(scores / cap), mask, fp32 softmax).
 
-On a GPU (`EngineConfig.device`) the C kernels are never used: decodes take the
-gather + SDPA path above and the pool is in the model's dtype. When `flash_attn`
-imports and that dtype is fp16/bf16, fresh prefills go to `flash_attn_varlen_func`
-and attention over gathered context to `flash_attn_with_kvcache` (bottom-right
-causal, GQA native); without it, torch SDPA picks its own CUDA kernels.
+On a GPU (`EngineConfig.device`) the C kernels are never used and the pool is in the
+model's dtype. When `flash_attn` imports and that dtype is fp16/bf16, the runner takes
+the per-sequence path: fresh prefills go to `flash_attn_varlen_func` and attention over
+gathered context to `flash_attn_with_kvcache` (bottom-right causal, GQA native).
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,8 +68,8 @@ class SeqSlice:
 
 @dataclass
 class DecodeBatch:
-    """Every row of a step, for the C attention (all int32): a row is one query that
-    attends the first context_lens keys of its sequence's blocks, a decode's and a
+    """Every row of a step, for the batched attention (all int32): a row is one query
+    that attends the first context_lens keys of its sequence's blocks, a decode's and a
     prompt's alike (a prompt row at position p: p + 1, its chunk's K/V written first)."""
 
     rows: torch.Tensor  # [B]: the row of each query in the flattened batch
@@ -82,6 +87,8 @@ class AttentionMetadata:
     flash: FlashAttn | None = None  # set on cuda when flash-attn imports
     # [T]: each row's sequence's rope_prefix, what picks its RoPE rotation (llm/rope.py)
     rope_prefix: torch.Tensor | None = None
+    paged: Callable | None = None  # the `decode` rows' attention (`paged_decode`'s contract)
+    store: Callable | None = None  # writes the step's K/V (`write_kv`'s contract; None: it)
 
 
 @dataclass(frozen=True)
@@ -143,12 +150,14 @@ def paged_attention(
     q, k, v, cache, meta: AttentionMetadata, scale: float, window=None, softcap=None, kernels=None
 ) -> torch.Tensor:
     """q: [T, Hq, D]; k, v: [T, Hkv, D] for the new tokens. Returns [T, Hq, D].
-    `meta.decode` is set only when the runner has the C kernels, which `kernels` is."""
-    write_kv(cache, k, v, meta.slot_mapping)
+    `meta.decode`'s rows go to `meta.paged` (or the C kernels' `paged_decode`), the
+    sequences in `meta.seqs` one by one."""
+    (meta.store or write_kv)(cache, k, v, meta.slot_mapping)
     out = torch.empty_like(q)
     if meta.decode is not None:
         d = meta.decode
-        kernels.paged_decode(
+        paged = meta.paged or kernels.paged_decode
+        paged(
             q.contiguous(),
             out,
             d.rows,
@@ -277,3 +286,60 @@ def masked_attention(q, keys, values, scale: float, mask) -> torch.Tensor:
         enable_gqa=qh.shape[1] != keys.shape[0],
     )
     return o[0].transpose(0, 1).to(q.dtype)
+
+
+GATHER_BYTES = 64 << 20  # torch_paged_decode gathers at most this many K+V bytes at once
+
+
+def torch_paged_decode(
+    q, out, rows, k_pool, v_pool, tables, lens, scale: float, window=0, softcap=0.0
+) -> None:
+    """`paged_decode` in torch ops: out[rows[i]] = attention of q[rows[i]] over the first
+    lens[i] keys of block table tables[i] (the last `window` of them when window > 0;
+    Gemma 2's soft-capping when softcap > 0). q, out: [T, Hq, D]; k_pool, v_pool:
+    [Hkv, num_blocks, block_size, D]; rows, lens: [B]; tables: [B, W] (int32).
+
+    Every row's W blocks are gathered at once and the keys past its length masked, so
+    the ops are the same for 1 row as for 256 (no host read, no per-row Python); rows
+    are taken in chunks whose gathered K/V stay under GATHER_BYTES, a number that
+    follows from the shapes only."""
+    heads, _, block_size, dim = k_pool.shape
+    num_rows, width = tables.shape
+    per_row = 2 * heads * width * block_size * dim * k_pool.element_size()
+    chunk = max(1, GATHER_BYTES // per_row)
+    key_pos = torch.arange(width * block_size, device=q.device)
+    for a in range(0, num_rows, chunk):
+        b = min(a + chunk, num_rows)
+        idx, table, n = rows[a:b].long(), tables[a:b].long(), lens[a:b].long()
+        # [Hkv, r, W, bs, D] -> [r, Hkv, W * bs, D]
+        keys = k_pool[:, table].flatten(2, 3).transpose(0, 1)
+        values = v_pool[:, table].flatten(2, 3).transpose(0, 1)
+        mask = key_pos[None, :] < n[:, None]  # [r, L]
+        if window:
+            mask &= key_pos[None, :] >= (n - window)[:, None]
+        qs = q.index_select(0, idx).unsqueeze(2).to(keys.dtype)  # [r, Hq, 1, D]
+        if softcap:
+            o = softcap_attention(qs, keys, values, scale, mask[:, None, None, :], softcap)
+        else:
+            o = F.scaled_dot_product_attention(
+                qs,
+                keys,
+                values,
+                attn_mask=mask[:, None, None, :],
+                scale=scale,
+                enable_gqa=qs.shape[1] != heads,
+            )
+        out.index_copy_(0, idx, o.squeeze(2).to(out.dtype))
+
+
+def softcap_attention(q, keys, values, scale, mask, softcap) -> torch.Tensor:
+    """`eager_attention`'s arithmetic, batched: q [r, Hq, 1, D] against keys and values
+    [r, Hkv, L, D]; mask [r, 1, 1, L] bool (True: attend)."""
+    group = q.shape[1] // keys.shape[1]
+    keys = keys.repeat_interleave(group, dim=1)
+    values = values.repeat_interleave(group, dim=1)
+    scores = torch.matmul(q, keys.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(weights, values)

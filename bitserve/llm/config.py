@@ -225,6 +225,7 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"
     seed: int = 0
     device: str = "auto"  # "cpu", "cuda", "cuda:N"; "auto": cuda when available, else cpu
+    enforce_eager: bool = False  # true: no CUDA graphs for decode steps (model_runner.py)
     # parallelism (parallel.py): heads/columns split over tensor_parallel_size ranks,
     # layers over pipeline_parallel_size stages; ranks other than 0 are worker processes
     tensor_parallel_size: int = 1

@@ -4,7 +4,19 @@ Mixture-of-Experts MLP.
 A router (linear `gate`) scores every expert per token; the top-k experts (softmax,
 then renormalised over the k unless config.json says `norm_topk_prob: false`) each run
 a SwiGLU MLP on the tokens routed to them, and the weighted outputs are summed.
-`tokens_per_expert` counts routed tokens: the per-expert load metric.
+`tokens_per_expert` counts routed tokens: the per-expert load metric, accumulated on
+the device and read only when the metrics are asked for.
+
+Two ways through the experts, chosen by the shapes only:
+- dense (a GPU's path, and the CPU without the C kernels, up to DENSE_TOKENS rows): every
+  expert runs on every row and its output is weighted by the row's routing weight, 0
+  where the router did not pick it. No host read, the same ops at any batch, so it is
+  what a CUDA graph captures; it reads every expert's weights, which a decode step of
+  more than a few rows does anyway, and a memory-bound step does not notice the extra
+  FLOPs. (A grouped-GEMM kernel would read only the routed experts at batch 1.)
+- sparse (the CPU with the C kernels, or more rows than DENSE_TOKENS, a prefill): each
+  routed expert runs on its own rows only; it reads which experts were routed to on
+  the host (one sync per layer).
 
 Expert weights are stacked, `w13` [E, 2I, H] (gate | up) and `w2` [E, H, I], whatever
 the checkpoint's naming: Mixtral's `experts.N.w1/w3/w2`, Qwen's
@@ -27,9 +39,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from bitserve import kernels as c
 from bitserve.llm.models.layers import NO_TP
 from bitserve.llm.models.llama import DecoderLayer, LlamaForCausalLM, attention_shape
 from bitserve.llm.parallel import TensorParallel
+
+DENSE_TOKENS = 256  # up to this many rows, every expert runs on every row (no host read)
 
 
 def expert_intermediate(hf: dict[str, Any]) -> int:
@@ -42,6 +57,9 @@ def num_experts(hf: dict[str, Any]) -> int:
 
 
 class SparseMoE(nn.Module):
+    kernels: c.Kernels | None = None  # the CPU's C kernels (kernels.attach): sparse path
+    row_mask: torch.Tensor | None = None  # set per step: 1 for the rows to count, 0 padding
+
     def __init__(self, hf: dict[str, Any], tp: TensorParallel = NO_TP):
         super().__init__()
         self.tp = tp
@@ -89,14 +107,39 @@ class SparseMoE(nn.Module):
         weights, experts = torch.topk(probs, self.top_k, dim=-1)
         if self.normalize:
             weights /= weights.sum(dim=-1, keepdim=True)
-        self.tokens_per_expert += torch.bincount(experts.flatten(), minlength=self.num_experts)
+        self.count(experts)
+        if self.kernels is None and x.shape[0] <= DENSE_TOKENS:
+            return self.tp.all_reduce(self.dense(x, weights, experts))
+        return self.tp.all_reduce(self.sparse(x, weights, experts))
+
+    def count(self, experts: torch.Tensor) -> None:
+        """Add each row's experts to the load metric, on the device (no host read)."""
+        if self.row_mask is None:
+            ones = torch.ones_like(experts)
+        else:  # a padded CUDA-graph step: its padding rows are not counted
+            ones = self.row_mask[: experts.shape[0], None].expand_as(experts)
+        self.tokens_per_expert.index_add_(0, experts.flatten(), ones.flatten())
+
+    def dense(self, x, weights, experts) -> torch.Tensor:
+        """Every expert on every row, weighted by the routing (0: not picked), in expert
+        order as transformers adds them."""
+        route = torch.zeros(x.shape[0], self.num_experts, dtype=weights.dtype, device=x.device)
+        route.scatter_(1, experts, weights)
+        out = torch.zeros_like(x)
+        for e in range(self.num_experts):
+            gate, up = self.up_gate(e, x).split(self.intermediate, dim=-1)
+            out += (self.down(e, F.silu(gate) * up) * route[:, e, None]).to(out.dtype)
+        return out
+
+    def sparse(self, x, weights, experts) -> torch.Tensor:
+        """Each routed expert on its rows only (the experts are read on the host)."""
         out = torch.zeros_like(x)
         for e in experts.unique().tolist():
             token_idx, k_idx = torch.where(experts == e)
             gate, up = self.up_gate(e, x[token_idx]).split(self.intermediate, dim=-1)
             y = self.down(e, F.silu(gate) * up) * weights[token_idx, k_idx, None]
             out.index_add_(0, token_idx, y.to(out.dtype))
-        return self.tp.all_reduce(out)
+        return out
 
 
 class MixtralDecoderLayer(DecoderLayer):
