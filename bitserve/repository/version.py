@@ -107,10 +107,14 @@ class ModelVersion:
         if self.state == "ready":
             self.state = "draining"
         try:
-            await asyncio.wait_for(self._idle.wait(), timeout)
+            await asyncio.wait_for(self.idle(), timeout)
             return True
         except TimeoutError:
             return False
+
+    async def idle(self) -> None:
+        """Returns once no request holds a lease on this version (it keeps serving)."""
+        await self._idle.wait()
 
     async def unload(self, timeout: float | None = 30.0) -> None:
         """Drain, then stop the path."""

@@ -112,12 +112,22 @@ class ServerState:
             self._idle.set()
 
     async def drain(self, timeout: float) -> bool:
-        """Turn unready, refuse new requests, wait for in-flight ones (False on timeout)."""
+        """Turn unready, refuse new requests, wait for in-flight ones (False on timeout):
+        those counted here (v2, gRPC) and every request that holds a lease on a version
+        (OpenAI, generate, images, streams still sending), so none is cut at exit."""
         self.draining = True
-        log.info("draining: waiting up to %.0f s for %d request(s)", timeout, self.inflight)
+        versions = [v for e in self.repository.models.values() for v in e.versions.values()]
+        pending = self.inflight + sum(v.pending for v in versions)
+        log.info("draining: waiting up to %.0f s for %d request(s)", timeout, pending)
+
+        async def everything_idle() -> None:
+            await self._idle.wait()
+            await asyncio.gather(*(v.idle() for v in versions))
+
         try:
-            await asyncio.wait_for(self._idle.wait(), timeout)
+            await asyncio.wait_for(everything_idle(), timeout)
             return True
         except TimeoutError:
-            log.error("drain timed out with %d request(s) in flight", self.inflight)
+            pending = self.inflight + sum(v.pending for v in versions)
+            log.error("drain timed out with %d request(s) in flight", pending)
             return False

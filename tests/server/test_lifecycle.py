@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from tests.conftest import XY_CONFIG, Server, write_model
+from tests.conftest import ROOT, XY_CONFIG, Server, write_model
 
 VERSIONED = """
 import time
@@ -227,7 +227,7 @@ def test_sigterm_drains_in_flight_then_exits_zero(tmp_path, inflight):
             pool.submit(httpx.post, url + "/v2/models/slow/infer", json=body(), timeout=30)
             for _ in range(inflight)
         ]
-        time.sleep(0.3)
+        wait_for_metric(url, "bitserve_inflight_requests", inflight)  # all in, however slow
         server.process.send_signal(signal.SIGTERM)
         time.sleep(0.2)
         assert httpx.get(url + "/v2/health/ready").status_code == 503
@@ -235,3 +235,61 @@ def test_sigterm_drains_in_flight_then_exits_zero(tmp_path, inflight):
         assert late.status_code == 503 and "draining" in late.json()["error"]
         assert [f.result().status_code for f in running] == [200] * inflight
     assert server.process.wait(30) == 0
+
+
+def wait_for_metric(url: str, name: str, value: float, limit: float = 30.0) -> None:
+    """Until the server's gauge `name` (summed over its labels) reaches `value`."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    deadline = time.monotonic() + limit
+    while True:
+        text = httpx.get(url + "/metrics", timeout=5).text
+        total = sum(
+            s.value
+            for family in text_string_to_metric_families(text)
+            for s in family.samples
+            if s.name == name
+        )
+        if total >= value:
+            return
+        assert time.monotonic() < deadline, f"{name} stayed at {total} (waiting for {value})"
+        time.sleep(0.05)
+
+
+def test_sigterm_lets_openai_streams_and_completions_finish(tmp_path):
+    """The drain waits for OpenAI requests too (they hold a lease on their version, not
+    the v2 in-flight count): each of them ends whole, then the process exits 0."""
+    import shutil
+
+    root = tmp_path / "m"
+    shutil.copytree(ROOT / "models" / "tinylm", root / "tinylm")
+    server = Server(root, "--drain-timeout", "60")
+    url = server.url
+    body = {"model": "tinylm", "prompt": "In the beginning", "max_tokens": 200}
+    body["ignore_eos"] = True
+
+    def stream() -> tuple[int, int]:
+        chunks = 0
+        with httpx.stream(
+            "POST", url + "/v1/completions", json=body | {"stream": True}, timeout=120
+        ) as r:
+            for line in r.iter_lines():
+                chunks += line.startswith("data: {")
+            return r.status_code, chunks
+
+    def whole() -> tuple[int, int]:
+        r = httpx.post(url + "/v1/completions", json=body, timeout=120)
+        return r.status_code, r.json()["usage"]["completion_tokens"]
+
+    with ThreadPoolExecutor(4) as pool:
+        running = [pool.submit(f) for f in (stream, stream, whole, whole)]
+        wait_for_metric(url, "bitserve_llm_num_requests_running", 4)
+        server.process.send_signal(signal.SIGTERM)
+        time.sleep(0.2)
+        late = httpx.post(url + "/v1/completions", json=body)
+        assert late.status_code == 503
+        answers = [f.result() for f in running]
+    assert [code for code, _ in answers] == [200] * 4
+    assert all(n >= 200 for _, n in answers[2:]), answers  # the whole answer, not a cut
+    assert all(n > 100 for _, n in answers[:2]), answers
+    assert server.process.wait(60) == 0
