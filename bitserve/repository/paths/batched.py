@@ -21,7 +21,7 @@ from bitserve.backends import backend_class
 from bitserve.batching.batcher import DynamicBatcher, Request
 from bitserve.batching.clock import LoopClock
 from bitserve.inference import InferRequest, InvalidRequest
-from bitserve.repository.instance import Instance
+from bitserve.repository.instance import Instance, InstanceDied
 from bitserve.repository.loading import device_for
 from bitserve.repository.paths.base import ExecutionPath, Report, Ticket
 from bitserve.repository.replica import ReplicaGone
@@ -34,7 +34,9 @@ class ExecutionError(Exception):
 
 
 class ReplicaLost(Exception):
-    """A Ray replica died while running the request's batch (HTTP 503, Retry-After)."""
+    """A Ray replica, or a process-isolated instance, died while running the request's
+    batch (HTTP 503, Retry-After): the caller did nothing wrong and a retry will be
+    served, by another replica or the restarted instance."""
 
     retry_after = 1
 
@@ -228,8 +230,13 @@ class BatchedPath(ExecutionPath):
         batch = current[1]
         if self.replicated and isinstance(error, ReplicaGone):
             return self._replica_gone(slot, batch, error)
+        if isinstance(error, InstanceDied):  # it is being restarted: come back
+            log.error(
+                "model %s v%d instance %d: %s", self.config.name, self.version.version, slot, error
+            )
+            error = ReplicaLost(f"model '{self.config.name}': {error}; retry the request")
         if error is not None:
-            if not isinstance(error, ExecutionError):
+            if not isinstance(error, (ExecutionError, ReplicaLost)):
                 log.error(
                     "model %s v%d failed on a batch: %s: %s",
                     self.config.name,
@@ -301,7 +308,8 @@ class BatchedPath(ExecutionPath):
         if slot in self.batcher.free:
             self.batcher.free.remove(slot)
         if not self.replicated:
-            self._fail_held(slot, ExecutionError(f"model '{name}': instance {reason}; restarted"))
+            lost = f"model '{name}': instance {reason}; restarted"
+            self._fail_held(slot, ReplicaLost(lost) if reason == "died" else ExecutionError(lost))
         # A replica's batch is settled by its own call, which the kill ends: retried if
         # it had not started there, else failed with 503.
         while self._serving():
