@@ -18,7 +18,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Phi3Config
 
-from bitserve.backends.llm import LLMService, PromptTooLong
+from bitserve.backends.llm import LLMService
 from bitserve.config import ModelConfig
 from bitserve.llm import SamplingParams
 from bitserve.llm.config import EngineConfig
@@ -153,7 +153,7 @@ def test_a_request_within_the_derived_length_is_served_and_one_past_it_refused(d
     assert engine.config.max_model_len == 2 * WINDOW  # dynamic, factor 2
     prompt = PROMPTS[2]  # 40 tokens + 24 = 64: the whole derived length
     assert generate(engine, [prompt], GREEDY) == [reference(dirs["dynamic2"], prompt)]
-    with pytest.raises(RequestTooLong, match=r"exceeds max_model_len \(64\)"):
+    with pytest.raises(RequestTooLong, match="maximum context length is 64 tokens"):
         engine.add_request("long", prompt, SamplingParams(max_tokens=NEW + 1))
     capped = make_engine(dirs["dynamic2"], num_kv_blocks=16, max_model_len=48)
     assert capped.config.max_model_len == 48
@@ -218,7 +218,7 @@ def test_the_regime_of_a_length():
 
 
 def test_the_llm_service_admits_the_derived_length_and_refuses_past_it_naming_it(dirs):
-    """The backend's admission path (a 400 on the server: PromptTooLong) with no
+    """The backend's front door (a 400 on the server: RequestTooLong) with no
     max_model_len in the model's parameters: the derived 64 is what it allows."""
     config = ModelConfig.model_validate(
         {"name": "ntk", "backend": "llm", "parameters": {"num_kv_blocks": 16}}
@@ -230,11 +230,12 @@ def test_the_llm_service_admits_the_derived_length_and_refuses_past_it_naming_it
         try:
             assert svc.max_model_len == 2 * WINDOW
             params = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
-            outs = [out async for out in svc.generate(PROMPTS[2], params)]  # 40 + 24 = 64
+            (admitted,) = svc.process([PROMPTS[2]], [params])  # 40 + 24 = 64
+            outs = [out async for out in svc.generate(admitted)]
             assert outs[-1].outputs[0].token_ids == reference(dirs["dynamic2"], PROMPTS[2])
             longer = SamplingParams(temperature=0, max_tokens=NEW + 1)
-            with pytest.raises(PromptTooLong, match="maximum context length is 64 tokens"):
-                svc.check(PROMPTS[2], longer)
+            with pytest.raises(RequestTooLong, match="maximum context length is 64 tokens"):
+                svc.process([PROMPTS[2]], [longer])
         finally:
             await svc.stop()
 
