@@ -217,8 +217,21 @@ class LLMService:
 
     # ------------------------------------------------------------ the front door
 
+    def hold(self) -> Hold:
+        """A place in the waiting queue, taken before the costly part of the front door
+        (a chat template, tokenization): under overload a request is refused at once
+        instead of after the encoding of every request ahead of it (raises Overloaded).
+        `process` gives it back as it admits the request's real count."""
+        self.admit(0)
+        self.waiting += 1
+        return Hold(self)
+
     def process(
-        self, prompts: list[str | list[int]], params: list[SamplingParams], queue: bool = True
+        self,
+        prompts: list[str | list[int]],
+        params: list[SamplingParams],
+        queue: bool = True,
+        hold: Hold | None = None,
     ) -> list[EngineRequest]:
         """The one way in, whichever protocol a request came from (vLLM's
         `Processor.process_inputs`): every prompt is encoded and checked against the one
@@ -230,6 +243,16 @@ class LLMService:
         guide and cached), a full waiting queue (Overloaded, 429). `queue=False` (batch
         jobs: nobody to answer 429, only an engine to keep full) skips the last."""
         assert self.engine is not None
+        try:
+            encoded = self._checked(prompts, params)
+        finally:
+            if hold is not None:  # no await from here to the admission below
+                hold.release()
+        if queue:
+            self.admit(max(map(len, encoded)), count=len(encoded))
+        return [self._reserve(ids, sp) for ids, sp in zip(encoded, params, strict=True)]
+
+    def _checked(self, prompts: list[str | list[int]], params: list[SamplingParams]) -> list:
         if (why := self.down()) is not None:
             raise EngineDead(f"model '{self.config.name}': {why}")
         engine = self.engine.engine
@@ -244,9 +267,7 @@ class LLMService:
             engine.scheduler.check_length(len(ids), sp.max_tokens)
             if sp.guide is not None:
                 engine.grammars().template(sp.guide)
-        if queue:
-            self.admit(max(map(len, encoded)), count=len(encoded))
-        return [self._reserve(ids, sp) for ids, sp in zip(encoded, params, strict=True)]
+        return encoded
 
     def _reserve(self, ids: list[int], params: SamplingParams) -> EngineRequest:
         self.waiting += 1
@@ -363,6 +384,22 @@ class LLMService:
 
     def decode_token(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
+
+
+class Hold:
+    """`LLMService.hold`'s place in the waiting queue, given back once (by `process`,
+    or when dropped: a request that failed before it was processed)."""
+
+    def __init__(self, service: LLMService):
+        self.service: LLMService | None = service
+
+    def release(self) -> None:
+        if self.service is not None:
+            self.service.waiting -= 1
+            self.service = None
+
+    def __del__(self) -> None:
+        self.release()
 
 
 class EngineRequest:

@@ -33,7 +33,7 @@ from bitserve.api.openai import (
     embedding_texts,
     parse,
 )
-from bitserve.backends.llm import EngineRequest, LLMService
+from bitserve.backends.llm import EngineRequest, Hold, LLMService
 from bitserve.inference import ClientGone
 from bitserve.llm import tools
 from bitserve.llm.outputs import RequestOutput
@@ -93,17 +93,41 @@ class OpenAI:
 
     async def completions(self, request: Request) -> Response:
         req: CompletionRequest = parse(CompletionRequest, await request.body())
-        await self.state.repository.ensure_loaded(req.model)
-        version, llm = self._llm(req.model)
-        jobs = completion_jobs(req)
-        return await self._generate(request, version, llm, req, jobs, chat=False)
+        version, llm, hold = await self._held(req.model)
+        try:
+            jobs = completion_jobs(req)
+        except BaseException:  # a 4xx before the front door: the place goes back now
+            if hold is not None:
+                hold.release()
+            raise
+        return await self._generate(request, version, llm, req, jobs, chat=False, hold=hold)
 
     async def chat(self, request: Request) -> Response:
         req: ChatRequest = parse(ChatRequest, await request.body())
-        await self.state.repository.ensure_loaded(req.model)
-        version, llm = self._llm(req.model)
-        jobs = chat_jobs(req, llm)
-        return await self._generate(request, version, llm, req, jobs, chat=True)
+        version, llm, hold = await self._held(req.model)
+        try:
+            jobs = chat_jobs(req, llm)
+        except BaseException:  # a 4xx before the front door: the place goes back now
+            if hold is not None:
+                hold.release()
+            raise
+        return await self._generate(request, version, llm, req, jobs, chat=True, hold=hold)
+
+    async def _held(self, model: str) -> tuple[ModelVersion, LLMService, Hold | None]:
+        """The model's LLM with a place held in its waiting queue (or a 429 now), then
+        one turn of the event loop: in a burst every request is held or refused before
+        any of them renders a template, so a refusal costs microseconds, not the
+        encoding of all the requests ahead of it. Looked up again after that turn: no
+        await may come between the lookup and the lease (a drain must not miss it)."""
+        await self.state.repository.ensure_loaded(model)
+        _, llm = self._llm(model)
+        hold = llm.hold()
+        await asyncio.sleep(0)
+        version, now = self._llm(model)
+        if now is not llm:  # reloaded meanwhile: the new service admits it in process
+            hold.release()
+            return version, now, None
+        return version, llm, hold
 
     async def _generate(
         self,
@@ -113,9 +137,10 @@ class OpenAI:
         req: Any,
         jobs: list,
         chat: bool,
+        hold: Hold | None = None,
     ) -> Response:
         # the front door: encoded, checked against the one set of limits, admitted once
-        admitted = llm.process([p for p, _, _ in jobs], [sp for _, _, sp in jobs])
+        admitted = llm.process([p for p, _, _ in jobs], [sp for _, _, sp in jobs], hold=hold)
         # held now, with no await since the lookup: a drain cannot miss it
         stream = _Streams(self.state, version, llm, req, jobs, admitted, chat)
         if req.stream:
