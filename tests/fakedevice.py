@@ -182,6 +182,25 @@ def _cuda(device: Any) -> torch.device:
     return torch.device("cuda", index or 0)
 
 
+class FakeEvent:
+    """`torch.cuda.Event`: every op already ran when it is recorded."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        pass
+
+    def record(self, stream: Any = None) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def wait(self, stream: Any = None) -> None:
+        pass
+
+
 class FakeCuda(TorchFunctionMode):
     """The pretend GPU(s): `count` devices of `total` bytes, `free` of them free.
 
@@ -225,6 +244,7 @@ class FakeCuda(TorchFunctionMode):
             "reset_peak_memory_stats": lambda device=None: None,
             "empty_cache": lambda: None,
             "is_bf16_supported": lambda *a, **k: True,
+            "Event": FakeEvent,  # the work it would mark is done at once on the CPU
         }
 
     def _set_device(self, device: Any) -> None:

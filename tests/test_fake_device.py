@@ -303,7 +303,9 @@ def test_llm_backend_serves_on_cuda(llama_dir, no_kernels):
             svc = LLMService(config, llama_dir)
             await svc.start()
             try:
-                return [(await svc.infer(x))["text_output"][0] for x in inputs]
+                return [
+                    (await svc.text_output(svc.text_request(x)))["text_output"][0] for x in inputs
+                ]
             finally:
                 await svc.stop()
 

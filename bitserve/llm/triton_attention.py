@@ -69,9 +69,10 @@ def _jit(fn):
 
 
 def available() -> bool:
-    """Whether the GPU path can run: triton imports and there is a CUDA device. The
-    interpreter (tests) does not count, so an engine on the CPU never picks it."""
-    return triton is not None and torch.cuda.is_available()
+    """Whether the GPU path can run: triton imports, torch is a CUDA build and sees a
+    device. The interpreter (tests) does not count, so an engine on the CPU never picks
+    it, nor one on the tests' pretend device (a CPU-only torch)."""
+    return triton is not None and torch.version.cuda is not None and torch.cuda.is_available()
 
 
 @_jit
