@@ -157,7 +157,9 @@ class StepBuffers:
         on_cuda = device.type == "cuda"
         self.host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=on_cuda)
         self.array = self.host.numpy()
-        self.device_buffer = torch.empty(nbytes, dtype=torch.uint8, device=device) if on_cuda else None
+        self.device_buffer = None
+        if on_cuda:
+            self.device_buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
         self.rows = torch.arange(max_rows, dtype=torch.int32, device=device)  # constant
         self.uploaded: Any = None  # the last upload's cuda event
         self._views: dict[tuple[int, int, int], tuple] = {}
