@@ -6,6 +6,12 @@ The stubs are committed (serving needs grpcio and protobuf, not grpcio-tools); r
 after editing the .proto. Paths are given from the repository root, so the generated
 `_grpc.py` imports its messages as `bitserve.api.proto.grpc_service_pb2`.
 tests/server/test_grpc.py checks that the committed stubs are what this writes.
+
+The messages are built in a descriptor pool of their own, not protobuf's default one:
+tritonclient registers the same `inference.*` names there, and protobuf refuses a name
+twice, so a process that imports both (a test, a bench, a user's Python model calling
+Triton) would fail on whichever came second. Only the names live in the pool; the wire
+format and the service's method paths are the same.
 """
 
 from __future__ import annotations
@@ -26,6 +32,13 @@ def generate(out: Path) -> None:
     args += [f"--grpc_python_out={out}", str(ROOT / PROTO)]
     if protoc.main(args) != 0:
         sys.exit(f"protoc failed on {PROTO}")
+    messages = out / PROTO.replace(".proto", "_pb2.py")
+    text = messages.read_text()
+    default = "DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile("
+    if text.count(default) != 1:
+        sys.exit(f"{messages}: protoc's output no longer adds its file to the default pool")
+    private = "_POOL = _descriptor_pool.DescriptorPool()\nDESCRIPTOR = _POOL.AddSerializedFile("
+    messages.write_text(text.replace(default, private))
 
 
 def main() -> None:

@@ -319,7 +319,7 @@ def test_the_proto_is_tritonclients(tmp_path):
     what tools/grpc_proto.py generates from it."""
     from grpc_tools import protoc
 
-    proto = ROOT / "bitserve" / "server" / "proto" / "grpc_service.proto"
+    proto = ROOT / "bitserve" / "api" / "proto" / "grpc_service.proto"
     out = tmp_path / "set.pb"
     assert (
         protoc.main(["protoc", f"-I{proto.parent}", f"--descriptor_set_out={out}", str(proto)]) == 0
@@ -356,10 +356,27 @@ def test_the_proto_is_tritonclients(tmp_path):
     subprocess.run(
         [sys.executable, str(ROOT / "tools" / "grpc_proto.py"), "--out", str(tmp_path)], check=True
     )
-    generated = tmp_path / "bitserve" / "server" / "proto"
+    generated = tmp_path / "bitserve" / "api" / "proto"
     for path in sorted(generated.iterdir()):
-        committed = Path(ROOT / "bitserve" / "server" / "proto" / path.name)
+        committed = Path(ROOT / "bitserve" / "api" / "proto" / path.name)
         assert path.read_text() == committed.read_text(), f"{path.name}: run tools/grpc_proto.py"
+
+
+@pytest.mark.parametrize(
+    "first, second",
+    [("tritonclient.grpc", "bitserve.server.app"), ("bitserve.server.app", "tritonclient.grpc")],
+)
+def test_our_stubs_and_tritonclients_load_in_one_process(first, second):
+    """Both define `inference.*`; protobuf's default pool takes a name once, so ours
+    live in a pool of their own and either import order works."""
+    code = f"import {first}, {second}; from bitserve.api.proto import grpc_service_pb2 as pb; "
+    code += "print(pb.ModelInferRequest(model_name='m').SerializeToString().hex())"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert (
+        done.stdout.strip()
+        == service_pb2.ModelInferRequest(model_name="m").SerializeToString().hex()
+    )
 
 
 def test_a_grpc_port_another_server_holds_fails_the_start(server, tmp_path):
