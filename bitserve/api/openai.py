@@ -19,7 +19,7 @@ import dataclasses
 import re
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Annotated, Any, Literal
 
 import numpy as np
@@ -441,10 +441,14 @@ def embedding_texts(req: EmbeddingRequest) -> list[str]:
 
 
 def embedding_body(
-    req: EmbeddingRequest, texts: list[str], vectors: list, version: ModelVersion, tokenizer: Any
+    req: EmbeddingRequest,
+    texts: list[str],
+    vectors: list,
+    version: ModelVersion,
+    count_tokens: Callable[[list[str]], int] | None,
 ) -> dict:
     """The /v1/embeddings body: vectors as float32 lists or base64, token usage."""
-    tokens = sum(len(tokenizer(t)["input_ids"]) for t in texts) if tokenizer else 0
+    tokens = count_tokens(texts) if count_tokens else 0
     data = []
     for i, vector in enumerate(vectors):
         value: Any = vector.astype(np.float32)

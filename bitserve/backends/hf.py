@@ -18,6 +18,7 @@ error, never a fetch from the Hub.
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import json
 import os
@@ -89,6 +90,14 @@ class HfModel(Model):
         self.labels = [
             str(model.config.id2label.get(i, i)).encode() for i in range(model.config.num_labels)
         ]
+        # Usage counts on a tokenizer of its own: a fast tokenizer keeps padding and
+        # truncation as state that each call sets, so counting on predict's one from the
+        # event loop while a batch encodes could leave that batch unpadded (it then fails).
+        self._counter = copy.deepcopy(self.tokenizer)
+
+    def count_tokens(self, texts: list[str]) -> int:
+        """The tokens of `texts` (OpenAI's embedding usage); safe beside a running batch."""
+        return sum(len(ids) for ids in self._counter(texts)["input_ids"]) if texts else 0
 
     def _check_tensors(self, folder: Path) -> None:
         """One BYTES input; outputs this task can produce."""

@@ -104,12 +104,12 @@ class Executor:
     def _embeddings(self, custom_id: str, line: int, raw: bytes) -> Work:
         req = api.parse(api.EmbeddingRequest, raw)
         version = self._version(req.model)
-        tokenizer = version.serving("embed").tokenizer()  # NotSupported: a 400
+        count_tokens = version.serving("embed").token_counter()  # NotSupported: a 400
         texts = api.embedding_texts(req)
 
         async def run() -> dict:
             vectors = await _embed(version, texts)
-            body = api.embedding_body(req, texts, vectors, version, tokenizer)
+            body = api.embedding_body(req, texts, vectors, version, count_tokens)
             return ok_line(custom_id, body)
 
         return Work(custom_id, line, max(map(len, texts)), run)

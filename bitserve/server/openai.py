@@ -156,7 +156,7 @@ class OpenAI:
         embedder = version.serving("embed")  # NotSupported: 400, param "model"
         texts = embedding_texts(req)
         vectors = await self._embed(request, version, texts)
-        return _json(embedding_body(req, texts, vectors, version, embedder.tokenizer()))
+        return _json(embedding_body(req, texts, vectors, version, embedder.token_counter()))
 
     async def _embed(self, http: Request, version: ModelVersion, texts: list[str]) -> list:
         results: list = []

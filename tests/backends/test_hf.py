@@ -72,6 +72,33 @@ def test_cls_pooling_without_normalisation(minilm: HfModel) -> None:
     torch.testing.assert_close(out, hidden[:, 0])
 
 
+def test_counting_tokens_mid_batch_leaves_the_batch_padded(minilm: HfModel, monkeypatch) -> None:
+    """/v1/embeddings counts usage on the event loop while the model thread encodes a
+    batch, and a fast tokenizer's padding is state that each call sets: the count must
+    not use predict's tokenizer. Here it lands exactly between predict's padding set-up
+    and its encode, the race a soak found ("Unable to create tensor ... padding=True",
+    a whole batch failed)."""
+    backend = minilm.tokenizer._tokenizer
+    fired: list[bool] = []
+    counted: list[int] = []
+
+    class MidBatch:
+        def __getattr__(self, name: str):
+            return getattr(backend, name)
+
+        def encode_batch(self, *args, **kwargs):
+            if not fired:  # the first encode is predict's: the count comes in before it
+                fired.append(True)
+                counted.append(minilm.count_tokens(["a b c", "d e"]))
+            return backend.encode_batch(*args, **kwargs)
+
+    monkeypatch.setattr(minilm.tokenizer, "_tokenizer", MidBatch())
+    out = minilm.predict({"text": texts_array(TEXTS[:3])})["embedding"]
+    assert counted and tuple(out.shape) == (3, 384)
+    monkeypatch.undo()
+    assert counted[0] == sum(len(minilm.tokenizer(t)["input_ids"]) for t in ["a b c", "d e"])
+
+
 @pytest.fixture(scope="module")
 def classifier(tmp_path_factory) -> tuple[Path, torch.nn.Module]:
     """A tiny random BERT classifier saved with save_pretrained, with minilm's tokenizer."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from bitserve import coldstart
@@ -139,9 +140,9 @@ class BatchedPath(ExecutionPath):
             return self
         return super().serving(task)
 
-    def tokenizer(self) -> Any:
-        """The model's tokenizer, when it has one (embedding usage counts tokens)."""
-        return getattr(self.instances[0].model, "tokenizer", None) if self.instances else None
+    def token_counter(self) -> Callable[[list[str]], int] | None:
+        """The model's token count of texts, when it has one (embedding usage)."""
+        return getattr(self.instances[0].model, "count_tokens", None) if self.instances else None
 
     # ------------------------------------------------------------- requests
 
