@@ -41,11 +41,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import orjson
 
 from bitserve.backends.base import LoadError
 from bitserve.config import ModelConfig
-from bitserve.inference import InvalidRequest, Overloaded
+from bitserve.inference import InvalidRequest, Overloaded, text_inputs
 from bitserve.llm.async_engine import AsyncLLMEngine, EngineDead
 from bitserve.llm.config import EngineConfig, check_type
 from bitserve.llm.outputs import RequestOutput
@@ -366,10 +365,8 @@ class LLMService:
         """A v2 request's tensors as Triton's vLLM backend reads them (`text_input`,
         BYTES, and an optional JSON `sampling_parameters`), through the front door (v2
         infer; its answer is `text_output`)."""
-        prompt = _one(inputs["text_input"], "text_input")
-        raw = inputs.get("sampling_parameters")
-        params = sampling(_json(_one(raw, "sampling_parameters")) if raw is not None else {})
-        return self.process([prompt], [params])[0]
+        prompt, parameters = text_inputs(inputs)
+        return self.process([prompt], [sampling(parameters)])[0]
 
     async def text_output(self, request: EngineRequest) -> dict[str, np.ndarray]:
         """v2 infer on an llm model, as Triton's vLLM backend: -> `text_output`."""
@@ -461,23 +458,6 @@ def sampling(
         if name is None:
             raise
         raise SamplingError(name, str(e).removeprefix(f"{e.field}: ")) from None
-
-
-def _json(text: str) -> Any:
-    try:
-        return orjson.loads(text)
-    except orjson.JSONDecodeError as e:
-        raise InvalidRequest(f"input 'sampling_parameters' is not JSON: {e}") from None
-
-
-def _one(array: np.ndarray, name: str) -> str:
-    if array.size != 1:
-        raise InvalidRequest(f"input '{name}' takes one element")
-    item = array.reshape(-1)[0]
-    try:
-        return item.decode() if isinstance(item, bytes) else str(item)
-    except UnicodeDecodeError:
-        raise InvalidRequest(f"input '{name}' is not UTF-8") from None
 
 
 def _fault_hook() -> Any:
