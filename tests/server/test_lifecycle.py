@@ -262,37 +262,40 @@ def test_sigterm_lets_openai_streams_and_completions_finish(tmp_path):
     root = tmp_path / "m"
     shutil.copytree(ROOT / "models" / "tinylm", root / "tinylm")
     server = Server(root, "--drain-timeout", "60")
-    url = server.url
-    body = {"model": "tinylm", "prompt": "In the beginning", "max_tokens": 240}
-    body["ignore_eos"] = True
+    try:
+        url = server.url
+        body = {"model": "tinylm", "prompt": "In the beginning", "max_tokens": 240}
+        body["ignore_eos"] = True
 
-    def stream() -> tuple[int, int]:
-        chunks = 0
-        with httpx.stream(
-            "POST", url + "/v1/completions", json=body | {"stream": True}, timeout=120
-        ) as r:
-            for line in r.iter_lines():
-                chunks += line.startswith("data: {")
-            return r.status_code, chunks
+        def stream() -> tuple[int, int]:
+            chunks = 0
+            with httpx.stream(
+                "POST", url + "/v1/completions", json=body | {"stream": True}, timeout=120
+            ) as r:
+                for line in r.iter_lines():
+                    chunks += line.startswith("data: {")
+                return r.status_code, chunks
 
-    def whole() -> tuple[int, int]:
-        r = httpx.post(url + "/v1/completions", json=body, timeout=120)
-        return r.status_code, r.json()["usage"]["completion_tokens"]
+        def whole() -> tuple[int, int]:
+            r = httpx.post(url + "/v1/completions", json=body, timeout=120)
+            return r.status_code, r.json()["usage"]["completion_tokens"]
 
-    with ThreadPoolExecutor(4) as pool:
-        running = [pool.submit(f) for f in (stream, stream, whole, whole)]
-        # Every request has its first token (so the server holds all four; on a slow
-        # client they may start apart, and tinylm answers one in well under a second),
-        # and the drain has at least one still generating to wait for.
-        wait_for_metric(url, "bitserve_llm_time_to_first_token_seconds_count", 4)
-        generating = metric(url, "bitserve_llm_num_requests_running")
-        server.process.send_signal(signal.SIGTERM)
-        time.sleep(0.2)
-        late = httpx.post(url + "/v1/completions", json=body)
-        assert late.status_code == 503
-        answers = [f.result() for f in running]
-    assert generating >= 1
-    assert [code for code, _ in answers] == [200] * 4
-    assert all(n >= 240 for _, n in answers[2:]), answers  # the whole answer, not a cut
-    assert all(n > 100 for _, n in answers[:2]), answers
-    assert server.process.wait(60) == 0
+        with ThreadPoolExecutor(4) as pool:
+            running = [pool.submit(f) for f in (stream, stream, whole, whole)]
+            # Every request has its first token (so the server holds all four; on a slow
+            # client they may start apart, and tinylm answers one in well under a second),
+            # and the drain has at least one still generating to wait for.
+            wait_for_metric(url, "bitserve_llm_time_to_first_token_seconds_count", 4)
+            generating = metric(url, "bitserve_llm_num_requests_running")
+            server.process.send_signal(signal.SIGTERM)
+            time.sleep(0.2)
+            late = httpx.post(url + "/v1/completions", json=body)
+            assert late.status_code == 503
+            answers = [f.result() for f in running]
+        assert generating >= 1
+        assert [code for code, _ in answers] == [200] * 4
+        assert all(n >= 240 for _, n in answers[2:]), answers  # the whole answer, not a cut
+        assert all(n > 100 for _, n in answers[:2]), answers
+        assert server.process.wait(60) == 0
+    finally:  # a failed check must not leave the server running
+        server.stop()
