@@ -93,6 +93,7 @@ class _Request(BaseModel):
     ignore_eos: Annotated[Any, _sampled("ignore_eos")] = False
     min_tokens: Annotated[Any, _sampled("min_tokens")] = 0
     stop_token_ids: Annotated[Any, _sampled("stop_token_ids")] = []
+    prompt_logprobs: Annotated[Any, _sampled("prompt_logprobs")] = None
     priority: Annotated[int, Field(ge=-(2**31), le=2**31 - 1)] = 0
     skip_special_tokens: Annotated[Any, _sampled("skip_special_tokens")] = True
     include_stop_str_in_output: Annotated[Any, _sampled("include_stop_str_in_output")] = False
@@ -116,6 +117,11 @@ class CompletionRequest(_Request):
     logprobs: Annotated[Any, _sampled("logprobs")] = None
     echo: bool = False
     best_of: int | None = None
+
+    def echo_only(self) -> bool:
+        """`echo` with `max_tokens: 0`: the prompt back, scored, nothing generated (how
+        lm-eval's local-completions asks for loglikelihoods)."""
+        return self.echo and _plain_int(self.max_tokens) and self.max_tokens == 0
 
 
 class TextPart(BaseModel):
@@ -264,13 +270,17 @@ class Responses:
 
     def __init__(self, llm: LLMService, req: Any, jobs: list, chat: bool):
         self.llm, self.req, self.jobs, self.chat = llm, req, jobs, chat
+        self.echo_only = isinstance(req, CompletionRequest) and req.echo_only()
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
 
     def body(self, finals: dict[int, RequestOutput]) -> dict:
         """The non-streaming body, given the final output of every job."""
         choices = [self._choice(i, finals[i]) for i in range(len(self.jobs))]
-        return self._envelope(choices, usage=self._usage(finals))
+        doc = self._envelope(choices, usage=self._usage(finals))
+        if self.chat and self.req.prompt_logprobs is not None:  # one prompt: vLLM's top level
+            doc["prompt_logprobs"] = self.prompt_logprobs(finals[0])
+        return doc
 
     def _choice(self, index: int, out: RequestOutput) -> dict:
         completion = out.outputs[0]
@@ -295,17 +305,66 @@ class Responses:
                 "logprobs": logprobs,
                 "finish_reason": finish,
             }
+        ids, entries = self.generated(completion)
+        text = "" if self.echo_only else text
         if self.req.echo:
-            prompt = self.jobs[index][0]
-            text = (prompt if isinstance(prompt, str) else self.llm.tokenizer.decode(prompt)) + text
+            text = self.prompt_text(index) + text
         if completion.logprobs is not None:
-            logprobs = self._completion_logprobs(completion.token_ids, completion.logprobs, 0)
-        return {
+            logprobs = (
+                self.echo_logprobs(out, ids, entries)
+                if self.req.echo
+                else self._completion_logprobs(ids, entries, 0)
+            )
+        choice = {
             "index": index,
             "text": text,
             "logprobs": logprobs,
-            "finish_reason": completion.finish_reason,
+            "finish_reason": "length" if self.echo_only else completion.finish_reason,
         }
+        if self.req.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = self.prompt_logprobs(out)
+        return choice
+
+    # -- echo and prompt logprobs (completions) -------------------------------------
+
+    def generated(self, completion: Any) -> tuple[list[int], list]:
+        """The tokens (and logprob entries) the answer shows: none for echo-only, whose
+        one sampled token only let the engine run the prompt."""
+        if self.echo_only:
+            return [], []
+        return completion.token_ids, completion.logprobs or []
+
+    def prompt_text(self, index: int) -> str:
+        prompt = self.jobs[index][0]
+        return prompt if isinstance(prompt, str) else self.llm.tokenizer.decode(prompt)
+
+    def echo_logprobs(self, out: RequestOutput, ids: list[int], entries: list) -> dict:
+        """OpenAI's legacy logprobs of an echoed prompt and what followed it: every prompt
+        token but the first (which nothing predicts: null) scored by the model."""
+        prompt = self._completion_logprobs(out.prompt_token_ids[1:], out.prompt_logprobs[1:], 0)
+        first = self._token(out.prompt_token_ids[0])
+        start = len(first) + sum(map(len, prompt["tokens"]))
+        after = self._completion_logprobs(ids, entries, start)
+        return {
+            "tokens": [first, *prompt["tokens"], *after["tokens"]],
+            "token_logprobs": [None, *prompt["token_logprobs"], *after["token_logprobs"]],
+            "top_logprobs": [None, *prompt["top_logprobs"], *after["top_logprobs"]],
+            "text_offset": [0, *(len(first) + o for o in prompt["text_offset"])]
+            + after["text_offset"],
+        }
+
+    def prompt_logprobs(self, out: RequestOutput) -> list:
+        """vLLM's `prompt_logprobs`: per prompt token, null for the first, then the
+        token's own logprob and the top n, keyed by token id."""
+        return [
+            None
+            if entry is None
+            else {
+                str(t): {"logprob": lp, "decoded_token": self._token(t)}
+                for t, lp in sorted(entry.items(), key=lambda kv: -kv[1])
+            }
+            for entry in out.prompt_logprobs or []
+        ]
 
     def _usage(self, outputs: dict[int, RequestOutput]) -> dict:
         prompts = {}
@@ -314,7 +373,7 @@ class Responses:
                 out.prompt_token_ids
             )
         prompt_tokens = sum(prompts.values())
-        completion = sum(len(o.outputs[0].token_ids) for o in outputs.values())
+        completion = sum(len(self.generated(o.outputs[0])[0]) for o in outputs.values())
         return {
             "prompt_tokens": prompt_tokens,
             "completion_tokens": completion,
@@ -389,7 +448,11 @@ def completion_jobs(req: CompletionRequest) -> list[tuple[Any, int, SamplingPara
             400, "best_of different from n is not supported", "invalid_request_error", "best_of"
         )
     prompts = _prompts(req.prompt)
-    params = _sampling(req, req.max_tokens, req.logprobs, {})
+    # echo-only: the engine samples one token, which the answer leaves out (as vLLM)
+    params = _sampling(req, 1 if req.echo_only() else req.max_tokens, req.logprobs, {})
+    if req.echo and params[0].logprobs is not None:  # echoed tokens come with their logprobs
+        wanted = max(params[0].logprobs, params[0].prompt_logprobs or 0)
+        params = [dataclasses.replace(sp, prompt_logprobs=wanted) for sp in params]
     return [(p, i, sp) for p in prompts for i, sp in enumerate(params)]
 
 

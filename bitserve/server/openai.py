@@ -266,8 +266,19 @@ class _Streams(Responses):
             if self.chat:
                 for i in range(len(self.jobs)):
                     yield self._chunk(i, {"role": "assistant", "content": ""}, None, None)
+            echoed: set[int] = set()
             async for index, out in self.events():
                 completion = out.outputs[0]
+                if not self.chat and self.req.echo and index not in echoed:  # the prompt first
+                    echoed.add(index)
+                    scored = completion.logprobs is not None
+                    logprobs = self.echo_logprobs(out, [], []) if scored else None
+                    yield self._chunk(index, self.prompt_text(index), logprobs, None)
+                if self.echo_only:  # its one sampled token is not part of the answer
+                    if out.finished:
+                        finals[index] = out
+                        yield self._chunk(index, "", None, "length")
+                    continue
                 new_ids = completion.token_ids[sent[index] :]
                 logprobs = None
                 if completion.logprobs is not None and new_ids:

@@ -14,7 +14,7 @@ import openai
 import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from bitserve.llm import LLM, SamplingParams
 from tests.conftest import ROOT, Server, write_model
@@ -177,16 +177,77 @@ def test_completion_logprobs_and_echo(client):
         extra_body={"ignore_eos": True},
     )
     choice = got.choices[0]
+    prompt_tokens = got.usage.prompt_tokens
     assert choice.text.startswith("the lazy")
-    assert len(choice.logprobs.tokens) == 5 and len(choice.logprobs.token_logprobs) == 5
-    for token, lp, top in zip(
-        choice.logprobs.tokens,
-        choice.logprobs.token_logprobs,
-        choice.logprobs.top_logprobs,
+    assert len(choice.logprobs.tokens) == prompt_tokens + 5  # the echoed prompt is scored too
+    assert choice.logprobs.token_logprobs[0] is None and choice.logprobs.top_logprobs[0] is None
+    generated = zip(
+        choice.logprobs.tokens[prompt_tokens:],
+        choice.logprobs.token_logprobs[prompt_tokens:],
+        choice.logprobs.top_logprobs[prompt_tokens:],
         strict=True,
-    ):
+    )
+    for token, lp, top in generated:
         # greedy: the chosen token is the most likely one (distinct ids may share a text)
         assert lp <= 0 and token in top and max(top.values()) == pytest.approx(lp)
+    offsets = choice.logprobs.text_offset
+    assert offsets[0] == 0 and offsets == sorted(offsets)
+
+
+PROMPT_IDS = [5, 17, 42, 99, 7, 23, 64, 3]
+
+
+@pytest.fixture(scope="module")
+def reference(repo):
+    """transformers' log-softmax of PROMPT_IDS through the chat model (fp32): row i-1
+    scores token i."""
+    model = AutoModelForCausalLM.from_pretrained(repo / "chat" / "1", dtype=torch.float32)
+    with torch.inference_mode():
+        logits = model(torch.tensor([PROMPT_IDS])).logits[0].double()
+    return torch.log_softmax(logits, dim=-1)
+
+
+def test_echo_with_max_tokens_0_scores_the_prompt_as_transformers(client, repo, reference):
+    """lm-eval's local-completions loglikelihood request: echo, logprobs, max_tokens 0."""
+    got = client.completions.create(
+        model="chat", prompt=PROMPT_IDS, max_tokens=0, echo=True, logprobs=1, temperature=0
+    )
+    choice, logprobs = got.choices[0], got.choices[0].logprobs
+    assert choice.finish_reason == "length" and got.usage.completion_tokens == 0
+    assert len(logprobs.tokens) == len(PROMPT_IDS) and logprobs.token_logprobs[0] is None
+    want = [reference[i - 1, t].item() for i, t in enumerate(PROMPT_IDS) if i]
+    assert logprobs.token_logprobs[1:] == pytest.approx(want, abs=1e-4)
+    for i, top in enumerate(logprobs.top_logprobs[1:]):  # the prompt token and the top 1
+        assert max(top.values()) == pytest.approx(reference[i].max().item(), abs=1e-4)
+    assert choice.text == AutoTokenizer.from_pretrained(repo / "chat" / "1").decode(PROMPT_IDS)
+
+
+def test_vllms_prompt_logprobs_on_completions_and_chat(server, reference):
+    body = {"model": "chat", "prompt": PROMPT_IDS, "max_tokens": 2, "prompt_logprobs": 2}
+    body |= {"temperature": 0, "ignore_eos": True}
+    choice = httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()["choices"][0]
+    entries = choice["prompt_logprobs"]
+    assert len(entries) == len(PROMPT_IDS) and entries[0] is None
+    for i, (token, entry) in enumerate(zip(PROMPT_IDS[1:], entries[1:], strict=True)):
+        assert entry[str(token)]["logprob"] == pytest.approx(reference[i, token].item(), abs=1e-4)
+        top2 = reference[i].topk(2).indices.tolist()
+        assert {str(t) for t in top2} <= set(entry) and len(entry) <= 3
+    chat = {"model": "chat", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    answer = httpx.post(server.url + "/v1/chat/completions", json=chat | {"prompt_logprobs": 0})
+    scored = answer.json()["prompt_logprobs"]
+    assert scored[0] is None and all(len(e) == 1 for e in scored[1:])
+    bad = httpx.post(server.url + "/v1/completions", json=body | {"prompt_logprobs": 21})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt_logprobs"
+
+
+def test_streamed_echo_sends_the_prompt_first(server):
+    body = {"model": "chat", "prompt": "the lazy", "max_tokens": 0, "echo": True, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    texts = [c["choices"][0]["text"] for c in chunks]
+    assert texts == ["the lazy", ""] and chunks[-1]["choices"][0]["finish_reason"] == "length"
+    plain = httpx.post(server.url + "/v1/completions", json=body | {"echo": False})
+    assert plain.status_code == 400 and plain.json()["error"]["param"] == "max_tokens"
 
 
 def test_embeddings_route_to_minilm(client):
