@@ -261,7 +261,13 @@ def test_sigterm_lets_openai_streams_and_completions_finish(tmp_path):
 
     root = tmp_path / "m"
     shutil.copytree(ROOT / "models" / "tinylm", root / "tinylm")
-    server = Server(root, "--drain-timeout", "60")
+    # tinylm answers 240 tokens in well under a second: 10 ms a step (the engine's test
+    # hook) keeps each request in flight for 2.4 s or more, so SIGTERM lands mid-answer
+    (tmp_path / "slow_steps.py").write_text(
+        "import time\n\ndef hook(seqs):\n    time.sleep(0.01)\n"
+    )
+    env = {"BITSERVE_LLM_FAULT_HOOK": "slow_steps:hook", "PYTHONPATH": str(tmp_path)}
+    server = Server(root, "--drain-timeout", "60", env=env)
     try:
         url = server.url
         body = {"model": "tinylm", "prompt": "In the beginning", "max_tokens": 240}
@@ -282,9 +288,8 @@ def test_sigterm_lets_openai_streams_and_completions_finish(tmp_path):
 
         with ThreadPoolExecutor(4) as pool:
             running = [pool.submit(f) for f in (stream, stream, whole, whole)]
-            # Every request has its first token (so the server holds all four; on a slow
-            # client they may start apart, and tinylm answers one in well under a second),
-            # and the drain has at least one still generating to wait for.
+            # Every request has its first token (the server holds all four: on a slow
+            # client they start apart), and the drain has them still generating.
             wait_for_metric(url, "bitserve_llm_time_to_first_token_seconds_count", 4)
             generating = metric(url, "bitserve_llm_num_requests_running")
             server.process.send_signal(signal.SIGTERM)
