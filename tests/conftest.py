@@ -22,6 +22,7 @@ import pytest
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # lm-eval reads local files only
 # Triton kernels run in Triton's interpreter (no GPU here); triton reads this when it is
 # imported, so it is set before any test module imports it. On a GPU, TRITON_INTERPRET=0
 # runs tests/llm/test_triton_attention.py on the device instead.

@@ -9,7 +9,6 @@ per-sample loglikelihoods."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 
 import pytest
@@ -73,8 +72,6 @@ def evaluate(tasks, model: str, model_args: str) -> tuple[float, list]:
 
 
 def test_local_completions_against_bitserve_equals_lm_evals_hf_model(tasks, tmp_path):
-    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-    os.environ.setdefault("HF_DATASETS_CACHE", str(tmp_path / "datasets"))
     acc_hf, hf = evaluate(tasks, "hf", f"pretrained={TINYLM},dtype=float32,device=cpu")
     repo = tmp_path / "models"
     shutil.copytree(ROOT / "models" / "tinylm", repo / "tinylm")
