@@ -341,17 +341,14 @@ class Responses:
     def echo_logprobs(self, out: RequestOutput, ids: list[int], entries: list) -> dict:
         """OpenAI's legacy logprobs of an echoed prompt and what followed it: every prompt
         token but the first (which nothing predicts: null) scored by the model."""
-        prompt = self._completion_logprobs(out.prompt_token_ids[1:], out.prompt_logprobs[1:], 0)
         first = self._token(out.prompt_token_ids[0])
-        start = len(first) + sum(map(len, prompt["tokens"]))
-        after = self._completion_logprobs(ids, entries, start)
-        return {
-            "tokens": [first, *prompt["tokens"], *after["tokens"]],
-            "token_logprobs": [None, *prompt["token_logprobs"], *after["token_logprobs"]],
-            "top_logprobs": [None, *prompt["top_logprobs"], *after["top_logprobs"]],
-            "text_offset": [0, *(len(first) + o for o in prompt["text_offset"])]
-            + after["text_offset"],
-        }
+        rest = out.prompt_token_ids[1:], out.prompt_logprobs[1:]
+        prompt = self._completion_logprobs(*rest, len(first))
+        after = self._completion_logprobs(
+            ids, entries, len(first) + sum(map(len, prompt["tokens"]))
+        )
+        heads = {"tokens": first, "token_logprobs": None, "top_logprobs": None, "text_offset": 0}
+        return {key: [head, *prompt[key], *after[key]] for key, head in heads.items()}
 
     def prompt_logprobs(self, out: RequestOutput) -> list:
         """vLLM's `prompt_logprobs`: per prompt token, null for the first, then the
