@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
+import time
 
 import pytest
 
@@ -73,11 +74,23 @@ async def test_the_event_loop_keeps_running_while_the_engine_works(engine):
 
 
 async def test_abort_frees_blocks_and_ends_the_stream(engine):
+    """Each step is slowed to 20 ms, so the 200 tokens cannot all be made between the
+    first one and the abort however fast the machine (CI once finished them first)."""
+    original = engine.engine.step
+
+    def slow_step():
+        time.sleep(0.02)
+        return original()
+
+    engine.engine.step = slow_step
     params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
     stream = engine.generate(MIXED[4], params, "victim")
-    first = await anext(stream)
-    assert not first.finished
-    await engine.abort("victim")
+    try:
+        first = await anext(stream)
+        assert not first.finished
+        await engine.abort("victim")
+    finally:
+        engine.engine.step = original
     bm = engine.engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks  # freed before abort() returned
     rest = [out async for out in stream]
