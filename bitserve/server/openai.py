@@ -42,7 +42,7 @@ from bitserve.server.errors import APIError, handle, to_openai
 from bitserve.server.http import until_disconnect
 from bitserve.server.state import ServerState
 
-OPENAI_TASKS = ("generate", "embed", "images")  # what /v1/models lists
+OPENAI_TASKS = ("generate", "embed", "score", "images")  # what /v1/models lists
 
 
 def routes(state: ServerState) -> list[Route]:

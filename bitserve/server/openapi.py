@@ -5,8 +5,8 @@ with (bitserve/api/openai.py), and the sampling parameters of every door are
 `SamplingParams` with the ranges of its own `LIMITS` (bitserve/api/sampling.py). The
 v2 infer body is described here, as the KServe v2 protocol defines it. `model` is an
 enum of the repository's models that the endpoint serves (LLMs for text generation, hf
-models for embeddings), so that a schema fuzzer (tests/server/test_fuzz.py) reaches
-past the lookup.
+models for embeddings, hf cross-encoders for rerank and score), so that a schema fuzzer
+(tests/server/test_fuzz.py) reaches past the lookup.
 """
 
 from __future__ import annotations
@@ -24,11 +24,12 @@ from bitserve.api.openai import (
     EmbeddingRequest,
     TokenizeRequest,
 )
+from bitserve.api.rerank import RerankRequest, ScoreRequest
 from bitserve.tensors import DATATYPES
 
 REF = "#/components/schemas/{model}"
 OPENAI_BODIES = [CompletionRequest, ChatRequest, EmbeddingRequest, TokenizeRequest]
-OPENAI_BODIES += [DetokenizeRequest]
+OPENAI_BODIES += [DetokenizeRequest, RerankRequest, ScoreRequest]
 ERROR_CODES = ("400", "404", "413", "429", "503", "504")
 
 
@@ -37,10 +38,12 @@ def document(tasks: dict[str, frozenset[str]]) -> dict:
     models = sorted(tasks)
     llms = [name for name in models if "generate" in tasks[name]] or models
     embedders = [name for name in models if "embed" in tasks[name]] or models
+    scorers = [name for name in models if "score" in tasks[name]] or models
     _, defs = models_json_schema([(m, "validation") for m in OPENAI_BODIES], ref_template=REF)
     schemas: dict[str, Any] = defs["$defs"]
     for body in OPENAI_BODIES:
         served = embedders if body is EmbeddingRequest else llms
+        served = scorers if body in (RerankRequest, ScoreRequest) else served
         schemas[body.__name__]["properties"]["model"] = {"type": "string", "enum": served}
     schemas["SamplingParameters"] = sampling.schema()
     schemas["GenerateRequest"] = {
@@ -68,6 +71,8 @@ def document(tasks: dict[str, frozenset[str]]) -> dict:
         "/v1/embeddings": _post("EmbeddingRequest"),
         "/tokenize": _post("TokenizeRequest"),
         "/detokenize": _post("DetokenizeRequest"),
+        **{path: _post("RerankRequest") for path in ("/v1/rerank", "/rerank", "/v2/rerank")},
+        **{path: _post("ScoreRequest") for path in ("/v1/score", "/score")},
     }
     return {
         "openapi": "3.1.0",

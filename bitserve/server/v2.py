@@ -81,9 +81,8 @@ class V2:
         from bitserve.server.openapi import document
 
         models = self.repository.models.items()
-        return json_response(
-            document({n: tasks_of(e.config.backend) for n, e in models if e.config})
-        )
+        tasks = {n: tasks_of(e.config.backend, e.config.parameters) for n, e in models if e.config}
+        return json_response(document(tasks))
 
     def _lookup(self, request: Request) -> ModelVersion:
         params = request.path_params

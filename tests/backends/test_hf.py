@@ -180,3 +180,111 @@ def test_load_errors(classifier, tmp_path: Path) -> None:
     (tmp_path / "model.safetensors").rename(tmp_path / "pytorch_model.bin")
     with pytest.raises(LoadError, match=rf"{tmp_path}: .*model\.safetensors"):
         HfModel(classifier_config(CLASSIFIER_OUTPUTS, path=str(tmp_path)), folder / "1").load()
+
+
+# ------------------------------------------------------------------ cross-encoders
+
+QUERY = "how do servers batch requests?"
+DOCUMENTS = [
+    "bitserve batches requests dynamically.",
+    "A cat sat on the mat.",
+    "Ünïcode, emoji 🚀 and CAPITALS",
+    "long " * 600,  # the pair is past 512 tokens: truncated longest_first, as CrossEncoder does
+    "Dynamic batching groups concurrent requests into one forward pass.",
+]
+
+
+def build_cross_encoder(folder: Path, num_labels: int = 1, seed: int = 0) -> Path:
+    """A random-weight BERT cross-encoder saved with save_pretrained, with minilm's
+    tokenizer: what `CrossEncoder(folder)` and the hf backend both load."""
+    from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification
+
+    tokenizer = AutoTokenizer.from_pretrained(MINILM, local_files_only=True)
+    config = BertConfig(
+        vocab_size=tokenizer.vocab_size,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        num_labels=num_labels,
+    )
+    torch.manual_seed(seed)
+    BertForSequenceClassification(config).eval().save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def cross_encoder_config(labels: int = 1, **parameters) -> ModelConfig:
+    return ModelConfig.model_validate(
+        {
+            "name": "xenc",
+            "backend": "hf",
+            "max_batch_size": 8,
+            "input": [
+                {"name": "query", "datatype": "BYTES", "dims": [1]},
+                {"name": "document", "datatype": "BYTES", "dims": [1]},
+            ],
+            "output": [{"name": "score", "datatype": "FP32", "dims": [labels]}],
+            "parameters": {"task": "cross-encoder"} | parameters,
+        }
+    )
+
+
+def cross_encode(folder: Path, config: ModelConfig, queries: list[str], docs: list[str]):
+    model = HfModel(config, folder)
+    model.load()
+    return model, model.predict({"query": texts_array(queries), "document": texts_array(docs)})
+
+
+def test_cross_encoder_scores_equal_sentence_transformers(tmp_path: Path) -> None:
+    from sentence_transformers import CrossEncoder
+
+    folder = build_cross_encoder(tmp_path / "xenc")
+    model, out = cross_encode(folder, cross_encoder_config(), [QUERY] * 5, DOCUMENTS)
+    expected = CrossEncoder(str(folder), device="cpu").predict([(QUERY, d) for d in DOCUMENTS])
+    assert out["score"].shape == (5, 1) and out["score"].dtype == torch.float32
+    np.testing.assert_allclose(out["score"].numpy()[:, 0], expected, atol=1e-5, rtol=0)
+    assert ((expected > 0) & (expected < 1)).all()  # one label: a sigmoid, as CrossEncoder's
+    counts, limit = model.count_pairs([QUERY] * 2, DOCUMENTS[2:4])
+    assert limit == 512 and counts[1] > 600
+    assert counts[0] == len(model.tokenizer(QUERY, DOCUMENTS[2])["input_ids"])
+
+
+@pytest.mark.parametrize("activation", ["identity", "tanh"])
+def test_cross_encoder_activation_from_config_or_files(tmp_path: Path, activation: str) -> None:
+    """Three labels (an NLI cross-encoder): identity by default, as CrossEncoder; an
+    activation CrossEncoder saved in its own files is the default too."""
+    from sentence_transformers import CrossEncoder
+
+    folder = build_cross_encoder(tmp_path / "raw", num_labels=3, seed=1)
+    pairs = [(QUERY, d) for d in DOCUMENTS[:3]]
+    if activation == "tanh":
+        reference = CrossEncoder(str(folder), device="cpu", activation_fn=torch.nn.Tanh())
+        reference.save(str(tmp_path / "saved"))
+        folder = tmp_path / "saved"
+        assert "Tanh" in (folder / "config_sentence_transformers.json").read_text()
+    reference = CrossEncoder(str(folder), device="cpu")
+    _, out = cross_encode(folder, cross_encoder_config(3), [QUERY] * 3, DOCUMENTS[:3])
+    np.testing.assert_allclose(out["score"].numpy(), reference.predict(pairs), atol=1e-5, rtol=0)
+    # a configured activation wins over the files'
+    configured = cross_encoder_config(3, activation="identity")
+    _, raw = cross_encode(folder, configured, [QUERY] * 3, DOCUMENTS[:3])
+    logits = CrossEncoder(str(folder), device="cpu", activation_fn=torch.nn.Identity())
+    np.testing.assert_allclose(raw["score"].numpy(), logits.predict(pairs), atol=1e-5, rtol=0)
+
+
+def test_cross_encoder_load_errors_and_empty_texts(tmp_path: Path) -> None:
+    folder = build_cross_encoder(tmp_path / "xenc")
+    with pytest.raises(LoadError, match=r"dims \[3\].*\(dims \[1\]\)"):
+        HfModel(cross_encoder_config(3), folder).load()
+    with pytest.raises(LoadError, match="'relu'"):
+        HfModel(cross_encoder_config(activation="relu"), folder).load()
+    with pytest.raises(LoadError, match="max_documents"):
+        HfModel(cross_encoder_config(max_documents=0), folder).load()
+    one_input = cross_encoder_config().model_dump()
+    one_input["input"] = one_input["input"][:1]
+    with pytest.raises(LoadError, match="two BYTES inputs"):
+        HfModel(ModelConfig.model_validate(one_input), folder).load()
+    config = cross_encoder_config()
+    with pytest.raises(ValueError, match="input 'document': row 1 is an empty text"):
+        HfModel.validate(config, {"document": texts_array(["a", " "])})

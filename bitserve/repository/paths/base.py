@@ -6,7 +6,8 @@ A front-end, the shadow mirror or a batch job holds a `ModelVersion` and calls i
 through it; none of them asks what kind of model it is. What differs by kind is only
 which tasks a path serves (`tasks`, vLLM's `supported_tasks`) and the interface it hands
 out for one (`serving`): "infer" (v2 tensors in and out) for every kind, "generate"
-(the LLM front door, backends/llm.py), "embed", "images" (the diffusion step loop).
+(the LLM front door, backends/llm.py), "embed", "score" (an hf cross-encoder's pairs),
+"images" (the diffusion step loop).
 Asking a path for a task it does not serve is the caller's mistake: `NotSupported`, a
 400 naming the model.
 """
@@ -27,10 +28,14 @@ if TYPE_CHECKING:
 # the published schema lists each endpoint's models)
 TASKS = {"llm": {"generate"}, "hf": {"embed"}, "diffusion": {"images"}}
 WORDS = {"generate": "a text generation", "embed": "an embedding", "images": "an image"}
+WORDS["score"] = "a cross-encoder (rerank and score)"
 
 
-def tasks_of(backend: str) -> frozenset[str]:
-    """What a model of `backend` serves: "infer", and "generate", "embed" or "images"."""
+def tasks_of(backend: str, parameters: dict | None = None) -> frozenset[str]:
+    """What a model of `backend` serves: "infer", and "generate", "embed", "score" or
+    "images" (an hf model with `parameters.task = "cross-encoder"` scores pairs)."""
+    if backend == "hf" and (parameters or {}).get("task") == "cross-encoder":
+        return frozenset({"infer", "score"})
     return frozenset({"infer", *TASKS.get(backend, ())})
 
 
@@ -72,7 +77,7 @@ class ExecutionPath:
     def __init__(self, version: Any):
         self.version = version  # the ModelVersion (its lifecycle, drain and metrics)
         self.config = version.config
-        self.tasks = tasks_of(self.config.backend)
+        self.tasks = tasks_of(self.config.backend, self.config.parameters)
 
     async def load(self) -> tuple[list[tuple[coldstart.Span, coldstart.Span]], float]:
         """Start and warm up; the (load, warm-up) spans of each instance, and the warm-up
@@ -85,7 +90,7 @@ class ExecutionPath:
         raise NotImplementedError
 
     def serving(self, task: str) -> Any:
-        """The interface of `task` ("generate", "embed", "images"), or NotSupported."""
+        """The interface of `task` ("generate", "embed", "score", "images"), or NotSupported."""
         raise self.unsupported(task)
 
     def unsupported(self, task: str, why: str = "") -> NotSupported:

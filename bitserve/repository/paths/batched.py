@@ -136,13 +136,18 @@ class BatchedPath(ExecutionPath):
         return f"{len(self.instances)} instance(s), {warmups} warmup request(s)"
 
     def serving(self, task: str) -> Any:
-        if task == "embed" and task in self.tasks and self.instances:
+        if task in ("embed", "score") and task in self.tasks and self.instances:
             return self
         return super().serving(task)
 
     def token_counter(self) -> Callable[[list[str]], int] | None:
         """The model's token count of texts, when it has one (embedding usage)."""
         return getattr(self.instances[0].model, "count_tokens", None) if self.instances else None
+
+    def pair_counter(self) -> Callable[[list[str], list[str]], tuple[list[int], int]] | None:
+        """The model's token count of each (query, document) pair and its max_length,
+        when it has them in this process (rerank and score usage and length limits)."""
+        return getattr(self.instances[0].model, "count_pairs", None) if self.instances else None
 
     # ------------------------------------------------------------- requests
 
