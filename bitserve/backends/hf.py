@@ -16,6 +16,10 @@ or cross-encoder.
                                                  # past max_length on rerank and score
     max_documents = 1000                         # cross-encoder: documents (pairs) per
                                                  # rerank or score request
+    query_template = "<Query>: {text}\n"          # cross-encoder: each text of the pair
+    document_template = "<Document>: {text}"     # inside a template (default: as sent)
+    true_token = "yes"                           # an LLM as cross-encoder: the tokens whose
+    false_token = "no"                           # logits' difference is the score
 
 A sentence-transformers folder carries its own pooling, normalisation and maximum length
 (`modules.json`, `1_Pooling/config.json`, `sentence_bert_config.json`); they are the
@@ -29,6 +33,14 @@ config has two BYTES inputs, the query first and the document second, and one FP
 of `num_labels` scores per pair; /v1/rerank and /v1/score need one label
 (bitserve/api/rerank.py). v2 infer always truncates at max_length: `truncate = false` is a
 rule of rerank and score, which count each pair's tokens before it is queued.
+
+An LLM (a `...ForCausalLM` checkpoint, e.g. Qwen3-Reranker) is a cross-encoder the way
+CrossEncoder makes one: the pair tokenized together, left-padded, and the score the
+logit of `true_token` minus that of `false_token` at the last position, then sigmoid.
+Its prompt (Qwen3-Reranker's system text, instruction and `<think>` suffix) goes in the
+two templates. A `...ForSequenceClassification` conversion of such a model (vLLM's and
+sentence-transformers' `-seq-cls` checkpoints) is an ordinary cross-encoder.
+
 Weights load from safetensors only and nothing is downloaded: a missing file is a load
 error, never a fetch from the Hub.
 """
@@ -67,7 +79,12 @@ class HfModel(Model):
     platform = "hf_transformers"
 
     def load(self) -> None:
-        from transformers import AutoModel, AutoModelForSequenceClassification, AutoTokenizer
+        from transformers import (
+            AutoModel,
+            AutoModelForCausalLM,
+            AutoModelForSequenceClassification,
+            AutoTokenizer,
+        )
 
         params = self.config.parameters
         folder = self.version_dir  # a version that holds its own model (`bitserve quantize`)
@@ -82,7 +99,9 @@ class HfModel(Model):
         if self.task == "cross-encoder":
             self._check_limits(folder)
         set_threads(self.config.instance_group.threads)
+        causal = self.task == "cross-encoder" and _is_causal_lm(folder)
         auto = AutoModel if self.task == "embedding" else AutoModelForSequenceClassification
+        auto = AutoModelForCausalLM if causal else auto
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
             quant = (_read_json(folder / "config.json") or {}).get("quantization_config")
@@ -117,7 +136,8 @@ class HfModel(Model):
             str(model.config.id2label.get(i, i)).encode() for i in range(model.config.num_labels)
         ]
         if self.task == "cross-encoder":
-            self._check_scores(folder, model.config.num_labels)
+            self.yes_no = self._yes_no(folder) if causal else None
+            self._check_scores(folder, 1 if causal else model.config.num_labels)
         # Usage counts on a tokenizer of its own: a fast tokenizer keeps padding and
         # truncation as state that each call sets, so counting on predict's one from the
         # event loop while a batch encodes could leave that batch unpadded (it then fails).
@@ -133,7 +153,7 @@ class HfModel(Model):
         usage and their `truncate = false` check."""
         if not queries:
             return [], self.max_length
-        queries, documents = self._cased(queries), self._cased(documents)
+        queries, documents = self._pair_texts(queries, documents)
         encoded = self._counter(queries, documents, truncation=False, verbose=False)
         return [len(ids) for ids in encoded["input_ids"]], self.max_length
 
@@ -178,6 +198,10 @@ class HfModel(Model):
                 f"{folder}: parameters.truncate = false needs thread instances (the server "
                 "counts each pair's tokens on the model's own tokenizer)"
             )
+        for key in ("query_template", "document_template"):
+            template = params.get(key, "{text}")
+            if not isinstance(template, str) or "{text}" not in template:
+                raise LoadError(f"{folder}: parameters.{key} must be a string holding {{text}}")
         limit = params.get("max_documents", MAX_DOCUMENTS)
         if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
             raise LoadError(f"{folder}: parameters.max_documents must be a positive integer")
@@ -232,9 +256,11 @@ class HfModel(Model):
 
     def _score(self, inputs: dict[str, np.ndarray]) -> dict[str, Any]:
         """Each row's (query, document) pair scored as CrossEncoder.predict scores it."""
-        queries, documents = (
-            self._cased([_text(item) for item in inputs[name].reshape(-1).tolist()])
-            for name in self.pair_names
+        queries, documents = self._pair_texts(
+            *(
+                [_text(item) for item in inputs[name].reshape(-1).tolist()]
+                for name in self.pair_names
+            )
         )
         batch = self.tokenizer(
             queries,
@@ -245,9 +271,39 @@ class HfModel(Model):
             return_tensors="pt",
         ).to(self.torch_device)
         with torch.inference_mode():
-            scores = self.activation(self.model(**batch).logits.float())
+            if self.yes_no is None:
+                logits = self.model(**batch).logits.float()
+            else:  # an LLM: the true token's logit over the false one's, at the last token
+                last = self.model(**batch, logits_to_keep=1).logits[:, -1].float()
+                logits = (last[:, self.yes_no[0]] - last[:, self.yes_no[1]]).unsqueeze(-1)
+            scores = self.activation(logits)
         name, spec = next(iter(self.outputs.items()))
         return {name: scores.reshape((len(queries), *spec.dims))}
+
+    def _yes_no(self, folder: Path) -> tuple[int, int]:
+        """An LLM's (true, false) token ids; left padding, so that the last position of
+        every row is its own last token (CrossEncoder's LogitScore reads it there)."""
+        self.tokenizer.padding_side = "left"
+        if self.tokenizer.pad_token is None:
+            raise LoadError(f"{folder}: the tokenizer has no pad token to batch pairs with")
+        params = self.config.parameters
+        ids = []
+        for key, default in (("true_token", "yes"), ("false_token", "no")):
+            token = params.get(key, default)
+            found = self.tokenizer.convert_tokens_to_ids(token) if isinstance(token, str) else None
+            if found is None or found == self.tokenizer.unk_token_id:
+                raise LoadError(f"{folder}: parameters.{key} {token!r} is not a token of the model")
+            ids.append(found)
+        return ids[0], ids[1]
+
+    def _pair_texts(self, queries: list[str], documents: list[str]) -> tuple[list, list]:
+        """The pair's two texts as the model reads them: in their templates, cased."""
+        params = self.config.parameters
+        texts = []
+        for column, key in ((queries, "query_template"), (documents, "document_template")):
+            template = params.get(key) or "{text}"
+            texts.append(self._cased([template.replace("{text}", t) for t in column]))
+        return texts[0], texts[1]
 
     def _cased(self, texts: list[str]) -> list[str]:
         return [t.lower() for t in texts] if self.lowercase else texts
@@ -336,6 +392,11 @@ def _default_activation(folder: Path, num_labels: int) -> str:
     if isinstance(named, str) and named.startswith("torch."):  # CrossEncoder trusts only these
         return named.rsplit(".", 1)[-1].lower()
     return "sigmoid" if num_labels == 1 else "identity"
+
+
+def _is_causal_lm(folder: Path) -> bool:
+    architectures = (_read_json(folder / "config.json") or {}).get("architectures") or [""]
+    return str(architectures[0]).endswith("ForCausalLM")
 
 
 def _width(dims: list[int]) -> int:

@@ -288,3 +288,49 @@ def test_cross_encoder_load_errors_and_empty_texts(tmp_path: Path) -> None:
     config = cross_encoder_config()
     with pytest.raises(ValueError, match="input 'document': row 1 is an empty text"):
         HfModel.validate(config, {"document": texts_array(["a", " "])})
+
+
+def build_causal_reranker(folder: Path) -> Path:
+    """A random-weight Qwen3 LLM whose tokenizer has "yes" and "no": the shape of
+    Qwen3-Reranker, which CrossEncoder scores by those two tokens' logits."""
+    from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+
+    from tests.llm.conftest import COMMON, build_tokenizer
+
+    build_tokenizer(folder)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer.add_tokens(["yes", "no"])
+    tokenizer.save_pretrained(folder)
+    config = Qwen3Config(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        **(COMMON | {"vocab_size": len(tokenizer)}),
+    )
+    torch.manual_seed(0)
+    Qwen3ForCausalLM(config).eval().save_pretrained(folder)
+    return folder
+
+
+def test_an_llm_reranks_as_cross_encoder_scores_it(tmp_path: Path) -> None:
+    """Left-padded pairs, logit("yes") - logit("no") at the last token, sigmoid: what
+    CrossEncoder does with a ...ForCausalLM folder; templates wrap each text first."""
+    from sentence_transformers import CrossEncoder
+
+    folder = build_causal_reranker(tmp_path / "qwen3")
+    reference = CrossEncoder(str(folder), device="cpu")
+    docs = ["a short document", DOCUMENTS[0], "the last document, with some more words in it"]
+    _, out = cross_encode(folder, cross_encoder_config(), [QUERY] * 3, docs)
+    expected = reference.predict([(QUERY, d) for d in docs])
+    np.testing.assert_allclose(out["score"].numpy()[:, 0], expected, atol=1e-5, rtol=0)
+    templates = {"query_template": "<Query>: {text}\n", "document_template": "<Doc>: {text} ->"}
+    _, out = cross_encode(folder, cross_encoder_config(**templates), [QUERY] * 3, docs)
+    pairs = [(f"<Query>: {QUERY}\n", f"<Doc>: {d} ->") for d in docs]
+    np.testing.assert_allclose(out["score"].numpy()[:, 0], reference.predict(pairs), atol=1e-5)
+    with pytest.raises(LoadError, match="true_token 'maybe'"):
+        HfModel(cross_encoder_config(true_token="maybe"), folder).load()
+    with pytest.raises(LoadError, match="query_template"):
+        HfModel(cross_encoder_config(query_template="no placeholder"), folder).load()
