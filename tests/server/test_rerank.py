@@ -104,6 +104,25 @@ def test_rerank_scores_and_order_equal_cross_encoder(server, reference):
     assert len(clamped["results"]) == len(DOCUMENTS)
 
 
+def test_cohere_clients_read_the_rankings(server, reference):
+    """Cohere's own SDK, v1 and v2, as the client of /v1/rerank and /v2/rerank."""
+    import cohere
+
+    expected = reference.predict([(QUERY, d) for d in DOCUMENTS])
+    ranked = [r["corpus_id"] for r in reference.rank(QUERY, DOCUMENTS, top_k=2)]
+    v1 = cohere.Client(api_key="none", base_url=server.url, timeout=60)
+    got = v1.rerank(model="xenc", query=QUERY, documents=DOCUMENTS, top_n=2, return_documents=True)
+    assert [r.index for r in got.results] == ranked
+    assert [r.document.text for r in got.results] == [DOCUMENTS[i] for i in ranked]
+    v2 = cohere.ClientV2(api_key="none", base_url=server.url, timeout=60)
+    got = v2.rerank(model="xenc", query=QUERY, documents=DOCUMENTS, top_n=2)
+    assert [r.index for r in got.results] == ranked
+    for r in got.results:
+        assert abs(r.relevance_score - expected[r.index]) <= 1e-5
+    with pytest.raises(cohere.BadRequestError):
+        v2.rerank(model="xenc", query=QUERY, documents=[])
+
+
 def test_score_pairs_as_vllm_and_equal_cross_encoder(server, reference):
     queries = ["first query", "a second, different query", QUERY, "q", "the last"]
     cases = [
