@@ -85,9 +85,10 @@ class Rerank:
         try:
             for job in pair_requests(version, queries, documents):
                 tickets.append(version.start(job))
-        except BaseException as e:
+        except BaseException as e:  # a full queue: what was queued goes back, unawaited
             for ticket in tickets:
                 ticket.cancel(e)
+                ticket.result.cancel()
             raise
         gone = ClientGone("client disconnected")
 

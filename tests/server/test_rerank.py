@@ -56,7 +56,9 @@ def repo(tmp_path_factory):
     strict = write_model(
         root,
         "strict",
-        CONFIG.format(labels=1, delay=1, parameters="truncate = false\nmax_length = 32"),
+        CONFIG.format(
+            labels=1, delay="1\nmax_queue_size = 1", parameters="truncate = false\nmax_length = 32"
+        ),
     )
     shutil.copytree(xenc / "1", strict / "1", dirs_exist_ok=True)
     nli = write_model(root, "nli", CONFIG.format(labels=3, delay=1, parameters=""))
@@ -250,6 +252,18 @@ def test_bad_input_is_a_400_naming_the_field(server, path, body, param):
     answer = post(server, path, body)
     assert answer.status_code in (400, 404), answer.text
     assert answer.json()["error"]["param"] == param, answer.text
+
+
+def test_a_full_queue_refuses_the_request_and_keeps_none_of_its_pairs(server):
+    """40 documents are three requests of 16 rows; a queue of one cannot hold them: 429,
+    and what was queued is taken back, so the next request is served."""
+    body = {"model": "strict", "query": "q", "documents": [f"d {i}" for i in range(40)]}
+    full = post(server, "/v1/rerank", body)
+    assert full.status_code == 429, full.text
+    assert "Retry-After" in full.headers
+    answer = post(server, "/v1/rerank", body | {"documents": ["d"]})
+    assert answer.status_code == 200, answer.text
+    assert "Traceback" not in server.log.read_text()
 
 
 def test_v2_infer_refuses_empty_texts_and_truncates_long_ones(server):
