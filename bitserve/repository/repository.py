@@ -21,6 +21,7 @@ from pathlib import Path
 from bitserve.backends.base import LoadError
 from bitserve.config import ConfigError, ModelConfig, load_config, version_numbers
 from bitserve.metrics import Metrics
+from bitserve.repository.calls import ModelCalls
 from bitserve.repository.version import ModelVersion
 
 log = logging.getLogger("bitserve.repository")
@@ -59,6 +60,7 @@ class Repository:
         self.drain_timeout = drain_timeout
         self.models: dict[str, ModelEntry] = {}
         self.loaded = False  # every model asked for at start has been tried
+        self.calls = ModelCalls(self)  # how models call models: ensembles, BLS
         self._locks: dict[str, asyncio.Lock] = {}
 
     # --------------------------------------------------------------- discovery
@@ -101,7 +103,8 @@ class Repository:
         return config, chosen, None
 
     def _new_version(self, config: ModelConfig, version: int) -> ModelVersion:
-        return ModelVersion(config, version, self.path / config.name / str(version), self.metrics)
+        folder = self.path / config.name / str(version)
+        return ModelVersion(config, version, folder, self.metrics, self.calls)
 
     # ----------------------------------------------------------------- loading
 

@@ -69,7 +69,9 @@ class BatchedPath(ExecutionPath):
         count = config.instance_group.count
         kind = config.instance_group.kind
         device = kind if self.replicated else device_for(kind)  # a replica resolves its own
-        self.instances = [Instance(config, version.version_dir, i, device) for i in range(count)]
+        self.instances = [
+            Instance(config, version.version_dir, i, device, version.calls) for i in range(count)
+        ]
         results = await asyncio.gather(*(i.start() for i in self.instances), return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
@@ -314,7 +316,7 @@ class BatchedPath(ExecutionPath):
         # A replica's batch is settled by its own call, which the kill ends: retried if
         # it had not started there, else failed with 503.
         while self._serving():
-            fresh = Instance(self.config, self.version.version_dir, slot, old.device)
+            fresh = Instance(self.config, self.version.version_dir, slot, old.device, old.calls)
             try:
                 await fresh.start()
             except Exception as e:

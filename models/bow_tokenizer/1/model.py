@@ -1,0 +1,28 @@
+"""Words to bow_classifier's vocabulary: lower-cased runs of letters, digits and
+apostrophes, each hashed (CRC-32) to an id in 1..999; 0 pads."""
+
+import re
+import zlib
+
+import numpy as np
+
+WORD = re.compile(r"[a-z0-9']+")
+VOCAB = 1000
+
+
+def token_ids(text: str) -> list[int]:
+    return [1 + zlib.crc32(w.encode()) % (VOCAB - 1) for w in WORD.findall(text.lower())] or [0]
+
+
+class Tokenizer:
+    def execute(self, requests):
+        """Each request's ids with its own length (the texts of a request of several
+        rows are padded with 0 to its longest)."""
+        answers = []
+        for request in requests:
+            rows = [token_ids(t.decode()) for t in request["text"][:, 0]]
+            ids = np.zeros((len(rows), max(map(len, rows))), dtype=np.int64)
+            for i, row in enumerate(rows):
+                ids[i, : len(row)] = row
+            answers.append({"input_ids": ids})
+        return answers
