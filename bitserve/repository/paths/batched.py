@@ -316,7 +316,8 @@ class BatchedPath(ExecutionPath):
         # A replica's batch is settled by its own call, which the kill ends: retried if
         # it had not started there, else failed with 503.
         while self._serving():
-            fresh = Instance(self.config, self.version.version_dir, slot, old.device, old.calls)
+            version = self.version
+            fresh = Instance(self.config, version.version_dir, slot, old.device, version.calls)
             try:
                 await fresh.start()
             except Exception as e:
