@@ -92,16 +92,22 @@ class EnsemblePath(ExecutionPath):
 
     def ready(self) -> bool:
         """Ready while every step's model has a version that can answer."""
+        return self._blocked() is None
+
+    def restarting(self) -> str | None:
+        """Why it cannot answer now (health reports it): a step whose model cannot."""
+        blocked = self._blocked()
+        return None if blocked is None else f"waiting for {blocked}, which cannot answer"
+
+    def _blocked(self) -> str | None:
         repository = self.version.calls.repository if self.version.calls else None
-        if repository is None:
-            return False
-        for step in self.scheduling.step:
-            entry = repository.models.get(step.model_name)
+        for i, step in enumerate(self.scheduling.step):
+            entry = repository.models.get(step.model_name) if repository else None
             if entry is None or not any(
                 v.ready or v.state == "lazy" for v in entry.versions.values()
             ):
-                return False
-        return True
+                return step_name(self.scheduling, i)
+        return None
 
     def report(self) -> Report:
         return Report(batch=self.stats, healthy=1 if self.ready() else 0)
