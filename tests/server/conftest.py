@@ -196,13 +196,13 @@ class Cached:
     def predict(self, inputs):
         return {"y": inputs["x"] * 3}
 """
-# tinylm's steps slow down only for prompts of 40 tokens or more (the BLS stream test's):
+# tinylm's steps slow down only for prompts of 20 tokens or more (the BLS stream test's):
 # its 200 tokens then take a minute, so only an abort can end it within the test.
 SLOW_LONG_PROMPTS = """
 import time
 
 def hook(seqs):
-    if any(s.num_prompt_tokens >= 40 for s in seqs):
+    if any(s.num_prompt_tokens >= 20 for s in seqs):
         time.sleep(0.3)
 """
 
