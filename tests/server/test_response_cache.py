@@ -132,3 +132,30 @@ def test_greedy_llm_answers_are_cached(pipeline_server):
     assert generate(pipeline_server, params) == first
     assert metric(url, "bitserve_llm_prefix_cache_queries_total", model="tinylm") == queries
     assert metric(url, "bitserve_cache_hits_total", model="tinylm") == hits + 1
+
+
+@pytest.mark.slow
+def test_ten_thousand_distinct_requests_through_the_server_stay_within_the_bound(
+    pipeline_server,
+):
+    import asyncio
+
+    import tritonclient.http.aio as triton_aio
+
+    url = pipeline_server.url
+    misses = metric(url, "bitserve_cache_misses_total", model="cached")
+
+    async def flood() -> None:
+        async with triton_aio.InferenceServerClient(url.removeprefix("http://")) as c:
+
+            async def one(i: int) -> None:
+                given = triton_aio.InferInput("x", [1, 1], "FP32")
+                given.set_data_from_numpy(np.array([[-1.0 - i]], dtype=np.float32))
+                await c.infer("cached", [given])
+
+            for start in range(0, 10_000, 500):
+                await asyncio.gather(*(one(i) for i in range(start, start + 500)))
+                assert metric(url, "bitserve_cache_bytes", model="cached") <= BOUND
+
+    asyncio.run(flood())
+    assert metric(url, "bitserve_cache_misses_total", model="cached") == misses + 10_000
