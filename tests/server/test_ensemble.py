@@ -225,3 +225,36 @@ def test_an_ensemble_is_ready_only_while_its_steps_are(tmp_path):
         await repository.unload_all()
 
     asyncio.run(scenario())
+
+
+def test_a_cancelled_ensemble_request_leaves_its_steps_queue(tmp_path):
+    """The caller goes away while its first step waits behind another request at `slow`
+    (one instance, 1 s a request): the step leaves that queue and never runs."""
+    from bitserve.inference import ClientGone, InferRequest
+    from bitserve.repository.repository import Repository
+    from tests.server.conftest import SLOW
+
+    write_model(tmp_path, "slow", XY_CONFIG, SLOW)
+    write_model(tmp_path, "double", XY_CONFIG, DOUBLE)
+    steps = (("slow", 'x = "x"', 'y = "a"'), ("double", 'x = "a"', 'y = "y"'))
+    write_model(tmp_path, "pipe", ensemble(*steps))
+
+    async def scenario() -> None:
+        repository = Repository(tmp_path)
+        repository.scan()
+        await repository.load_all()
+        pipe, slow = repository.get("pipe"), repository.get("slow")
+        x = np.array([[1.0]], np.float32)
+        first = pipe.start(InferRequest({"x": x}, 1, ()))
+        second = pipe.start(InferRequest({"x": x}, 1, ()))
+        while slow.report().queued < 1:  # the second waits behind the first
+            await asyncio.sleep(0.01)
+        second.cancel(ClientGone("client disconnected"))
+        with pytest.raises(asyncio.CancelledError):
+            await second.result
+        assert (await first.result)["y"][0, 0] == 2.0
+        stats = slow.report().batch
+        assert stats.cancelled == 1 and stats.execution_count == 1
+        await repository.unload_all()
+
+    asyncio.run(scenario())

@@ -137,7 +137,11 @@ class EnsemblePath(ExecutionPath):
                 done, _ = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
                 for task in done:
                     del running[task]
-                    tensors.update(task.result())  # a failed step raises, named
+                failed = [t.exception() for t in done if t.exception() is not None]
+                if failed:
+                    raise failed[0]  # the step's own error, named
+                for task in done:
+                    tensors.update(task.result())
         finally:
             for task in running:
                 task.cancel()
