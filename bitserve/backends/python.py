@@ -68,7 +68,11 @@ class PythonModel(Model):
                     "models": self.models,
                 }
                 accepted = inspect.signature(setup).parameters
+                if "models" in accepted and self.config.instance_group.isolation != "thread":
+                    raise LoadError(f"{path}: BLS (setup's models) needs isolation 'thread'")
                 setup(**{k: v for k, v in offered.items() if k in accepted})
+        except LoadError:
+            raise
         except Exception as e:
             raise LoadError(f"{path}: {cls.__name__}.setup failed: {type(e).__name__}: {e}") from e
         if hasattr(self.user, "execute"):
