@@ -76,12 +76,23 @@ class Repository:
         )
 
     def scan(self, names: list[str] | None = None) -> None:
-        """Read configs and choose versions for `names` (default: all); load nothing."""
-        for name in self.model_names() if names is None else names:
+        """Read configs and choose versions for `names` (default: all); load nothing.
+        An ensemble's steps are scanned with it (as Triton loads an ensemble's models)."""
+        todo = list(self.model_names() if names is None else names)
+        while todo:
+            name = todo.pop(0)
             entry = self.models.setdefault(name, ModelEntry(name))
             entry.config, chosen, entry.error = self._read(name)
             for v in chosen:
                 entry.versions[v] = self._new_version(entry.config, v)
+            steps = entry.config.ensemble_scheduling if entry.config else None
+            for step in steps.step if steps else ():
+                wanted = step.model_name
+                if wanted not in self.models and wanted not in todo and self._on_disk(wanted):
+                    todo.append(wanted)
+
+    def _on_disk(self, name: str) -> bool:
+        return (self.path / name / "config.toml").is_file()
 
     def _read(self, name: str) -> tuple[ModelConfig | None, list[int], str | None]:
         model_dir = self.path / name

@@ -258,3 +258,27 @@ def test_a_cancelled_ensemble_request_leaves_its_steps_queue(tmp_path):
         await repository.unload_all()
 
     asyncio.run(scenario())
+
+
+def test_loading_only_the_ensemble_loads_its_steps(tmp_path):
+    """--model-control explicit --load-model twice, or a batch job naming only it."""
+    from bitserve.repository.repository import Repository
+
+    write_model(tmp_path, "double", XY_CONFIG, DOUBLE)
+    write_model(tmp_path, "boom", XY_CONFIG, DOUBLE)  # not a step: stays unloaded
+    write_model(
+        tmp_path,
+        "twice",
+        ensemble(("double", 'x = "x"', 'y = "a"'), ("double", 'x = "a"', 'y = "y"')),
+    )
+
+    async def scenario() -> None:
+        repository = Repository(tmp_path)
+        repository.scan(["twice"])
+        assert sorted(repository.models) == ["double", "twice"]
+        await repository.load_all()
+        answer = await repository.calls.infer("twice", {"x": np.array([[0.5]], np.float32)})
+        assert answer["y"][0, 0] == 2.0
+        await repository.unload_all()
+
+    asyncio.run(scenario())
