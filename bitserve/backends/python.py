@@ -12,10 +12,11 @@ defined in model.py that has a `predict` or an `execute` method.
 
 `execute(self, requests)` (Triton's name) instead of `predict` takes the batch as its
 requests, each one's inputs by name, and returns each one's outputs, so that a request's
-outputs may have their own shape (a tokenizer's token ids). Either may be `async def`:
-it then runs on an event loop of the model's own thread, where BLS calls can be awaited
-together. A `setup` that takes `models` gets the BLS handle (backends/bls.py) to call
-any served model.
+outputs may have their own shape (a tokenizer's token ids); an exception in a request's
+place fails that request alone (a ValueError is a 400, the caller's mistake). Either
+may be `async def`: it then runs on an event loop of the model's own thread, where BLS
+calls can be awaited together. A `setup` that takes `models` gets the BLS handle
+(backends/bls.py) to call any served model.
 """
 
 from __future__ import annotations

@@ -105,8 +105,11 @@ def run(config: ModelConfig, model: Any, batch: list[Request]) -> list[dict[str,
     return [_own(config, r, a) for r, a in zip(batch, answers, strict=True)]
 
 
-def _own(config: ModelConfig, request: Request, outputs: dict[str, Any]) -> dict[str, np.ndarray]:
-    """One request's outputs from a per-request model, checked like `split`'s."""
+def _own(config: ModelConfig, request: Request, outputs: Any) -> Any:
+    """One request's outputs from a per-request model, checked like `split`'s; an
+    exception in their place fails that request alone (Triton's per-response error)."""
+    if isinstance(outputs, Exception):
+        return outputs
     own = {}
     for spec in config.output:
         if spec.name not in outputs:

@@ -52,7 +52,9 @@ def build_model(config: ModelConfig, version_dir: Path, device: str, models: Any
         )
         for _ in range(warmup.count):
             try:
-                run(config, model, [request])
+                refused = [a for a in run(config, model, [request]) if isinstance(a, Exception)]
+                if refused:
+                    raise refused[0]
             except Exception as e:
                 raise LoadError(
                     f"{version_dir}: warmup '{warmup.name}' failed: {type(e).__name__}: {e}"

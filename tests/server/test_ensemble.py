@@ -282,3 +282,30 @@ def test_loading_only_the_ensemble_loads_its_steps(tmp_path):
         await repository.unload_all()
 
     asyncio.run(scenario())
+
+
+def test_a_bad_text_fails_alone_with_a_400_naming_the_step(pipeline_server):
+    """bow_tokenizer answers a text that is not UTF-8 with a ValueError in that
+    request's place: the requests batched with it are answered."""
+    import tritonclient.http.aio as triton_aio
+
+    async def mixed() -> list:
+        url = pipeline_server.url.removeprefix("http://")
+        async with triton_aio.InferenceServerClient(url, conn_limit=16) as c:
+
+            async def one(raw: bytes):
+                given = triton_aio.InferInput("text", [1, 1], "BYTES")
+                given.set_data_from_numpy(np.array([[raw]], dtype=object), binary_data=True)
+                try:
+                    return (await c.infer("bow_text", [given])).as_numpy("probs")
+                except InferenceServerException as e:
+                    return e
+
+            texts = [f"good text {i}".encode() for i in range(15)]
+            return await asyncio.gather(*(one(t) for t in [*texts[:7], b"\xff\xfe", *texts[7:]]))
+
+    answers = asyncio.run(mixed())
+    bad = answers.pop(7)
+    assert isinstance(bad, InferenceServerException) and bad.status() == "400"
+    assert "step 1 (model 'bow_tokenizer')" in bad.message() and "UTF-8" in bad.message()
+    assert all(isinstance(a, np.ndarray) and a.shape == (1, 4) for a in answers)

@@ -257,9 +257,20 @@ class BatchedPath(ExecutionPath):
                 request.compute_seconds = seconds
             self.version.m["compute"].observe(seconds)
         for request, output in zip(batch, outputs, strict=True):
-            request.finish(output, error)
+            if isinstance(output, Exception):  # one request's own failure (collate.run)
+                request.finish(None, self._own_error(output))
+            else:
+                request.finish(output, error)
         assert self.batcher is not None
         self.batcher.release(slot)
+
+    def _own_error(self, error: Exception) -> Exception:
+        """A per-request model's answer for one request that it refused: a ValueError is
+        the caller's mistake (400, as `validate`'s), anything else the model's (500)."""
+        message = f"model '{self.config.name}': {error}"
+        if isinstance(error, ValueError):
+            return InvalidRequest(message)
+        return ExecutionError(f"model '{self.config.name}': {type(error).__name__}: {error}")
 
     def _serving(self) -> bool:
         return self.version.state in ("ready", "draining")
