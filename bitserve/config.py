@@ -244,9 +244,80 @@ class Traffic(_Strict):
         return None
 
 
+class EnsembleStep(_Strict):
+    """One step of an ensemble, in Triton's words: `input_map` maps each input of the
+    step's model (key) to the ensemble tensor that feeds it (value), `output_map` each
+    output of the model (key) to the ensemble tensor it writes (value). The tensors are
+    the ensemble's inputs and outputs and every value of these maps."""
+
+    model_name: Annotated[str, Field(min_length=1)]
+    model_version: int = -1  # -1: the highest ready version, as in Triton
+    input_map: dict[str, str]
+    output_map: dict[str, str]
+
+
+class EnsembleScheduling(_Strict):
+    step: Annotated[list[EnsembleStep], Field(min_length=1)]
+
+    def order(self, inputs: set[str], outputs: list[str]) -> list[int]:
+        """The steps' indexes in an order that runs each after the steps that write its
+        inputs; raises ValueError naming the step when a tensor is read that nothing
+        writes, written twice, an output nobody writes, or the steps form a cycle."""
+        writer: dict[str, int] = {}
+        for i, step in enumerate(self.step):
+            for tensor in step.output_map.values():
+                if tensor in inputs or tensor in writer:
+                    first = (
+                        "an ensemble input" if tensor in inputs else step_name(self, writer[tensor])
+                    )
+                    raise ValueError(
+                        f"{step_name(self, i)}: output_map writes '{tensor}', already {first}"
+                    )
+                writer[tensor] = i
+        for i, step in enumerate(self.step):
+            for tensor in step.input_map.values():
+                if tensor not in inputs and tensor not in writer:
+                    raise ValueError(
+                        f"{step_name(self, i)}: input_map reads '{tensor}', which is neither "
+                        "an ensemble input nor written by any step"
+                    )
+        unwritten = [name for name in outputs if name not in writer]
+        if unwritten:
+            raise ValueError(f"ensemble outputs {unwritten} are written by no step")
+        return _topological(self, writer)
+
+
+def step_name(scheduling: EnsembleScheduling, index: int) -> str:
+    """How errors name a step: its 1-based place and its model."""
+    return f"step {index + 1} (model '{scheduling.step[index].model_name}')"
+
+
+def _topological(scheduling: EnsembleScheduling, writer: dict[str, int]) -> list[int]:
+    needs = {
+        i: {writer[t] for t in step.input_map.values() if t in writer}
+        for i, step in enumerate(scheduling.step)
+    }
+    order: list[int] = []
+    while len(order) < len(needs):
+        ready = [i for i, deps in needs.items() if i not in order and deps <= set(order)]
+        if not ready:
+            stuck = [step_name(scheduling, i) for i in needs if i not in order]
+            raise ValueError(f"the ensemble's steps form a cycle: {', '.join(stuck)}")
+        order.extend(ready)
+    return order
+
+
+class ResponseCache(_Strict):
+    """Triton's `response_cache { enable: true }`, per model, bounded in bytes (LRU). An
+    llm model's answer is cached only when greedy (temperature 0): sampled text never."""
+
+    enable: bool = False
+    max_bytes: Annotated[int, Field(gt=0)] = 64 * 1024 * 1024
+
+
 class ModelConfig(_Strict):
     name: str
-    backend: Literal["python", "torch", "onnx", "hf", "llm", "detector", "diffusion"]
+    backend: Literal["python", "torch", "onnx", "hf", "llm", "detector", "diffusion", "ensemble"]
     max_batch_size: Annotated[int, Field(ge=0)] = 0
     input: list[TensorSpec] = []
     output: list[TensorSpec] = []
@@ -258,6 +329,9 @@ class ModelConfig(_Strict):
     parameters: dict[str, Any] = {}
     # Canary and shadow rollout (bitserve/rollout); None: the highest version answers.
     traffic: Traffic | None = None
+    # backend = "ensemble": the steps (bitserve/repository/paths/ensemble.py)
+    ensemble_scheduling: EnsembleScheduling | None = None
+    response_cache: ResponseCache = ResponseCache()
 
     @model_validator(mode="before")
     @classmethod
@@ -317,6 +391,19 @@ class ModelConfig(_Strict):
             unknown = set(w.inputs) - {t.name for t in self.input}
             if unknown:
                 raise ValueError(f"warmup {w.name!r}: unknown inputs {sorted(unknown)}")
+        return self
+
+    @model_validator(mode="after")
+    def _check_ensemble(self) -> ModelConfig:
+        if (self.backend == "ensemble") != (self.ensemble_scheduling is not None):
+            raise ValueError('ensemble_scheduling goes with backend = "ensemble", and only there')
+        if self.backend == "diffusion" and self.response_cache.enable:
+            raise ValueError("response_cache: a diffusion model's images are sampled")
+        if self.ensemble_scheduling is not None:
+            if self.dynamic_batching is not None:
+                raise ValueError("an ensemble batches at each step's model: drop dynamic_batching")
+            inputs = {t.name for t in self.input}
+            self.ensemble_scheduling.order(inputs, [t.name for t in self.output])
         return self
 
     @model_validator(mode="after")

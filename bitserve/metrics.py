@@ -84,6 +84,7 @@ class Metrics:
         )
         self._llm_metrics(r, mv)
         self._rollout_metrics(r)
+        self._cache_metrics(r, mv)
 
     def _llm_metrics(self, r: CollectorRegistry, mv: tuple[str, str]) -> None:
         """vLLM's definitions, so users can compare: TTFT from arrival, TPOT excludes
@@ -142,6 +143,27 @@ class Metrics:
             "Request copies dropped: the shadow's queue was full or it was not ready.",
             ("model",),
             registry=r,
+        )
+
+    def _cache_metrics(self, r: CollectorRegistry, mv: tuple[str, str]) -> None:
+        """The response cache of models that enable it (repository/cache.py)."""
+        self.cache_hits = Counter(
+            "bitserve_cache_hits", "Requests answered from the response cache.", mv, registry=r
+        )
+        self.cache_misses = Counter(
+            "bitserve_cache_misses",
+            "Cacheable requests not found in the response cache (then run and kept).",
+            mv,
+            registry=r,
+        )
+        self.cache_evictions = Counter(
+            "bitserve_cache_evictions",
+            "Answers dropped from the response cache to stay within its bound (LRU).",
+            mv,
+            registry=r,
+        )
+        self.cache_bytes = Gauge(
+            "bitserve_cache_bytes", "Bytes held by the response cache.", mv, registry=r
         )
 
     def add_collector(self, collect: Callable[[], Iterator[Metric]]) -> None:

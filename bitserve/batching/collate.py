@@ -4,7 +4,9 @@ Fixed-shape inputs are concatenated along the batch dimension (a single request 
 passed through untouched: no copy). Ragged inputs (token sequences) are padded to the
 batch's longest along their variable dimension, and their `mask` input (1 = real,
 0 = pad) is built alongside. Outputs are cut back by row offsets as numpy views, so a
-caller gets exactly its own rows and nothing is copied on the way out.
+caller gets exactly its own rows and nothing is copied on the way out. A model that
+takes its batch as requests (`run`: a python model's `execute`) gives each request its
+own outputs, whose shapes may differ from one request to the next.
 """
 
 from __future__ import annotations
@@ -91,6 +93,34 @@ def split(
         result.append({name: array[start:end] for name, array in arrays.items()})
         start = end
     return result
+
+
+def run(config: ModelConfig, model: Any, batch: list[Request]) -> list[dict[str, np.ndarray]]:
+    """One batch through a model: merge, predict, split; or, for a model that takes its
+    batch as requests (a python model's `execute`), each request's own outputs."""
+    execute = getattr(model, "execute", None)
+    if execute is None:
+        return split(config, batch, model.predict(merge(config, batch)))
+    answers = execute([r.inputs for r in batch])
+    return [_own(config, r, a) for r, a in zip(batch, answers, strict=True)]
+
+
+def _own(config: ModelConfig, request: Request, outputs: Any) -> Any:
+    """One request's outputs from a per-request model, checked like `split`'s; an
+    exception in their place fails that request alone (Triton's per-response error)."""
+    if isinstance(outputs, Exception):
+        return outputs
+    own = {}
+    for spec in config.output:
+        if spec.name not in outputs:
+            raise RuntimeError(f"model '{config.name}' returned no output '{spec.name}'")
+        array = own[spec.name] = coerce(outputs[spec.name], spec.datatype)
+        if config.max_batch_size > 0 and (array.ndim == 0 or array.shape[0] != request.rows):
+            raise RuntimeError(
+                f"model '{config.name}' output '{spec.name}' has shape {list(array.shape)}; "
+                f"its first dimension must be the request's batch size {request.rows}"
+            )
+    return own
 
 
 def dummy_inputs(config: ModelConfig, rows: int, spec_inputs: dict) -> dict[str, np.ndarray]:

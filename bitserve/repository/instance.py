@@ -25,8 +25,9 @@ from typing import Any
 
 from bitserve.backends import Model
 from bitserve.backends.base import LoadError
+from bitserve.backends.bls import Models
 from bitserve.batching.batcher import Request
-from bitserve.batching.collate import merge, split
+from bitserve.batching.collate import run
 from bitserve.config import ModelConfig
 from bitserve.repository.loading import build_model
 from bitserve.tensors import coerce
@@ -87,8 +88,11 @@ class Worker:
 class Instance:
     """Slot `slot` of a model version. `start` loads it; `run` executes one batch."""
 
-    def __init__(self, config: ModelConfig, version_dir: Path, slot: int, device: str):
+    def __init__(
+        self, config: ModelConfig, version_dir: Path, slot: int, device: str, calls: Any = None
+    ):
         self.config = config
+        self.calls = calls  # the repository's ModelCalls: a python model's BLS handle
         self.version_dir = version_dir
         self.slot = slot
         self.device = device
@@ -119,7 +123,11 @@ class Instance:
             return RayModel.spawn(self.config, self.version_dir, self.device, self.slot)
         if self.config.instance_group.isolation == "process":
             return RemoteModel.spawn(self.config, self.version_dir, self.device)
-        return build_model(self.config, self.version_dir, self.device)
+        models = None
+        if self.calls is not None and self.config.backend == "python":
+            assert self.worker is not None
+            models = Models(self.calls, self.worker.loop)
+        return build_model(self.config, self.version_dir, self.device, models)
 
     def run(self, batch: list[Request], done: Done) -> None:
         """merge → predict → split on the worker; done(per-request outputs, error)."""
@@ -129,8 +137,7 @@ class Instance:
     def _execute(self, batch: list[Request]) -> tuple[list[dict], float]:
         assert self.model is not None
         started = time.perf_counter()
-        outputs = self.model.predict(merge(self.config, batch))
-        return split(self.config, batch, outputs), time.perf_counter() - started
+        return run(self.config, self.model, batch), time.perf_counter() - started
 
     def busy_for(self) -> float:
         """Seconds the current batch has been running (0 when idle)."""

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
 from bitserve.backends import Model, backend_class
 from bitserve.backends.base import LoadError
 from bitserve.batching.batcher import Request
-from bitserve.batching.collate import dummy_inputs, merge, split
+from bitserve.batching.collate import dummy_inputs, run
 from bitserve.config import ModelConfig
 from bitserve.tensors import allow_tf32
 
@@ -32,13 +33,15 @@ def device_for(kind: str) -> str:
     return "cpu"
 
 
-def build_model(config: ModelConfig, version_dir: Path, device: str) -> Model:
+def build_model(config: ModelConfig, version_dir: Path, device: str, models: Any = None) -> Model:
     """Load the backend and run the config's warmup requests through the batch path.
 
     Versions load in parallel, each on its own worker thread. That is safe because the
     version imports the heavy libraries on one thread first (backends.preimport):
-    torch imports parts of itself lazily, and two threads doing so at once race."""
-    model = backend_class(config.backend)(config, version_dir, device)
+    torch imports parts of itself lazily, and two threads doing so at once race.
+    `models` (python models on a server thread) is the BLS handle (backends/bls.py)."""
+    extra = {"models": models} if models is not None else {}
+    model = backend_class(config.backend)(config, version_dir, device, **extra)
     started = time.perf_counter()
     model.load()
     model.load_only_seconds = time.perf_counter() - started
@@ -49,7 +52,9 @@ def build_model(config: ModelConfig, version_dir: Path, device: str) -> Model:
         )
         for _ in range(warmup.count):
             try:
-                split(config, [request], model.predict(merge(config, [request])))
+                refused = [a for a in run(config, model, [request]) if isinstance(a, Exception)]
+                if refused:
+                    raise refused[0]
             except Exception as e:
                 raise LoadError(
                     f"{version_dir}: warmup '{warmup.name}' failed: {type(e).__name__}: {e}"

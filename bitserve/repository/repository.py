@@ -21,6 +21,7 @@ from pathlib import Path
 from bitserve.backends.base import LoadError
 from bitserve.config import ConfigError, ModelConfig, load_config, version_numbers
 from bitserve.metrics import Metrics
+from bitserve.repository.calls import ModelCalls
 from bitserve.repository.version import ModelVersion
 
 log = logging.getLogger("bitserve.repository")
@@ -59,6 +60,7 @@ class Repository:
         self.drain_timeout = drain_timeout
         self.models: dict[str, ModelEntry] = {}
         self.loaded = False  # every model asked for at start has been tried
+        self.calls = ModelCalls(self)  # how models call models: ensembles, BLS
         self._locks: dict[str, asyncio.Lock] = {}
 
     # --------------------------------------------------------------- discovery
@@ -74,12 +76,23 @@ class Repository:
         )
 
     def scan(self, names: list[str] | None = None) -> None:
-        """Read configs and choose versions for `names` (default: all); load nothing."""
-        for name in self.model_names() if names is None else names:
+        """Read configs and choose versions for `names` (default: all); load nothing.
+        An ensemble's steps are scanned with it (as Triton loads an ensemble's models)."""
+        todo = list(self.model_names() if names is None else names)
+        while todo:
+            name = todo.pop(0)
             entry = self.models.setdefault(name, ModelEntry(name))
             entry.config, chosen, entry.error = self._read(name)
             for v in chosen:
                 entry.versions[v] = self._new_version(entry.config, v)
+            steps = entry.config.ensemble_scheduling if entry.config else None
+            for step in steps.step if steps else ():
+                wanted = step.model_name
+                if wanted not in self.models and wanted not in todo and self._on_disk(wanted):
+                    todo.append(wanted)
+
+    def _on_disk(self, name: str) -> bool:
+        return (self.path / name / "config.toml").is_file()
 
     def _read(self, name: str) -> tuple[ModelConfig | None, list[int], str | None]:
         model_dir = self.path / name
@@ -101,7 +114,8 @@ class Repository:
         return config, chosen, None
 
     def _new_version(self, config: ModelConfig, version: int) -> ModelVersion:
-        return ModelVersion(config, version, self.path / config.name / str(version), self.metrics)
+        folder = self.path / config.name / str(version)
+        return ModelVersion(config, version, folder, self.metrics, self.calls)
 
     # ----------------------------------------------------------------- loading
 

@@ -16,6 +16,7 @@ mirror and batch jobs all come through here.
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,7 @@ from bitserve.backends.base import LoadError
 from bitserve.config import ModelConfig
 from bitserve.inference import InferRequest
 from bitserve.metrics import Metrics
+from bitserve.repository.cache import ResponseCache
 from bitserve.repository.paths import ExecutionPath, Report, Ticket, path_for
 from bitserve.repository.paths.batched import ExecutionError, ReplicaLost
 
@@ -34,9 +36,17 @@ __all__ = ["ExecutionError", "Lease", "ModelVersion", "ReplicaLost", "Ticket"]
 
 class ModelVersion:
     def __init__(
-        self, config: ModelConfig, version: int, version_dir: Path, metrics: Metrics | None = None
+        self,
+        config: ModelConfig,
+        version: int,
+        version_dir: Path,
+        metrics: Metrics | None = None,
+        calls: Any = None,
     ):
         self.config = config
+        # how this version's requests reach other models (an ensemble's steps, a python
+        # model's BLS calls): the repository's `ModelCalls`; None outside a repository
+        self.calls = calls
         self.version = version
         self.version_dir = version_dir
         self.state = "loading"
@@ -48,8 +58,11 @@ class ModelVersion:
         self._idle.set()
         labels = (config.name, str(version))
         # label-bound metric children, resolved once: the request path only observes
-        self.m = _bind(metrics or Metrics(), labels)
+        metrics = metrics or Metrics()
+        self.m = _bind(metrics, labels)
         self.path: ExecutionPath = path_for(self)
+        enabled = config.response_cache.enable
+        self.cache = ResponseCache(config, version, metrics) if enabled else None
 
     @property
     def ready(self) -> bool:
@@ -128,8 +141,20 @@ class ModelVersion:
         """Begin one inference on the path: queued for a batch, generated on the LLM
         engine, or denoised on the step loop. `background` (the shadow mirror): the
         lowest priority, no deadline of its own. Raises InvalidRequest or a full
-        queue's error before anything is queued."""
-        return self.path.start(request, background)
+        queue's error before anything is queued. With a response cache, a request seen
+        before is answered from it without queueing (a hit takes no batch slot)."""
+        key = self.cache.key(request.inputs) if self.cache is not None else None
+        if key is None:
+            return self.path.start(request, background)
+        assert self.cache is not None
+        hit = self.cache.get(key)
+        if hit is not None:
+            answered = asyncio.get_running_loop().create_future()
+            answered.set_result(hit)
+            return Ticket(answered, lambda _: None)
+        ticket = self.path.start(request, background)
+        ticket.result.add_done_callback(functools.partial(_keep, self.cache, key))
+        return ticket
 
     async def infer(self, request: InferRequest, background: bool = False) -> dict:
         """`start` for a caller with no client to watch (the mirror, batch jobs)."""
@@ -174,6 +199,12 @@ class Lease:
 
     def __del__(self) -> None:
         self.release()
+
+
+def _keep(cache: ResponseCache, key: bytes, result: asyncio.Future) -> None:
+    """A cacheable request's answer, once it came back well, goes in the cache."""
+    if not result.cancelled() and result.exception() is None:
+        cache.put(key, result.result())
 
 
 def _bind(metrics: Metrics, labels: tuple[str, str]) -> dict[str, Any]:

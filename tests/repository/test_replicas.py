@@ -34,7 +34,7 @@ class FakeReplica:
 
     started = 0
 
-    def __init__(self, config, version_dir, slot, device):
+    def __init__(self, config, version_dir, slot, device, calls=None):
         self.slot, self.device = slot, device
         self.doom: bool | None = None
         self.is_alive = True

@@ -71,6 +71,8 @@ def inputs(module, model: str) -> list:
             "text": np.array([[b"gRPC carries raw bytes."], [b"HTTP carries JSON."]], dtype=object)
         },
         "bow_classifier": {"input_ids": np.array([[5, 17, 42, 7, 999]], dtype=np.int64)},
+        "bow_tokenizer": {"text": np.array([[b"Tokens by hash."]], dtype=object)},
+        "bow_text": {"text": np.array([[b"An ensemble of two steps."]], dtype=object)},
         "detector": {"image": rng.integers(0, 255, (1, 48, 64, 1), dtype=np.uint8)},
         "digits": {
             "label": np.array([[3]], dtype=np.int32),
@@ -92,6 +94,7 @@ def inputs(module, model: str) -> list:
 
 
 DEFAULT_MODELS = ["mlp", "minilm", "bow_classifier", "detector", "digits", "tinylm"]
+DEFAULT_MODELS += ["bow_tokenizer", "bow_text"]  # the ensemble and its first step
 
 
 def outputs_of(result, metadata: dict) -> dict[str, np.ndarray]:

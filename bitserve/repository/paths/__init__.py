@@ -7,6 +7,7 @@ through the version and never ask what kind of model it is.
 - batched.py: instances (threads, processes, Ray replicas) behind the dynamic batcher
 - llm.py: the LLM engine behind its service's front door (backends/llm.py)
 - diffusion.py: the diffusion step loop, rows batched step by step
+- ensemble.py: a pipeline of served models, each step queued at its model's batcher
 
 `path_for` is the one place that picks a path by the model's backend, and `tasks_of`
 (base.py) the one that says what each backend serves.
@@ -31,6 +32,10 @@ def path_for(version: Any) -> ExecutionPath:
         from bitserve.repository.paths.diffusion import DiffusionPath
 
         return DiffusionPath(version)
+    if backend == "ensemble":
+        from bitserve.repository.paths.ensemble import EnsemblePath
+
+        return EnsemblePath(version)
     from bitserve.repository.paths.batched import BatchedPath
 
     return BatchedPath(version)

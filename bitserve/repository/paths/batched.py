@@ -69,7 +69,9 @@ class BatchedPath(ExecutionPath):
         count = config.instance_group.count
         kind = config.instance_group.kind
         device = kind if self.replicated else device_for(kind)  # a replica resolves its own
-        self.instances = [Instance(config, version.version_dir, i, device) for i in range(count)]
+        self.instances = [
+            Instance(config, version.version_dir, i, device, version.calls) for i in range(count)
+        ]
         results = await asyncio.gather(*(i.start() for i in self.instances), return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
@@ -260,9 +262,20 @@ class BatchedPath(ExecutionPath):
                 request.compute_seconds = seconds
             self.version.m["compute"].observe(seconds)
         for request, output in zip(batch, outputs, strict=True):
-            request.finish(output, error)
+            if isinstance(output, Exception):  # one request's own failure (collate.run)
+                request.finish(None, self._own_error(output))
+            else:
+                request.finish(output, error)
         assert self.batcher is not None
         self.batcher.release(slot)
+
+    def _own_error(self, error: Exception) -> Exception:
+        """A per-request model's answer for one request that it refused: a ValueError is
+        the caller's mistake (400, as `validate`'s), anything else the model's (500)."""
+        message = f"model '{self.config.name}': {error}"
+        if isinstance(error, ValueError):
+            return InvalidRequest(message)
+        return ExecutionError(f"model '{self.config.name}': {type(error).__name__}: {error}")
 
     def _serving(self) -> bool:
         return self.version.state in ("ready", "draining")
@@ -319,7 +332,8 @@ class BatchedPath(ExecutionPath):
         # A replica's batch is settled by its own call, which the kill ends: retried if
         # it had not started there, else failed with 503.
         while self._serving():
-            fresh = Instance(self.config, self.version.version_dir, slot, old.device)
+            version = self.version
+            fresh = Instance(self.config, version.version_dir, slot, old.device, version.calls)
             try:
                 await fresh.start()
             except Exception as e:
