@@ -261,10 +261,14 @@ class LlamaForCausalLM(nn.Module):
         self._kernels = kernels
         self.fuse_rows = self.fused_rows() if kernels is not None else 0
 
+    lora = None  # the LoRA adapters' manager (llm/lora.py), when the engine serves them
+
     def can_fuse_decode(self, x: torch.Tensor, meta: AttentionMetadata) -> bool:
-        """Every row is a one-token decode and the C layer suits the row count."""
+        """Every row is a one-token decode and the C layer suits the row count; no row
+        has a LoRA adapter (its deltas are forward hooks on the torch layers)."""
         return (
-            meta.decode is not None
+            (self.lora is None or self.lora.rows is None)
+            and meta.decode is not None
             and not meta.seqs
             and x.shape[0] <= self.fuse_rows
             and x.dtype is torch.float32
