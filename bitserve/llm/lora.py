@@ -96,7 +96,10 @@ def read_adapter(name: str, path: Path, model: nn.Module, max_rank: int) -> Adap
         for key in f.keys():  # noqa: SIM118 (safe_open is not a dict)
             module, _, kind = key.removeprefix(PEFT_PREFIX).rpartition(".lora_")
             if kind not in ("A.weight", "B.weight"):
-                raise AdapterError(f"lora_path: tensor {key!r} is not a LoRA A or B weight")
+                raise AdapterError(
+                    f"lora_path: tensor {key!r} is not a LoRA A or B weight (whole weights, "
+                    "modules_to_save, are not served)"
+                )
             pairs.setdefault(module, {})[kind[0]] = f.get_tensor(key)
     deltas: dict[str, list[Delta]] = {}
     for module, ab in pairs.items():
@@ -175,7 +178,6 @@ class LoRAManager:
     def __init__(self, model: nn.Module, max_loras: int, max_rank: int, max_rows: int):
         self.model, self.max_loras, self.max_rank = model, max_loras, max_rank
         device = next(model.parameters()).device
-        self.dense = device.type != "cpu"
         self.adapters: dict[str, Adapter] = {}
         self.resident: OrderedDict[int, int] = OrderedDict()  # uid -> slot, LRU first
         self.loads = self.evictions = 0
@@ -187,9 +189,16 @@ class LoRAManager:
         }
         model.lora_layers = self.layers
         model.lora = self
-        if self.dense:  # the static mask a CUDA graph reads; always on (zeros: no adapter)
-            self.mask = torch.zeros(max_rows, max_loras, device=device)
-            self.rows = StepRows(dense=True, mask=self.mask)
+        dtype = next(model.parameters()).dtype
+        self.mask = torch.zeros(max_rows, max_loras, dtype=dtype, device=device)  # static
+        self.use_dense(device.type != "cpu")
+
+    def use_dense(self, dense: bool) -> None:
+        """The dense path (a GPU's; the CPU's tests and bench try it too): always on, the
+        mask zero for rows without an adapter, so a CUDA graph captures the deltas."""
+        self.dense = dense
+        self.mask.zero_()
+        self.rows = StepRows(dense=True, mask=self.mask) if dense else None
 
     # -- registry (load / unload endpoints, lora_modules) -------------------------------
     def register(self, name: str, path: str | Path) -> Adapter:
@@ -256,7 +265,7 @@ class LoRAManager:
                 if adapter.uid in in_step:
                     adapter.tokens += sum(u == adapter.uid for u in row_uids)
         if self.dense:
-            mask = torch.zeros(num_rows, self.max_loras)
+            mask = torch.zeros(num_rows, self.max_loras, dtype=self.mask.dtype)
             for row, uid in enumerate(row_uids):
                 if uid:
                     mask[row, slots[uid]] = 1
@@ -273,10 +282,6 @@ class LoRAManager:
             else:
                 groups.append((slot, torch.tensor(index)))
         self.rows = StepRows(dense=False, groups=groups)
-
-    def clear(self) -> None:
-        if not self.dense:
-            self.rows = None
 
     def stats(self) -> dict[str, dict[str, int]]:
         """Per adapter: requests, tokens, whether resident (the metrics)."""
