@@ -18,7 +18,6 @@ from bitserve.llm.lora import AdapterError
 from bitserve.llm.sampling_params import SamplingError
 from tests.llm.conftest import build_model, make_engine
 from tests.llm.test_architectures import ARCHS
-from tests.llm.test_engine import generate
 
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 DENSE = [*ATTENTION, "gate_proj", "up_proj", "down_proj"]
@@ -180,13 +179,13 @@ def test_adapters_the_engine_cannot_serve_are_refused_naming_why(bases, tmp_path
     with pytest.raises(AdapterError, match="rank 16 is past max_lora_rank 8"):
         engine.lora.register("big", big)
     head = make_adapter(bases["llama"], tmp_path / "head", "llama", seed=1, targets=["lm_head"])
-    with pytest.raises(AdapterError, match="lm_head.* is not a LoRA A or B weight"):
+    with pytest.raises(AdapterError, match=r"lm_head.* is not a LoRA A or B weight"):
         engine.lora.register("head", head)
     moe = make_engine(bases["qwen3_moe"], num_kv_blocks=16, max_loras=1)
     experts = make_adapter(bases["qwen3_moe"], tmp_path / "moe", "moe", seed=1, targets=DENSE)
-    with pytest.raises(AdapterError, match="experts.* is not supported"):
+    with pytest.raises(AdapterError, match=r"experts.* is not supported"):
         moe.lora.register("experts", experts)
-    with pytest.raises(AdapterError, match="adapter_config.json"):
+    with pytest.raises(AdapterError, match=r"adapter_config\.json"):
         engine.lora.register("none", tmp_path)
     plain = make_engine(bases["llama"], num_kv_blocks=16)
     with pytest.raises(SamplingError, match="max_loras is 0"):
