@@ -47,6 +47,7 @@ from bitserve.config import ModelConfig
 from bitserve.inference import InvalidRequest, Overloaded, text_inputs
 from bitserve.llm.async_engine import AsyncLLMEngine, EngineDead
 from bitserve.llm.config import EngineConfig, check_type
+from bitserve.llm.lora import LoRAManager
 from bitserve.llm.outputs import RequestOutput
 from bitserve.llm.sampling_params import SamplingError, SamplingParams
 from bitserve.llm.structured import GUIDED_FIELDS, Guide, guide_from
@@ -193,6 +194,11 @@ class LLMService:
         log.info("model %s: engine restarted, ready again", self.config.name)
 
     @property
+    def lora(self) -> LoRAManager | None:
+        """The engine's LoRA adapters (llm/lora.py); None when it serves none."""
+        return self.engine.engine.lora if self.engine is not None else None
+
+    @property
     def guided_max_string(self) -> int | None:
         assert self.engine is not None
         return self.engine.engine.config.guided_max_string
@@ -263,6 +269,7 @@ class LLMService:
             if any(not 0 <= t < vocab for t in ids):
                 raise InvalidRequest(f"prompt: token ids must be in [0, {vocab})")
             sp.check_vocab(vocab)
+            engine.check_lora(sp.lora)
             engine.scheduler.check_length(len(ids), sp.max_tokens)
             if sp.guide is not None:
                 engine.grammars().template(sp.guide)

@@ -204,7 +204,12 @@ class LoRAManager:
     def register(self, name: str, path: str | Path) -> Adapter:
         if not name or not isinstance(name, str):
             raise AdapterError("lora_name: must be a non-empty string")
-        adapter = read_adapter(name, Path(path), self.model, self.max_rank)
+        try:
+            adapter = read_adapter(name, Path(path), self.model, self.max_rank)
+        except AdapterError:
+            raise
+        except Exception as e:  # a malformed config or safetensors file
+            raise AdapterError(f"lora_path: cannot read the adapter in {path}: {e}") from None
         with self.lock:
             if name in self.adapters:
                 raise AdapterError(f"lora_name: adapter {name!r} is already loaded")

@@ -28,6 +28,7 @@ from bitserve.server import (
     grpc_server,
     health,
     images,
+    lora,
     openai,
     startup,
     v2,
@@ -37,7 +38,8 @@ from bitserve.server.http import error
 from bitserve.server.state import ServerOptions, ServerState
 
 log = logging.getLogger("bitserve.server")
-FRONT_ENDS = (v2, openai, generate, images, health, server_metrics, admin, console)  # in order
+# in order
+FRONT_ENDS = (v2, openai, lora, generate, images, health, server_metrics, admin, console)
 
 
 class App:
