@@ -8,9 +8,10 @@ random PEFT adapters per rank (16 and 64; q, k, v, o, gate, up, down, made with 
 `LLMEngine`, each arm on its own engine (built once; all of them resident):
   - base: an engine without LoRA (max_loras 0): the reference;
   - base-on-lora: the LoRA engine (rank 16) with no adapter on any request (the hooks' cost);
-  - r16 / r64: request i uses adapter i % 4 (max_loras 4, max_lora_rank the rank); on the
-    CPU grouped (each adapter over its rows) and, as `-dense`, the dense masked matmul
-    every slot on every row (the GPU's path), to pick the CPU's path by measurement.
+  - r16 / r64: request i uses adapter i % 4 (max_loras 4, max_lora_rank the rank), on the
+    path this device runs (llm/lora.py: the C kernel on the CPU, dense on a GPU); on the
+    CPU also the other paths, as `-grouped` (torch, each adapter over its rows) and
+    `-dense` (every slot on every row, masked): the CPU's path is picked by measurement.
 Rounds interleave the arms (their order rotates each round), so drift on a shared box
 hits all alike; each arm's figure is its median over the rounds, with min-max spread,
 and its ratio to the base's median. Prints a table, then one JSON line.
@@ -30,6 +31,7 @@ import torch
 
 from bench.llm_throughput import SHAPE, build_model
 from bitserve.llm.engine import LLMEngine
+from bitserve.llm.lora import PATHS
 from bitserve.llm.sampling_params import SamplingParams
 
 STREAMS, ADAPTERS, PROMPT, OUTPUT = 16, 4, 64, 128
@@ -79,7 +81,7 @@ def main() -> None:
         build_model(root / "base")
         common = dict(device=args.device, max_model_len=512, num_kv_blocks=256, max_num_seqs=16)
         engines = {"base": LLMEngine(root / "base", **common)}
-        arms: dict[str, tuple[str, list[str | None], bool]] = {"base": ("base", [None] * 16, False)}
+        arms: dict[str, tuple[str, list[str | None], str]] = {"base": ("base", [None] * 16, "")}
         for rank in (16, 64):
             adapters = make_adapters(root / "base", root, rank)
             engines[f"r{rank}"] = LLMEngine(
@@ -87,21 +89,23 @@ def main() -> None:
                 lora_modules=adapters,
             )  # fmt: skip
             names = [list(adapters)[i % ADAPTERS] for i in range(STREAMS)]
-            arms[f"r{rank}"] = (f"r{rank}", names, not on_cpu)
-            if on_cpu:
-                arms[f"r{rank}-dense"] = (f"r{rank}", names, True)
-        arms["base-on-lora"] = ("r16", [None] * 16, not on_cpu)
-        for engine, loras, dense in arms.values():  # warm-up, each arm once
-            if engines[engine].lora is not None:
-                engines[engine].lora.use_dense(dense)
+            default = engines[f"r{rank}"].lora.path  # what this device runs
+            arms[f"r{rank}"] = (f"r{rank}", names, default)
+            for path in [p for p in PATHS if p != default and on_cpu]:
+                if path != "c" or engines[f"r{rank}"].lora.kernels is not None:
+                    arms[f"r{rank}-{path}"] = (f"r{rank}", names, path)
+        arms["base-on-lora"] = ("r16", [None] * 16, engines["r16"].lora.path)
+        for engine, loras, path in arms.values():  # warm-up, each arm once
+            if path:
+                engines[engine].lora.use_path(path)
             run(engines[engine], loras[:2])
         figures: dict[str, list[float]] = {name: [] for name in arms}
         order = list(arms)
         for r in range(args.rounds):
             for name in order[r % len(order) :] + order[: r % len(order)]:
-                engine, loras, dense = arms[name]
-                if engines[engine].lora is not None:
-                    engines[engine].lora.use_dense(dense)
+                engine, loras, path = arms[name]
+                if path:
+                    engines[engine].lora.use_path(path)
                 figures[name].append(run(engines[engine], loras))
                 print(f"  round {r + 1}: {name:13s} {figures[name][-1]:8.1f} tok/s", flush=True)
     base = median(figures["base"])

@@ -150,6 +150,16 @@ class Kernels:
         self.lib.bs_gemv(w, ptr(x), x.stride(0), x.shape[0], ptr(y))
         return y
 
+    def lora_add(self, x, slots, a, bt, y) -> None:
+        """LoRA deltas in place on y [M, N]: x [M, K] (unit inner stride), slots int32 [M]
+        (-1: no adapter), a [S, W, K] and bt [S, W, N] contiguous (csrc/lora.c)."""
+        m, k = x.shape
+        s, w, n = bt.shape
+        where = ptr(slots, "int *")
+        self.lib.bs_lora_add(
+            ptr(x), x.stride(0), m, k, where, ptr(a), ptr(bt), s, w, n, ptr(y), y.stride(0)
+        )
+
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """gate_up [M, 2I] contiguous fp32 (gate | up) -> silu(gate) * up, [M, I]."""
         m, two_i = gate_up.shape

@@ -18,9 +18,12 @@ the scale alpha / r, or alpha / sqrt(r) under rsLoRA, folded into B). Per step,
 `LoRAManager.set_rows` says which slot each row uses (-1: the base model alone).
 
 The grouped low-rank matmul, two ways, picked by the device (`python -m bench.lora`):
-- grouped (the CPU): per adapter in the step, over its rows only,
-  `y[rows] += (x[rows] @ A^T) @ B^T`; a step with no adapter row adds nothing, and the
-  base model's fused C decode layer runs as without LoRA;
+- c (the CPU with the C kernels, fp32): `bs_lora_add` (kernels/csrc/lora.c), one call
+  per linear whatever the mix: each row through its own slot's A and B^T;
+- grouped (the CPU without them): per adapter in the step, over its rows only,
+  `y[rows] += (x[rows] @ A^T) @ B^T`;
+  with either, a step with no adapter row adds nothing, and the base model's fused C
+  decode layer runs as without LoRA;
 - dense (a GPU): every slot on every row, `((x @ A_all^T) * mask) @ B_all^T`, the mask 1
   on a row's own slot's rank columns: two GEMMs whatever the mix, no host read, so a
   CUDA graph captures it (the mask is a static buffer the step writes).
@@ -147,7 +150,11 @@ class LoRALinear:
         if rows is None:
             return y
         x = inputs[0]
-        if rows.dense:
+        if rows.path == "c":
+            x = x if x.stride(-1) == 1 else x.contiguous()
+            self.manager.kernels.lora_add(x, rows.slots, self.a, self.bt, y)
+            return y
+        if rows.path == "dense":
             slots, width = self.a.shape[0], self.width
             xa = (x @ self.a.view(-1, x.shape[-1]).t()).view(-1, slots, width)
             xa = xa * rows.mask[: x.shape[0], :, None]
@@ -162,12 +169,17 @@ class LoRALinear:
         return y
 
 
+PATHS = ("c", "grouped", "dense")
+
+
 @dataclass
 class StepRows:
-    """Which slot each row of a step uses: `groups` (slot, rows as a slice or an index
-    tensor) for the grouped path, `mask` [rows, slots] for the dense one."""
+    """Which slot each row of a step uses, as its path reads it: `slots` int32 [rows]
+    (-1: none) for the C kernel, `groups` (slot, rows as a slice or an index tensor) for
+    the grouped torch path, `mask` [rows, slots] for the dense one."""
 
-    dense: bool
+    path: str
+    slots: torch.Tensor | None = None
     groups: list[tuple[int, slice | torch.Tensor]] = field(default_factory=list)
     mask: torch.Tensor | None = None
 
@@ -175,8 +187,11 @@ class StepRows:
 class LoRAManager:
     """The registered adapters, the slots, LRU residency, and each step's rows."""
 
-    def __init__(self, model: nn.Module, max_loras: int, max_rank: int, max_rows: int):
+    def __init__(
+        self, model: nn.Module, max_loras: int, max_rank: int, max_rows: int, kernels=None
+    ):
         self.model, self.max_loras, self.max_rank = model, max_loras, max_rank
+        self.kernels = kernels  # the CPU's C kernels (fp32), else None
         device = next(model.parameters()).device
         self.adapters: dict[str, Adapter] = {}
         self.resident: OrderedDict[int, int] = OrderedDict()  # uid -> slot, LRU first
@@ -191,14 +206,17 @@ class LoRAManager:
         model.lora = self
         dtype = next(model.parameters()).dtype
         self.mask = torch.zeros(max_rows, max_loras, dtype=dtype, device=device)  # static
-        self.use_dense(device.type != "cpu")
+        self.use_path("dense" if device.type != "cpu" else "c" if kernels else "grouped")
 
-    def use_dense(self, dense: bool) -> None:
-        """The dense path (a GPU's; the CPU's tests and bench try it too): always on, the
-        mask zero for rows without an adapter, so a CUDA graph captures the deltas."""
-        self.dense = dense
+    def use_path(self, path: str) -> None:
+        """How the deltas are computed (the module docstring; tests and bench.lora try
+        each). Dense is always on, the mask zero for rows without an adapter, so a CUDA
+        graph captures the deltas; the others add nothing to a step with no adapter."""
+        if path not in PATHS or (path == "c" and self.kernels is None):
+            raise ValueError(f"LoRA path {path!r}: one of {PATHS} ('c' with the C kernels)")
+        self.path = path
         self.mask.zero_()
-        self.rows = StepRows(dense=True, mask=self.mask) if dense else None
+        self.rows = StepRows("dense", mask=self.mask) if path == "dense" else None
 
     # -- registry (load / unload endpoints, lora_modules) -------------------------------
     def register(self, name: str, path: str | Path) -> Adapter:
@@ -269,7 +287,7 @@ class LoRAManager:
             for adapter in self.adapters.values():
                 if adapter.uid in in_step:
                     adapter.tokens += sum(u == adapter.uid for u in row_uids)
-        if self.dense:
+        if self.path == "dense":
             mask = torch.zeros(num_rows, self.max_loras, dtype=self.mask.dtype)
             for row, uid in enumerate(row_uids):
                 if uid:
@@ -279,6 +297,10 @@ class LoRAManager:
         if not in_step:
             self.rows = None
             return
+        if self.path == "c":
+            row_slots = [slots[uid] if uid else -1 for uid in row_uids]
+            self.rows = StepRows("c", slots=torch.tensor(row_slots, dtype=torch.int32))
+            return
         groups = []
         for uid, slot in slots.items():
             index = [row for row, u in enumerate(row_uids) if u == uid]
@@ -286,7 +308,7 @@ class LoRAManager:
                 groups.append((slot, slice(index[0], index[-1] + 1)))
             else:
                 groups.append((slot, torch.tensor(index)))
-        self.rows = StepRows(dense=False, groups=groups)
+        self.rows = StepRows("grouped", groups=groups)
 
     def stats(self) -> dict[str, dict[str, int]]:
         """Per adapter: requests, tokens, whether resident (the metrics)."""

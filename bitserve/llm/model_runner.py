@@ -300,7 +300,8 @@ class ModelRunner:
         self.buffers = StepBuffers(max_rows, -(-config.max_model_len // bs), self.device)
         self.lora = None  # the LoRA adapters' slots and hooks (lora.py)
         if config.max_loras:
-            self.lora = LoRAManager(self.model, config.max_loras, config.max_lora_rank, max_rows)
+            rank = config.max_lora_rank
+            self.lora = LoRAManager(self.model, config.max_loras, rank, max_rows, self.kernels)
         self.graphs: dict[int, Any] = {}
         if make_graph is not None:
             self.capture_graphs(make_graph)

@@ -13,8 +13,9 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM
 
+from bitserve import kernels
 from bitserve.llm import SamplingParams
-from bitserve.llm.lora import AdapterError
+from bitserve.llm.lora import PATHS, AdapterError
 from bitserve.llm.sampling_params import SamplingError
 from tests.llm.conftest import build_model, make_engine
 from tests.llm.test_architectures import ARCHS
@@ -110,13 +111,15 @@ def llama_adapters(bases, tmp_path_factory):
     return {name: str(path) for name, path in made.items()}
 
 
-@pytest.mark.parametrize("dense", [False, True], ids=["grouped", "dense"])
+@pytest.mark.parametrize("path", PATHS)
 def test_one_step_mixing_three_adapters_and_the_base_gives_each_row_its_own_model(
-    bases, llama_adapters, dense
+    bases, llama_adapters, path
 ):
     base = bases["llama"]
     engine = make_engine(base, num_kv_blocks=64, max_loras=3, lora_modules=llama_adapters)
-    engine.lora.use_dense(dense)
+    if path == "c" and engine.lora.kernels is None:
+        pytest.skip("no C compiler here: the C kernels are not built")
+    engine.lora.use_path(path)
     steps = []
     engine.fault_hook = lambda seqs: steps.append({s.lora_id for s in seqs})
     loras = ["a", "b", "c", None] * 2  # interleaved: each adapter's rows are not contiguous
@@ -190,3 +193,22 @@ def test_adapters_the_engine_cannot_serve_are_refused_naming_why(bases, tmp_path
     plain = make_engine(bases["llama"], num_kv_blocks=16)
     with pytest.raises(SamplingError, match="max_loras is 0"):
         plain.add_request(None, PROMPTS[0], greedy("big"))
+
+
+@pytest.mark.skipif(kernels.get() is None, reason="no C compiler here")
+@pytest.mark.parametrize(("k", "n"), [(64, 192), (72, 37)])  # 72: not a multiple of 32
+def test_the_c_kernel_adds_each_rows_own_slot_as_torch_does(k, n):
+    g = torch.Generator().manual_seed(0)
+    slots_, width, rows = 3, 24, 9
+    a = torch.randn(slots_, width, k, generator=g)
+    bt = torch.randn(slots_, width, n, generator=g)
+    a[1, 16:] = 0  # a smaller rank, zero-padded: its columns are skipped
+    x = torch.randn(rows, k + 8, generator=g)[:, :k]  # a row stride that is not k
+    slots = torch.tensor([0, 2, -1, 1, 0, 2, -1, 1, 1], dtype=torch.int32)
+    y = torch.randn(rows, n, generator=g)
+    want = y.clone()
+    for row, slot in enumerate(slots.tolist()):
+        if slot >= 0:
+            want[row] += (a[slot] @ x[row]) @ bt[slot]
+    kernels.get().lora_add(x, slots, a, bt, y)
+    torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-4)

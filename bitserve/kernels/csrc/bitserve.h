@@ -88,6 +88,11 @@ void bs_silu_mul(const float *gu, long M, long I, float *out);
 void bs_rope_rows(float *x, long T, long ld, long H, long D, const int64_t *positions,
                   const float *cos, const float *sin);
 
+/* LoRA (lora.c): y[m] (row stride ldy) += Bt[s]^T (A[s] x[m]) for each row m of x [M, K]
+   (row stride ldx) whose slot s = slots[m] is >= 0; A [S, W, K], Bt [S, W, N] */
+void bs_lora_add(const float *x, long ldx, long M, long K, const int *slots, const float *A,
+                 const float *Bt, long S, long W, long N, float *y, long ldy);
+
 /* The compiler's layout of the structs above, for the test that holds cffi's to it:
    offsetof(type, field), or sizeof(type) for field "", or -1 if not listed. */
 long bs_layout(const char *type, const char *field);
