@@ -204,11 +204,18 @@ class Kernels:
         return self.lib.bs_layout(struct.encode(), field.encode())
 
 
-def fp32_weight(weight: torch.Tensor, bias: torch.Tensor | None, packed: bool = False) -> Any:
+def fp32_weight(
+    weight: torch.Tensor, bias: torch.Tensor | None, packed: bool = False, lora=None
+) -> Any:
     """A `Weight` view of an fp32 linear layer: weight [N, K] contiguous (`packed`: as
-    `Kernels.pack` left it)."""
+    `Kernels.pack` left it); `lora`: its LoRA slots (a, bt, row slots) as
+    `Kernels.lora_add` takes them, added after the product."""
     n, k = weight.shape
     fields = {"kind": 3 if packed else 0, "data": ptr(weight), "bias": ptr(bias), "N": n, "K": k}
+    if lora is not None:
+        a, bt, slots = lora
+        fields |= {"lora_a": ptr(a), "lora_bt": ptr(bt), "lora_slots": ptr(slots, "int *")}
+        fields |= {"lora_S": a.shape[0], "lora_W": a.shape[1]}
     return ffi().new("Weight *", fields)
 
 

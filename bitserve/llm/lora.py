@@ -133,6 +133,7 @@ class LoRALinear:
         self.a = torch.zeros(slots, self.width, linear.in_features, dtype=w.dtype, device=w.device)
         self.bt = torch.zeros(slots, self.width, out, dtype=w.dtype, device=w.device)
         linear.register_forward_hook(self.hook)
+        manager.by_linear[id(linear)] = self
 
     def fill(self, slot: int, deltas: list[Delta]) -> None:
         """Copy an adapter's parts into `slot` (zeros where it has none)."""
@@ -198,6 +199,10 @@ class LoRAManager:
         self.loads = self.evictions = 0
         self.rows: StepRows | None = None  # this step's (None: no adapter row)
         self.lock = threading.Lock()  # registration (any thread) vs a step's lookups
+        self.by_linear: dict[int, LoRALinear] = {}
+        # each row's slot (-1: none), the C path's: a static buffer the C layer's cached
+        # params point to, so its rows past a step's stay -1
+        self.row_slots = torch.full((max_rows,), -1, dtype=torch.int32)
         self.layers = {
             name: LoRALinear(linear, FUSED_PARTS.get(name.rpartition(".")[2], 1), self, sizes)
             for name, linear, sizes in lora_targets(model)
@@ -216,6 +221,7 @@ class LoRAManager:
             raise ValueError(f"LoRA path {path!r}: one of {PATHS} ('c' with the C kernels)")
         self.path = path
         self.mask.zero_()
+        self.row_slots.fill_(-1)
         self.rows = StepRows("dense", mask=self.mask) if path == "dense" else None
 
     # -- registry (load / unload endpoints, lora_modules) -------------------------------
@@ -294,12 +300,13 @@ class LoRAManager:
                     mask[row, slots[uid]] = 1
             self.mask[:num_rows].copy_(mask, non_blocking=True)
             return
+        if self.path == "c":  # (rows with none must be -1 for the C layer too)
+            row_slots = [slots[uid] if uid else -1 for uid in row_uids]
+            self.row_slots[:num_rows] = torch.tensor(row_slots, dtype=torch.int32)
+            self.rows = StepRows("c", slots=self.row_slots[:num_rows]) if in_step else None
+            return
         if not in_step:
             self.rows = None
-            return
-        if self.path == "c":
-            row_slots = [slots[uid] if uid else -1 for uid in row_uids]
-            self.rows = StepRows("c", slots=torch.tensor(row_slots, dtype=torch.int32))
             return
         groups = []
         for uid, slot in slots.items():
@@ -309,6 +316,18 @@ class LoRAManager:
             else:
                 groups.append((slot, torch.tensor(index)))
         self.rows = StepRows("grouped", groups=groups)
+
+    def fuses(self, num_rows: int, chunk: int) -> bool:
+        """Whether the fused C decode layer may run this step: no adapter row, or the C
+        path within one chunk of rows (the layer's slots pointer is the step's row 0)."""
+        return self.rows is None or (self.path == "c" and num_rows <= chunk)
+
+    def c_view(self, linear: nn.Module):
+        """(a, bt, row slots) of a linear for the C layer's `Weight`, or None."""
+        layer = self.by_linear.get(id(linear))
+        if layer is None or self.kernels is None:
+            return None
+        return layer.a, layer.bt, self.row_slots
 
     def stats(self) -> dict[str, dict[str, int]]:
         """Per adapter: requests, tokens, whether resident (the metrics)."""

@@ -264,10 +264,10 @@ class LlamaForCausalLM(nn.Module):
     lora = None  # the LoRA adapters' manager (llm/lora.py), when the engine serves them
 
     def can_fuse_decode(self, x: torch.Tensor, meta: AttentionMetadata) -> bool:
-        """Every row is a one-token decode and the C layer suits the row count; no row
-        has a LoRA adapter (its deltas are forward hooks on the torch layers)."""
+        """Every row is a one-token decode and the C layer suits the row count; rows with
+        a LoRA adapter only when the C layer adds its deltas (lora.py's "c" path)."""
         return (
-            (self.lora is None or self.lora.rows is None)
+            (self.lora is None or self.lora.fuses(x.shape[0], FUSED_CHUNK))
             and meta.decode is not None
             and not meta.seqs
             and x.shape[0] <= self.fuse_rows
@@ -335,11 +335,12 @@ class LlamaForCausalLM(nn.Module):
             rotary = self.local_rotary
         sandwich = layer.sandwich
         pre_mlp = layer.pre_feedforward_layernorm if sandwich else layer.post_attention_layernorm
+        lora = self.lora.c_view if self.lora is not None else lambda _: None
         return c.layer_params(
-            qkv=attn.qkv_proj.c_view(),
-            o=attn.o_proj.c_view(),
-            gu=mlp.gate_up_proj.c_view(),
-            down=mlp.down_proj.c_view(),
+            qkv=attn.qkv_proj.c_view(lora(attn.qkv_proj)),
+            o=attn.o_proj.c_view(lora(attn.o_proj)),
+            gu=mlp.gate_up_proj.c_view(lora(mlp.gate_up_proj)),
+            down=mlp.down_proj.c_view(lora(mlp.down_proj)),
             ln1=self.c_norm(layer.input_layernorm),
             ln2=self.c_norm(pre_mlp),
             qnorm=self.c_norm(attn.q_norm),
