@@ -113,19 +113,25 @@ def llama_adapters(bases, tmp_path_factory):
 
 @pytest.mark.parametrize("path", PATHS)
 def test_one_step_mixing_three_adapters_and_the_base_gives_each_row_its_own_model(
-    bases, llama_adapters, path
+    bases, llama_adapters, path, monkeypatch
 ):
     base = bases["llama"]
     engine = make_engine(base, num_kv_blocks=64, max_loras=3, lora_modules=llama_adapters)
     if path == "c" and engine.lora.kernels is None:
         pytest.skip("no C compiler here: the C kernels are not built")
     engine.lora.use_path(path)
+    fused = []  # the C path's decode steps run the fused C layer, deltas inside
+    if path == "c":
+        layer = engine.runner.kernels.decode_layer
+        spy = lambda params, x, *rest: fused.append(len(x)) or layer(params, x, *rest)  # noqa: E731
+        monkeypatch.setattr(engine.runner.kernels, "decode_layer", spy)
     steps = []
     engine.fault_hook = lambda seqs: steps.append({s.lora_id for s in seqs})
     loras = ["a", "b", "c", None] * 2  # interleaved: each adapter's rows are not contiguous
     prompts = [PROMPTS[i % 4] for i in range(8)]
     outs = engine_outputs(engine, prompts, [greedy(lora) for lora in loras])
     assert len(steps[0]) == 4  # the three adapters' rows and the base's in one step
+    assert (8 in fused) == (path == "c")
     for prompt, lora, out in zip(prompts, loras, outs, strict=True):
         adapter = llama_adapters[lora] if lora else None
         assert out.token_ids == reference(base, adapter, prompt)[0], lora
@@ -212,3 +218,30 @@ def test_the_c_kernel_adds_each_rows_own_slot_as_torch_does(k, n):
             want[row] += (a[slot] @ x[row]) @ bt[slot]
     kernels.get().lora_add(x, slots, a, bt, y)
     torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-4)
+
+
+def test_on_a_gpu_the_dense_path_is_captured_by_the_decode_graphs(
+    bases, llama_adapters, monkeypatch
+):
+    """A pretend GPU (tests/fakedevice.py) with the graph stand-in of test_step_ops: the
+    deltas are in what a CUDA graph captures (the mask a static buffer the step writes),
+    and replayed decode steps mixing adapters give each row its own model's tokens."""
+    from bitserve.llm import model_runner
+    from tests.fakedevice import FakeCuda
+    from tests.llm.test_step_ops import CallGraph
+
+    monkeypatch.setattr(kernels, "get", lambda: None)
+    monkeypatch.setattr(model_runner, "graph_factory", lambda config: CallGraph)
+    base, loras = bases["llama"], ["a", "b", None, "c"]
+    with FakeCuda():
+        engine = make_engine(
+            base, device="cuda", dtype="float32", num_kv_blocks=64, max_num_seqs=4,
+            max_loras=3, lora_modules=llama_adapters,
+        )  # fmt: skip
+        assert engine.lora.path == "dense" and engine.runner.graphs
+        CallGraph.replays = 0
+        outs = engine_outputs(engine, PROMPTS, [greedy(lora) for lora in loras])
+    assert CallGraph.replays > 0
+    for prompt, lora, out in zip(PROMPTS, loras, outs, strict=True):
+        adapter = llama_adapters[lora] if lora else None
+        assert out.token_ids == reference(base, adapter, prompt)[0], lora
