@@ -1,28 +1,47 @@
 /* LoRA deltas for a step whose rows use different adapters (bitserve/llm/lora.py):
-   y[i] += Bt[s]^T (A[s] x[i]) for each row i whose slot s = slots[i] is >= 0, in one
+   y[m] += Bt[s]^T (A[s] x[m]) for each row m whose slot s = slots[m] is >= 0, in one
    call per linear layer whatever the mix, where torch needs an index_select, two small
-   matmuls and an index_add per adapter in the step. A [S, W, K] and Bt [S, W, N] are the
-   slots' stacks (W rank columns a slot; zero rows where an adapter's rank is below W or a
-   part is not targeted: skipped, their product being 0). Rows of one slot are taken
-   together so its A and Bt stay in cache. */
+   matmuls and an index_add per adapter in the step (the fused decode layer calls it
+   from bs_gemv, so a decode step with adapters stays one C call per layer).
+
+   A [S, W, K] and Bt [S, W, N] are the slots' stacks, W rank columns a slot; a column
+   whose product is 0 (an adapter's rank below W, a part it does not target: zero rows of
+   A) is skipped. A slot's rows are taken together: each A row is dotted with all of
+   them while it is in L1, and Bt is read in column tiles that stay in L1 for every row,
+   so a slot's A and Bt come from memory once per call, not once per row. */
 #include "internal.h"
 
-void bs_lora_add(const float *x, long ldx, long M, long K, const int *slots, const float *A,
-                 const float *Bt, long S, long W, long N, float *y, long ldy) {
-    float xa[W > 0 ? W : 1];
-    for (long s = 0; s < S; s++) {
-        const float *a = A + s * W * K, *bt = Bt + s * W * N;
-        for (long m = 0; m < M; m++) {
-            if (slots[m] != s) continue;
-            const float *xm = x + m * ldx;
-            float *ym = y + m * ldy;
-            for (long w = 0; w < W; w++) xa[w] = dot(a + w * K, xm, K);
+#define TILE 128 /* Bt columns a pass: W x TILE floats stay in L1 for every row */
+
+static void slot_rows(const float *x, long ldx, long K, const long *rows, long n, const float *a,
+                      const float *bt, long W, long N, float *y, long ldy, float *xa) {
+    for (long w = 0; w < W; w++)
+        for (long i = 0; i < n; i++) xa[i * W + w] = dot(a + w * K, x + rows[i] * ldx, K);
+    for (long n0 = 0; n0 < N; n0 += TILE) {
+        long nb = N - n0 < TILE ? N - n0 : TILE;
+        for (long i = 0; i < n; i++) {
+            float *ym = y + rows[i] * ldy + n0;
             for (long w = 0; w < W; w++) {
-                if (xa[w] == 0.f) continue;
-                const float c = xa[w], *b = bt + w * N;
+                const float c = xa[i * W + w], *b = bt + w * N + n0;
+                if (c == 0.f) continue;
 #pragma omp simd
-                for (long n = 0; n < N; n++) ym[n] += c * b[n];
+                for (long j = 0; j < nb; j++) ym[j] += c * b[j];
             }
         }
     }
+}
+
+void bs_lora_add(const float *x, long ldx, long M, long K, const int *slots, const float *A,
+                 const float *Bt, long S, long W, long N, float *y, long ldy) {
+    long *rows = malloc(sizeof(long) * (M > 0 ? M : 1));
+    float *xa = malloc(sizeof(float) * (M * W > 0 ? M * W : 1));
+    if (!rows || !xa) abort();
+    for (long s = 0; s < S; s++) {
+        long n = 0;
+        for (long m = 0; m < M; m++)
+            if (slots[m] == s) rows[n++] = m;
+        if (n) slot_rows(x, ldx, K, rows, n, A + s * W * K, Bt + s * W * N, W, N, y, ldy, xa);
+    }
+    free(rows);
+    free(xa);
 }
