@@ -36,7 +36,7 @@ import itertools
 import json
 import math
 import threading
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -288,11 +288,11 @@ class LoRAManager:
     def set_rows(self, row_uids: list[int], num_rows: int) -> None:
         """A step's rows (`num_rows` with a CUDA graph's padding): each one's adapter."""
         with self.lock:
-            in_step = set(row_uids) - {0}
+            counts = Counter(row_uids)
+            in_step = set(counts) - {0}
             slots = {uid: self.slot(uid, in_step) for uid in in_step}
             for adapter in self.adapters.values():
-                if adapter.uid in in_step:
-                    adapter.tokens += sum(u == adapter.uid for u in row_uids)
+                adapter.tokens += counts.get(adapter.uid, 0)
         if self.path == "dense":
             mask = torch.zeros(num_rows, self.max_loras, dtype=self.mask.dtype)
             for row, uid in enumerate(row_uids):
@@ -301,9 +301,9 @@ class LoRAManager:
             self.mask[:num_rows].copy_(mask, non_blocking=True)
             return
         if self.path == "c":  # (rows with none must be -1 for the C layer too)
-            row_slots = [slots[uid] if uid else -1 for uid in row_uids]
-            self.row_slots[:num_rows] = torch.tensor(row_slots, dtype=torch.int32)
-            self.rows = StepRows("c", slots=self.row_slots[:num_rows]) if in_step else None
+            row_slots = torch.tensor([slots[uid] if uid else -1 for uid in row_uids])
+            self.row_slots[:num_rows] = row_slots
+            self.rows = StepRows("c", slots=row_slots.int()) if in_step else None
             return
         if not in_step:
             self.rows = None
@@ -317,10 +317,16 @@ class LoRAManager:
                 groups.append((slot, torch.tensor(index)))
         self.rows = StepRows("grouped", groups=groups)
 
-    def fuses(self, num_rows: int, chunk: int) -> bool:
+    def fuses(self) -> bool:
         """Whether the fused C decode layer may run this step: no adapter row, or the C
-        path within one chunk of rows (the layer's slots pointer is the step's row 0)."""
-        return self.rows is None or (self.path == "c" and num_rows <= chunk)
+        path (the layer adds the deltas)."""
+        return self.rows is None or self.path == "c"
+
+    def chunk(self, start: int, rows: int) -> None:
+        """The fused layer runs rows start .. start + rows next: their slots to row 0 of
+        the buffer its params point to."""
+        if self.rows is not None:
+            self.row_slots[:rows] = self.rows.slots[start : start + rows]
 
     def c_view(self, linear: nn.Module):
         """(a, bt, row slots) of a linear for the C layer's `Weight`, or None."""

@@ -21,6 +21,21 @@ static void slot_rows(const float *x, long ldx, long K, const long *rows, long n
         long nb = N - n0 < TILE ? N - n0 : TILE;
         for (long i = 0; i < n; i++) {
             float *ym = y + rows[i] * ldy + n0;
+#ifdef __AVX512F__
+            if (nb == TILE) { /* the row's tile in 8 registers across every w */
+                __m512 acc[TILE / 16];
+                for (int v = 0; v < TILE / 16; v++) acc[v] = _mm512_loadu_ps(ym + 16 * v);
+                for (long w = 0; w < W; w++) {
+                    const float c = xa[i * W + w], *b = bt + w * N + n0;
+                    if (c == 0.f) continue;
+                    __m512 cv = _mm512_set1_ps(c);
+                    for (int v = 0; v < TILE / 16; v++)
+                        acc[v] = _mm512_fmadd_ps(cv, _mm512_loadu_ps(b + 16 * v), acc[v]);
+                }
+                for (int v = 0; v < TILE / 16; v++) _mm512_storeu_ps(ym + 16 * v, acc[v]);
+                continue;
+            }
+#endif
             for (long w = 0; w < W; w++) {
                 const float c = xa[i * W + w], *b = bt + w * N + n0;
                 if (c == 0.f) continue;

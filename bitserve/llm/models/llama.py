@@ -267,7 +267,7 @@ class LlamaForCausalLM(nn.Module):
         """Every row is a one-token decode and the C layer suits the row count; rows with
         a LoRA adapter only when the C layer adds its deltas (lora.py's "c" path)."""
         return (
-            (self.lora is None or self.lora.fuses(x.shape[0], FUSED_CHUNK))
+            (self.lora is None or self.lora.fuses())
             and meta.decode is not None
             and not meta.seqs
             and x.shape[0] <= self.fuse_rows
@@ -383,9 +383,12 @@ class LlamaForCausalLM(nn.Module):
             b = min(a + FUSED_CHUNK, len(x))
             tables, lens, ends = d.block_tables[a:b], d.context_lens[a:b], d.seq_lens[a:b]
             batch = DecodeBatch(d.rows[: b - a], tables, lens, ends)
-            chunks.append((x[a:b], positions[a:b], slots[a:b], batch))
+            chunks.append((a, x[a:b], positions[a:b], slots[a:b], batch))
+        lora = self.lora if self.lora is not None and len(chunks) > 1 else None
         for params in self.layer_params():
-            for rows_x, rows_pos, rows_slots, rows_d in chunks:
+            for a, rows_x, rows_pos, rows_slots, rows_d in chunks:
+                if lora is not None:  # the C layer reads the chunk's adapters from row 0
+                    lora.chunk(a, len(rows_x))
                 self.kernels.decode_layer(params, rows_x, rows_pos, rows_slots, rows_d, scratch)
         return x
 
