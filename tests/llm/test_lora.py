@@ -247,3 +247,22 @@ def test_on_a_gpu_the_dense_path_is_captured_by_the_decode_graphs(
     for prompt, lora, out in zip(PROMPTS, loras, outs, strict=True):
         adapter = llama_adapters[lora] if lora else None
         assert out.token_ids == reference(base, adapter, prompt)[0], lora
+
+
+def test_unloading_an_adapter_in_use_fails_its_requests_only(bases, llama_adapters):
+    base = bases["llama"]
+    engine = make_engine(base, num_kv_blocks=64, max_loras=2)
+    engine.lora.register("x", llama_adapters["a"])
+    prompt = PROMPTS[1]
+    engine.add_request("with-x", prompt, greedy("x"))
+    engine.add_request("base", prompt, greedy())
+    engine.step()
+    engine.lora.unregister("x")
+    finals = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out
+    assert "unloaded" in finals["with-x"].error
+    assert finals["base"].error is None
+    assert finals["base"].outputs[0].token_ids == reference(base, None, prompt)[0]
