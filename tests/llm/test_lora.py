@@ -19,7 +19,7 @@ from bitserve.llm.lora import PATHS, AdapterError
 from bitserve.llm.models import llama
 from bitserve.llm.sampling_params import SamplingError
 from tests.llm.conftest import build_model, make_engine
-from tests.llm.test_architectures import ARCHS
+from tests.llm.test_architectures import ARCHS, mistral_window
 
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 DENSE = [*ATTENTION, "gate_proj", "up_proj", "down_proj"]
@@ -36,7 +36,8 @@ NEW = 8
 @pytest.fixture(scope="module")
 def bases(model_dirs, tmp_path_factory):
     root = tmp_path_factory.mktemp("lora_bases")
-    return model_dirs | {name: build_model(root / name, make()) for name, make in ARCHS.items()}
+    archs = ARCHS | {"mistral": mistral_window}  # (Mistral: with its sliding window)
+    return model_dirs | {name: build_model(root / name, make()) for name, make in archs.items()}
 
 
 def hf_model(folder):
@@ -76,13 +77,13 @@ def greedy(lora=None, new=NEW, logprobs=None):
     )
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2", "mixtral", "gpt2", *ARCHS])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "mixtral", "gpt2", *ARCHS, "mistral"])
 def test_an_adapter_gives_transformers_peft_tokens_and_logprobs(bases, tmp_path, name):
     adapter = make_adapter(bases[name], tmp_path / "a", name, seed=1)
     engine = make_engine(
         bases[name], num_kv_blocks=64, max_loras=1, lora_modules={"a": str(adapter)}
     )
-    prompt = PROMPTS[0]
+    prompt = PROMPTS[2]  # 41 tokens: past the sliding windows (24) of Mistral and Gemma
     [out] = engine_outputs(engine, [prompt], [greedy("a", logprobs=0)])
     want_tokens, want_logprobs = reference(bases[name], adapter, prompt)
     assert out.token_ids == want_tokens
