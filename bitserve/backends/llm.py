@@ -100,6 +100,7 @@ class LLMService:
             )
         self.folder = _folder(params.get("path"), version_dir)
         self.engine_args = {k: v for k, v in params.items() if k in ENGINE_KEYS}
+        self.adapter = self._adapter_version(params, version_dir)
         where = version_dir.parent / "config.toml"
         self.max_queued_requests = _param(params, "max_queued_requests", int, 256, where)
         self.max_queued_tokens = _param(params, "max_queued_tokens", int, 1 << 20, where)
@@ -122,6 +123,21 @@ class LLMService:
         self.restarts = 0
         self._died = asyncio.Event()
         self._supervisor: asyncio.Task | None = None
+
+    def _adapter_version(self, params: dict, version_dir: Path) -> str | None:
+        """A version folder holding a PEFT adapter is that adapter over the base model at
+        `path` (llm/lora.py): every request of the version generates with it, so the
+        rollout canaries or shadows an adapter as any other version."""
+        if not (version_dir / "adapter_config.json").is_file():
+            return None
+        if "path" not in params:
+            raise LoadError(f"{version_dir}: an adapter version needs the base model's `path`")
+        name, modules = f"{self.config.name}/{version_dir.name}", params.get("lora_modules", {})
+        if not isinstance(modules, dict):
+            raise LoadError(f"{version_dir.parent / 'config.toml'}: lora_modules must be a table")
+        modules = {**modules, name: str(version_dir)}
+        self.engine_args |= {"lora_modules": modules, "max_loras": params.get("max_loras") or 1}
+        return name
 
     # ------------------------------------------------------------ lifecycle
 
@@ -264,6 +280,7 @@ class LLMService:
         vocab = int(engine.config.hf_config.get("vocab_size") or len(self.tokenizer))
         encoded = [self.encode(p) for p in prompts]
         for ids, sp in zip(encoded, params, strict=True):
+            sp.lora = sp.lora or self.adapter  # an adapter version's own by default
             if not ids:
                 raise InvalidRequest("prompt: the prompt is empty")
             if any(not 0 <= t < vocab for t in ids):

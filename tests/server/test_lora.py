@@ -4,6 +4,8 @@ token. References are transformers + peft on the same PEFT folders."""
 
 from __future__ import annotations
 
+import shutil
+
 import httpx
 import openai
 import pytest
@@ -48,6 +50,13 @@ def setup(tmp_path_factory):
     }
     adapters["big"] = make_adapter(base, root / "big", 9, rank=32)  # past max_lora_rank 16
     (root / "models" / "base" / "config.toml").write_text(CONFIG.format(a=adapters["a"]))
+    # a model whose version 1 is the base and version 2 adapter a over it (a rollout's pair)
+    (root / "models" / "tuned" / "1").mkdir(parents=True)
+    shutil.copytree(adapters["a"], root / "models" / "tuned" / "2")
+    (root / "models" / "tuned" / "config.toml").write_text(
+        f'backend = "llm"\n[parameters]\npath = "{base}"\nmax_model_len = 256\n'
+        "num_kv_blocks = 32\n[version_policy]\nall = true\n"
+    )
     server = Server(
         root / "models", "--admin-token", TOKEN, "--model-control", "explicit", "--load-model=*"
     )
@@ -93,6 +102,9 @@ def assert_same(got, want):
 
 
 def admin(server, path: str, body: dict, token: str = TOKEN) -> httpx.Response:
+    """An admin call; a load names the base model (two models here serve LoRA)."""
+    if path == "load_lora_adapter":
+        body = {"model": "base", **body}
     headers = {"Authorization": f"Bearer {token}"}
     return httpx.post(f"{server.url}/v1/{path}", json=body, headers=headers, timeout=60)
 
@@ -152,6 +164,26 @@ def test_v2_generate_selects_the_adapter_by_its_lora_parameter(setup):
         )
         assert output == want.choices[0].text
     assert got["a"] != got[None]
+
+
+def test_an_adapter_folder_as_a_model_version_serves_that_adapter(setup):
+    """tuned/2 holds adapter a's files: pinned, it answers as the base with a does (the
+    OpenAI API's model "a"), tuned/1 as the base: the rollout can canary the pair."""
+    server, _, _ = setup
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none")
+    for version, model in (("2", "a"), ("1", "base")):
+        answer = httpx.post(
+            f"{server.url}/v2/models/tuned/versions/{version}/generate",
+            json={"text_input": "the lazy dog", "parameters": {"max_tokens": NEW,
+                  "temperature": 0, "ignore_eos": True}},
+            timeout=60,
+        )  # fmt: skip
+        assert answer.status_code == 200, answer.text
+        want = client.completions.create(
+            model=model, prompt="the lazy dog", max_tokens=NEW, temperature=0,
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        assert answer.json()["text_output"] == want.choices[0].text, version
 
 
 def test_more_adapters_than_max_loras_are_evicted_and_reloaded_and_counted(setup):
