@@ -47,6 +47,7 @@ from bitserve.config import ModelConfig
 from bitserve.inference import InvalidRequest, Overloaded, text_inputs
 from bitserve.llm.async_engine import AsyncLLMEngine, EngineDead
 from bitserve.llm.config import EngineConfig, check_type
+from bitserve.llm.lora import LoRAManager
 from bitserve.llm.outputs import RequestOutput
 from bitserve.llm.sampling_params import SamplingError, SamplingParams
 from bitserve.llm.structured import GUIDED_FIELDS, Guide, guide_from
@@ -99,6 +100,7 @@ class LLMService:
             )
         self.folder = _folder(params.get("path"), version_dir)
         self.engine_args = {k: v for k, v in params.items() if k in ENGINE_KEYS}
+        self.adapter = self._adapter_version(params, version_dir)
         where = version_dir.parent / "config.toml"
         self.max_queued_requests = _param(params, "max_queued_requests", int, 256, where)
         self.max_queued_tokens = _param(params, "max_queued_tokens", int, 1 << 20, where)
@@ -121,6 +123,21 @@ class LLMService:
         self.restarts = 0
         self._died = asyncio.Event()
         self._supervisor: asyncio.Task | None = None
+
+    def _adapter_version(self, params: dict, version_dir: Path) -> str | None:
+        """A version folder holding a PEFT adapter is that adapter over the base model at
+        `path` (llm/lora.py): every request of the version generates with it, so the
+        rollout canaries or shadows an adapter as any other version."""
+        if not (version_dir / "adapter_config.json").is_file():
+            return None
+        if "path" not in params:
+            raise LoadError(f"{version_dir}: an adapter version needs the base model's `path`")
+        name, modules = f"{self.config.name}/{version_dir.name}", params.get("lora_modules", {})
+        if not isinstance(modules, dict):
+            raise LoadError(f"{version_dir.parent / 'config.toml'}: lora_modules must be a table")
+        modules = {**modules, name: str(version_dir)}
+        self.engine_args |= {"lora_modules": modules, "max_loras": params.get("max_loras") or 1}
+        return name
 
     # ------------------------------------------------------------ lifecycle
 
@@ -193,6 +210,11 @@ class LLMService:
         log.info("model %s: engine restarted, ready again", self.config.name)
 
     @property
+    def lora(self) -> LoRAManager | None:
+        """The engine's LoRA adapters (llm/lora.py); None when it serves none."""
+        return self.engine.engine.lora if self.engine is not None else None
+
+    @property
     def guided_max_string(self) -> int | None:
         assert self.engine is not None
         return self.engine.engine.config.guided_max_string
@@ -258,11 +280,13 @@ class LLMService:
         vocab = int(engine.config.hf_config.get("vocab_size") or len(self.tokenizer))
         encoded = [self.encode(p) for p in prompts]
         for ids, sp in zip(encoded, params, strict=True):
+            sp.lora = sp.lora or self.adapter  # an adapter version's own by default
             if not ids:
                 raise InvalidRequest("prompt: the prompt is empty")
             if any(not 0 <= t < vocab for t in ids):
                 raise InvalidRequest(f"prompt: token ids must be in [0, {vocab})")
             sp.check_vocab(vocab)
+            engine.check_lora(sp.lora)
             engine.scheduler.check_length(len(ids), sp.max_tokens)
             if sp.guide is not None:
                 engine.grammars().template(sp.guide)

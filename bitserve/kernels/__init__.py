@@ -150,6 +150,16 @@ class Kernels:
         self.lib.bs_gemv(w, ptr(x), x.stride(0), x.shape[0], ptr(y))
         return y
 
+    def lora_add(self, x, slots, a, bt, y) -> None:
+        """LoRA deltas in place on y [M, N]: x [M, K] (unit inner stride), slots int32 [M]
+        (-1: no adapter), a [S, W, K] and bt [S, W, N] contiguous (csrc/lora.c)."""
+        m, k = x.shape
+        s, w, n = bt.shape
+        where = ptr(slots, "int *")
+        self.lib.bs_lora_add(
+            ptr(x), x.stride(0), m, k, where, ptr(a), ptr(bt), s, w, n, ptr(y), y.stride(0)
+        )
+
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """gate_up [M, 2I] contiguous fp32 (gate | up) -> silu(gate) * up, [M, I]."""
         m, two_i = gate_up.shape
@@ -194,11 +204,18 @@ class Kernels:
         return self.lib.bs_layout(struct.encode(), field.encode())
 
 
-def fp32_weight(weight: torch.Tensor, bias: torch.Tensor | None, packed: bool = False) -> Any:
+def fp32_weight(
+    weight: torch.Tensor, bias: torch.Tensor | None, packed: bool = False, lora=None
+) -> Any:
     """A `Weight` view of an fp32 linear layer: weight [N, K] contiguous (`packed`: as
-    `Kernels.pack` left it)."""
+    `Kernels.pack` left it); `lora`: its LoRA slots (a, bt, row slots) as
+    `Kernels.lora_add` takes them, added after the product."""
     n, k = weight.shape
     fields = {"kind": 3 if packed else 0, "data": ptr(weight), "bias": ptr(bias), "N": n, "K": k}
+    if lora is not None:
+        a, bt, slots = lora
+        fields |= {"lora_a": ptr(a), "lora_bt": ptr(bt), "lora_slots": ptr(slots, "int *")}
+        fields |= {"lora_S": a.shape[0], "lora_W": a.shape[1]}
     return ffi().new("Weight *", fields)
 
 

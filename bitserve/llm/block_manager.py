@@ -86,6 +86,8 @@ class BlockManager:
         while len(hashes) < num_full_blocks:
             i = len(hashes)
             parent = hashes[-1] if hashes else NO_PARENT
+            if not hashes and seq.lora_id:  # another adapter's K/V differ: its own chain
+                parent = hash((NO_PARENT, seq.lora_id))
             tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
             hashes.append(chain_hash(parent, tokens, self.rope_key(seq, i)))
         return hashes[:num_full_blocks]

@@ -236,6 +236,11 @@ class EngineConfig:
     # structured outputs (structured.py): free JSON strings at most this long, and no
     # free keys; for models that never close a string on their own (None: unbounded)
     guided_max_string: int | None = None
+    # LoRA (lora.py): adapters resident at once (0: no LoRA), their largest rank, and
+    # those registered at start, name -> PEFT folder (relative: to the model folder)
+    max_loras: int = 0
+    max_lora_rank: int = 16
+    lora_modules: dict[str, str] = field(default_factory=dict)
 
     @property
     def startup_timeout_s(self) -> float:
@@ -278,6 +283,7 @@ class EngineConfig:
         if self.max_model_len is None:  # what the checkpoint allows, its RoPE scaling too
             self.max_model_len = derived_max_len(self.hf_config)
         self.check_parallel()
+        self.check_lora()
         if self.kv_cache_memory is None and self.num_kv_blocks is None:
             if self.on_cpu:  # the ranks share this host's memory (a GPU each has its own)
                 self.kv_cache_memory = default_kv_cache_memory() // self.world_size
@@ -291,6 +297,14 @@ class EngineConfig:
         hints = get_type_hints(EngineConfig)
         for f in fields(self):
             check_type(f.name, getattr(self, f.name), hints[f.name])
+
+    def check_lora(self) -> None:
+        if self.max_loras < 0 or self.max_lora_rank < 1:
+            raise ValueError("max_loras must be >= 0 and max_lora_rank >= 1")
+        if self.lora_modules and not self.max_loras:
+            raise ValueError("lora_modules needs max_loras >= 1 (adapters resident at once)")
+        if self.max_loras and self.world_size > 1:
+            raise ValueError("LoRA adapters are not served under tensor/pipeline parallelism")
 
     def read_gguf(self) -> None:
         """A .gguf file (or a folder holding one instead of config.json) is served from

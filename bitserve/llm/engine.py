@@ -32,13 +32,14 @@ import torch
 from bitserve.llm.block_manager import BlockManager
 from bitserve.llm.config import EngineConfig
 from bitserve.llm.detokenizer import IncrementalDetokenizer
+from bitserve.llm.lora import AdapterNotFound, LoRAManager
 from bitserve.llm.metrics import EngineMetrics, kv_slots
 from bitserve.llm.model_runner import ModelOutput, ModelRunner
 from bitserve.llm.outputs import CompletionOutput, RequestOutput
 from bitserve.llm.parallel import SINGLE
 from bitserve.llm.rope import derived_max_len
 from bitserve.llm.sampler import Sampler, SamplingFailed
-from bitserve.llm.sampling_params import SamplingParams
+from bitserve.llm.sampling_params import SamplingError, SamplingParams
 from bitserve.llm.scheduler import Scheduler, SchedulerOutput
 from bitserve.llm.sequence import Sequence, SequenceStatus
 from bitserve.llm.structured import Grammars, GuideError, mask_rows
@@ -111,6 +112,7 @@ class LLMEngine:
                 self.workers.fail(error)
             raise
         self.reset()
+        self.register_lora_modules()
         self.sampler = Sampler()
         self.tokenizer = load_tokenizer(self.config.model)
         self.eos_token_ids = eos_token_ids(self.config.model, self.config.hf_config)
@@ -163,12 +165,37 @@ class LLMEngine:
         if vocab:
             params.check_vocab(vocab)
         seq = Sequence(request_id, token_ids, params, priority=priority, device=self.config.device)
+        seq.lora_id = self.lora_uid(params.lora)
         if params.guide is not None:
             seq.matcher = self.grammars().matcher(params.guide)  # GuideError: a 400
         detok = None
         if self.tokenizer is not None:
             detok = IncrementalDetokenizer(self.tokenizer, token_ids, params)
         return RequestState(seq, text, detok, stream=stream)
+
+    # -- LoRA adapters (lora.py) ---------------------------------------------------------
+    @property
+    def lora(self) -> LoRAManager | None:
+        return self.runner.lora
+
+    def register_lora_modules(self) -> None:
+        for name, path in self.config.lora_modules.items():
+            self.lora.register(name, self.config.model / Path(path).expanduser())
+
+    def check_lora(self, name: str | None) -> None:
+        """The request's adapter is registered (SamplingError naming `lora`: a 400)."""
+        if name is None:
+            return
+        if self.lora is None:
+            raise SamplingError("lora", "this model serves no LoRA adapters (max_loras is 0)")
+        try:
+            self.lora.get(name)
+        except AdapterNotFound as e:
+            raise SamplingError("lora", str(e)) from None
+
+    def lora_uid(self, name: str | None) -> int:
+        self.check_lora(name)
+        return self.lora.uid(name) if name is not None else 0
 
     def admit(self, state: RequestState) -> str:
         """Queue a prepared request for the next step."""
@@ -455,6 +482,7 @@ class LLMEngine:
             generation_tokens_total=self.generation_tokens_total,
             requests_failed_total=self.requests_failed_total,
             tokens_per_expert=self.tokens_per_expert(),
+            lora=self.lora.stats() if self.lora is not None else {},
         )
 
     def tokens_per_expert(self) -> list[int]:

@@ -26,6 +26,7 @@ class EngineMetrics:
     generation_tokens_total: int = 0
     requests_failed_total: int = 0  # requests that failed alone inside a step
     tokens_per_expert: list[int] = field(default_factory=list)
+    lora: dict[str, dict[str, int]] = field(default_factory=dict)  # per adapter (lora.py)
 
     def as_dict(self) -> dict:
         return asdict(self)

@@ -56,6 +56,7 @@ from bitserve.llm.attention import (
     torch_paged_decode,
 )
 from bitserve.llm.config import EngineConfig
+from bitserve.llm.lora import LoRAManager
 from bitserve.llm.models import load_model
 from bitserve.llm.parallel import SINGLE, Parallel
 from bitserve.llm.rope import RopeRegime
@@ -95,6 +96,7 @@ class StepInput:
     # (request_id, first position predicted, rows) for prompt logprobs
     rope_prefix: list[int] = field(default_factory=list)  # each row's seq.rope_prefix, or
     # none when the model's RoPE does not depend on the sequence (rope.py)
+    lora: list[int] = field(default_factory=list)  # each row's adapter uid (lora.py), 0: none
 
 
 @dataclass
@@ -296,6 +298,10 @@ class ModelRunner:
         bs = config.block_size
         max_rows = max(config.max_num_batched_tokens, config.max_num_seqs, *self.buckets)
         self.buffers = StepBuffers(max_rows, -(-config.max_model_len // bs), self.device)
+        self.lora = None  # the LoRA adapters' slots and hooks (lora.py)
+        if config.max_loras:
+            rank = config.max_lora_rank
+            self.lora = LoRAManager(self.model, config.max_loras, rank, max_rows, self.kernels)
         self.graphs: dict[int, Any] = {}
         if make_graph is not None:
             self.capture_graphs(make_graph)
@@ -412,6 +418,8 @@ class ModelRunner:
                 step.seqs.append((row, row + n, end, table[:num_ctx_blocks]))
             if self.rope_rows:
                 step.rope_prefix.extend([seq.rope_prefix] * n)
+            if self.lora is not None:
+                step.lora.extend([seq.lora_id] * n)
             if end == seq.num_tokens:
                 out.sample_seqs.append(seq)
                 step.sample_rows.append(row + n - 1)
@@ -510,6 +518,8 @@ class ModelRunner:
         for tag, step in enumerate(steps):
             bucket = self.graph_bucket(step)
             t = self.build(step, bucket)
+            if self.lora is not None:
+                self.lora.set_rows(step.lora, bucket or len(step.input_ids))
             if bucket is not None:
                 self.graphs[bucket].replay()
                 hidden = self.graph_hidden[:bucket]

@@ -158,6 +158,8 @@ class Scheduler:
             seq = self.waiting.peek()
             if self.rope.switches(seq.rope_prefix, seq.num_tokens):  # preempted before
                 self.restart(seq)
+            if not self.lora_fits(seq):
+                break
             hits = self.block_manager.get_computed_blocks(seq)
             num_computed = len(hits) * self.config.block_size
             num_new = min(seq.num_tokens - num_computed, budget)
@@ -171,6 +173,14 @@ class Scheduler:
             self.running.append(seq)
             out.scheduled.append((seq, num_new))
             budget -= num_new
+
+    def lora_fits(self, seq: Sequence) -> bool:
+        """Every adapter of a step needs a slot (lora.py): a request with one starts only
+        while the running requests use it already or fewer than max_loras adapters."""
+        if not seq.lora_id:
+            return True
+        used = {s.lora_id for s in self.running} - {0}
+        return seq.lora_id in used or len(used) < self.config.max_loras
 
     def _pick_victim(self) -> Sequence:
         """The tail of `running`: the newest admitted (fcfs) or lowest priority (priority);

@@ -68,6 +68,7 @@ class Sequence:
     order: int = field(default_factory=lambda: next(_arrival_counter))
     device: str = field(default="cpu", repr=False)  # where the seeded generator draws
     matcher: Any = field(default=None, repr=False)  # the structured-output grammar's state
+    lora_id: int = 0  # its LoRA adapter's uid (lora.py), 0: the base model
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

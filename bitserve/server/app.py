@@ -29,6 +29,7 @@ from bitserve.server import (
     grpc_server,
     health,
     images,
+    lora,
     openai,
     rerank,
     startup,
@@ -39,7 +40,7 @@ from bitserve.server.http import error
 from bitserve.server.state import ServerOptions, ServerState
 
 log = logging.getLogger("bitserve.server")
-FRONT_ENDS = (v2, openai, rerank, generate, images, health, server_metrics, admin, console)
+FRONT_ENDS = (v2, openai, lora, rerank, generate, images, health, server_metrics, admin, console)
 
 
 class App:

@@ -108,6 +108,22 @@ def _engine_metrics(server: ServerState) -> Iterator[Metric]:
         "Tokens routed to each MoE expert.",
         labels=[*labels, "expert"],
     )
+    adapter_labels = [*labels, "adapter"]
+    lora = {  # per LoRA adapter (llm/lora.py)
+        "requests": CounterMetricFamily(
+            "bitserve_llm_lora_requests", "Requests admitted per adapter.", labels=adapter_labels
+        ),
+        "tokens": CounterMetricFamily(
+            "bitserve_llm_lora_tokens",
+            "Tokens computed per adapter (prompt and generated).",
+            labels=adapter_labels,
+        ),
+        "resident": GaugeMetricFamily(
+            "bitserve_llm_lora_resident",
+            "1 while the adapter holds a slot (max_loras), 0 when evicted.",
+            labels=adapter_labels,
+        ),
+    }
     restarts = CounterMetricFamily(
         "bitserve_llm_engine_restarts",
         "Times the engine's step loop died and was restarted by its supervisor.",
@@ -124,4 +140,7 @@ def _engine_metrics(server: ServerState) -> Iterator[Metric]:
                 family.add_metric([name, str(number)], float(snapshot[key]))
             for expert, count in enumerate(snapshot["tokens_per_expert"]):
                 experts.add_metric([name, str(number), str(expert)], float(count))
-    yield from (*families.values(), experts, restarts)
+            for adapter, stats in snapshot.get("lora", {}).items():
+                for key, family in lora.items():
+                    family.add_metric([name, str(number), adapter], float(stats[key]))
+    yield from (*families.values(), experts, *lora.values(), restarts)

@@ -38,6 +38,7 @@ from bitserve.inference import ClientGone
 from bitserve.llm import tools
 from bitserve.llm.outputs import RequestOutput
 from bitserve.repository.version import ModelVersion
+from bitserve.server import lora
 from bitserve.server.errors import APIError, handle, to_openai
 from bitserve.server.http import until_disconnect
 from bitserve.server.state import ServerState
@@ -87,15 +88,17 @@ class OpenAI:
                         card["max_model_len"] = version.serving("generate").max_model_len
                     data.append(card)
                     break
+        data += lora.cards(self.state)  # adapters, with their `parent`
         return _json({"object": "list", "data": data})
 
     # ---------------------------------------------------------- generation
 
     async def completions(self, request: Request) -> Response:
         req: CompletionRequest = parse(CompletionRequest, await request.body())
-        version, llm, hold = await self._held(req.model)
+        model, adapter = lora.resolve(self.state, req.model)
+        version, llm, hold = await self._held(model)
         try:
-            jobs = completion_jobs(req)
+            jobs = lora.with_adapter(completion_jobs(req), adapter)
         except BaseException:  # a 4xx before the front door: the place goes back now
             if hold is not None:
                 hold.release()
@@ -104,9 +107,10 @@ class OpenAI:
 
     async def chat(self, request: Request) -> Response:
         req: ChatRequest = parse(ChatRequest, await request.body())
-        version, llm, hold = await self._held(req.model)
+        model, adapter = lora.resolve(self.state, req.model)
+        version, llm, hold = await self._held(model)
         try:
-            jobs = chat_jobs(req, llm)
+            jobs = lora.with_adapter(chat_jobs(req, llm), adapter)
         except BaseException:  # a 4xx before the front door: the place goes back now
             if hold is not None:
                 hold.release()

@@ -15,7 +15,9 @@
    kind 2: int4 groups, data the tiles of Int4Linear.tiled(), s4 their bf16 scales and
            zeros (W = (q - 8) * s + z), K padded to Kp, `group` columns a group.
    wsum, a8_rows (int8 only): each row's sum of q, and from how many rows of x on the
-   activations are quantized too (VNNI); wsum NULL: never. bias [N] or NULL. */
+   activations are quantized too (VNNI); wsum NULL: never. bias [N] or NULL.
+   lora_a (fp32 kinds only) or NULL: LoRA deltas after the product, bs_lora_add's, each
+   row m with lora_slots[m] >= 0 through lora_a [lora_S, lora_W, K], lora_bt [.., N]. */
 typedef struct {
     long kind;
     const void *data;
@@ -25,6 +27,9 @@ typedef struct {
     long N, K, Kp, group;
     const int32_t *wsum;
     long a8_rows;
+    const float *lora_a, *lora_bt;
+    const int *lora_slots;
+    long lora_S, lora_W;
 } Weight;
 
 /* One decoder layer (Llama and the families that share its shape). Norm pointers are
@@ -87,6 +92,11 @@ void bs_silu_mul(const float *gu, long M, long I, float *out);
 /* RoPE in place on the H heads of D at the start of each of T rows of x (row stride ld) */
 void bs_rope_rows(float *x, long T, long ld, long H, long D, const int64_t *positions,
                   const float *cos, const float *sin);
+
+/* LoRA (lora.c): y[m] (row stride ldy) += Bt[s]^T (A[s] x[m]) for each row m of x [M, K]
+   (row stride ldx) whose slot s = slots[m] is >= 0; A [S, W, K], Bt [S, W, N] */
+void bs_lora_add(const float *x, long ldx, long M, long K, const int *slots, const float *A,
+                 const float *Bt, long S, long W, long N, float *y, long ldy);
 
 /* The compiler's layout of the structs above, for the test that holds cffi's to it:
    offsetof(type, field), or sizeof(type) for field "", or -1 if not listed. */

@@ -11,6 +11,9 @@ void bs_gemv(const Weight *w, const float *x, long ldx, long M, float *y) {
         bs_linear_packed(x, ldx, M, w->K, (const float *)w->data, w->N, w->bias, y);
     else
         bs_qgemv(w, x, ldx, M, y);
+    if (w->lora_a)
+        bs_lora_add(x, ldx, M, w->K, w->lora_slots, w->lora_a, w->lora_bt, w->lora_S, w->lora_W,
+                    w->N, y, w->N);
 }
 
 static void rmsnorm(const float *x, const float *w, float *y, long M, long H, float eps) {
@@ -190,6 +193,8 @@ static const struct {
     FIELD(Weight, scale),   FIELD(Weight, s4),         FIELD(Weight, bias),
     FIELD(Weight, N),       FIELD(Weight, K),          FIELD(Weight, Kp),
     FIELD(Weight, group),   FIELD(Weight, wsum),       FIELD(Weight, a8_rows),
+    FIELD(Weight, lora_a),  FIELD(Weight, lora_bt),    FIELD(Weight, lora_slots),
+    FIELD(Weight, lora_S),  FIELD(Weight, lora_W),
     SIZE(LayerParams),      FIELD(LayerParams, qkv),   FIELD(LayerParams, o),
     FIELD(LayerParams, gu), FIELD(LayerParams, down),  FIELD(LayerParams, ln1),
     FIELD(LayerParams, ln2), FIELD(LayerParams, qnorm), FIELD(LayerParams, knorm),

@@ -99,12 +99,19 @@ class GPT2LMHeadModel(nn.Module):
             return  # tied to wte / causal-mask buffers of old checkpoints
         if name.endswith(CONV1D):
             tensor = tensor.t()
-        name = name.replace("attn.c_attn", "attn.qkv_proj").replace("attn.c_proj", "attn.o_proj")
+        name, _ = self.parameter_for(name)
         if name not in params:
             if on_other_stage(name, self.stage, self.parallel.pp_size):
                 return
             raise KeyError(f"checkpoint tensor {name!r} has no place in GPT2LMHeadModel")
         params[name].data.copy_(self.shard(name, tensor))
+
+    def parameter_for(self, name: str) -> tuple[str, None]:
+        """A checkpoint name as our parameter's (GPT-2 stores c_attn fused as we do)."""
+        name = name.removeprefix("transformer.")
+        return name.replace("attn.c_attn", "attn.qkv_proj").replace(
+            "attn.c_proj", "attn.o_proj"
+        ), None
 
     def shard(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """This TP rank's share of a checkpoint tensor (already in [out, in] layout)."""

@@ -51,11 +51,12 @@ class Linear(nn.Linear):
         small = self.weight.numel() * 4 <= SMALL_WEIGHT
         return 1 << 30 if self.packed or small else SMALL_M
 
-    def c_view(self):
-        """This layer as the C decode layer reads it (a `Weight`), or None."""
+    def c_view(self, lora=None):
+        """This layer as the C decode layer reads it (a `Weight`), or None; `lora`: its
+        LoRA slots, added by the C layer too (llm/lora.py)."""
         if self.weight.dtype is not torch.float32 or not self.weight.is_contiguous():
             return None
-        return c.fp32_weight(self.weight, self.bias, self.packed)
+        return c.fp32_weight(self.weight, self.bias, self.packed, lora)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed:

@@ -261,10 +261,14 @@ class LlamaForCausalLM(nn.Module):
         self._kernels = kernels
         self.fuse_rows = self.fused_rows() if kernels is not None else 0
 
+    lora = None  # the LoRA adapters' manager (llm/lora.py), when the engine serves them
+
     def can_fuse_decode(self, x: torch.Tensor, meta: AttentionMetadata) -> bool:
-        """Every row is a one-token decode and the C layer suits the row count."""
+        """Every row is a one-token decode and the C layer suits the row count; rows with
+        a LoRA adapter only when the C layer adds its deltas (lora.py's "c" path)."""
         return (
-            meta.decode is not None
+            (self.lora is None or self.lora.fuses())
+            and meta.decode is not None
             and not meta.seqs
             and x.shape[0] <= self.fuse_rows
             and x.dtype is torch.float32
@@ -331,11 +335,12 @@ class LlamaForCausalLM(nn.Module):
             rotary = self.local_rotary
         sandwich = layer.sandwich
         pre_mlp = layer.pre_feedforward_layernorm if sandwich else layer.post_attention_layernorm
+        lora = self.lora.c_view if self.lora is not None else lambda _: None
         return c.layer_params(
-            qkv=attn.qkv_proj.c_view(),
-            o=attn.o_proj.c_view(),
-            gu=mlp.gate_up_proj.c_view(),
-            down=mlp.down_proj.c_view(),
+            qkv=attn.qkv_proj.c_view(lora(attn.qkv_proj)),
+            o=attn.o_proj.c_view(lora(attn.o_proj)),
+            gu=mlp.gate_up_proj.c_view(lora(mlp.gate_up_proj)),
+            down=mlp.down_proj.c_view(lora(mlp.down_proj)),
             ln1=self.c_norm(layer.input_layernorm),
             ln2=self.c_norm(pre_mlp),
             qnorm=self.c_norm(attn.q_norm),
@@ -378,9 +383,12 @@ class LlamaForCausalLM(nn.Module):
             b = min(a + FUSED_CHUNK, len(x))
             tables, lens, ends = d.block_tables[a:b], d.context_lens[a:b], d.seq_lens[a:b]
             batch = DecodeBatch(d.rows[: b - a], tables, lens, ends)
-            chunks.append((x[a:b], positions[a:b], slots[a:b], batch))
+            chunks.append((a, x[a:b], positions[a:b], slots[a:b], batch))
+        lora = self.lora if self.lora is not None and len(chunks) > 1 else None
         for params in self.layer_params():
-            for rows_x, rows_pos, rows_slots, rows_d in chunks:
+            for a, rows_x, rows_pos, rows_slots, rows_d in chunks:
+                if lora is not None:  # the C layer reads the chunk's adapters from row 0
+                    lora.chunk(a, len(rows_x))
                 self.kernels.decode_layer(params, rows_x, rows_pos, rows_slots, rows_d, scratch)
         return x
 
