@@ -3,6 +3,11 @@
     nice -n 19 python tools/train_lm.py --out models/tinylm            # ~35 min, 2-core CPU
     nice -n 19 python tools/train_lm.py --out models/tinylm --resume   # after an interruption
     python tools/train_lm.py --smoke --out /tmp/tiny                   # seconds: a tiny run
+    nice -n 19 python tools/train_lm.py --draft-of models/tinylm --out models/tinylm-draft
+
+`--draft-of DIR` trains a speculative-decoding draft for the model in DIR: the same corpus,
+split and seed, DIR's tokenizer (token ids must agree with the target's), and a smaller
+shape (DRAFT: 2 layers of the same width).
 
 What it does, in order:
 
@@ -101,6 +106,7 @@ class Hyper:
     grad_clip: float = 1.0
     bf16: bool = True
     smoke: bool = False
+    tokenizer: str = ""  # a tokenizer.json to reuse (a draft's target's) instead of training one
 
 
 SMOKE = dict(
@@ -117,6 +123,8 @@ SMOKE = dict(
     warmup=2,
     smoke=True,
 )
+
+DRAFT = dict(layers=2, steps=1500)
 
 
 # ---------------------------------------------------------------- text and tokenizer
@@ -528,6 +536,9 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, Hyper]:
     parser.add_argument("--checkpoint-dir", type=Path, help="default OUT/checkpoint")
     parser.add_argument("--resume", action="store_true", help="continue from the checkpoint")
     parser.add_argument("--smoke", action="store_true", help="a tiny model on a tiny slice")
+    parser.add_argument(
+        "--draft-of", type=Path, help="train a draft for this model folder (its tokenizer)"
+    )
     parser.add_argument("--source", choices=sorted(corpus_lib.SOURCES))
     parser.add_argument("--steps", type=int)
     parser.add_argument("--batch-size", type=int)
@@ -545,6 +556,13 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, Hyper]:
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args(argv)
     h = Hyper(**(SMOKE if args.smoke else {}))
+    if args.draft_of is not None:
+        target = json.loads((args.draft_of / "metrics.json").read_text())["hyper"]
+        for key in ("source", "seed", "vocab_size", "context"):
+            setattr(h, key, target[key])
+        for key, value in DRAFT.items():
+            setattr(h, key, value if not h.smoke else min(value, getattr(h, key)))
+        h.tokenizer = str(args.draft_of / "1" / "tokenizer.json")
     for flag in ("source", "steps", "batch_size", "lr", "seed"):
         if getattr(args, flag) is not None:
             setattr(h, flag, getattr(args, flag))
@@ -604,6 +622,11 @@ def main(argv: list[str] | None = None) -> int:
         if saved["hyper"] != asdict(h):
             raise SystemExit(f"{ckpt} was written with other settings: {saved['hyper']}")
         tokenizer = Tokenizer.from_file(str(ckpt / "tokenizer.json"))
+    elif h.tokenizer:
+        from tokenizers import Tokenizer
+
+        tokenizer = Tokenizer.from_file(h.tokenizer)
+        print(f"tokenizer: {tokenizer.get_vocab_size()} tokens from {h.tokenizer}")
     else:
         t0 = time.perf_counter()
         tokenizer = train_tokenizer(train_passages, h.vocab_size)

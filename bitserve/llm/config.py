@@ -236,6 +236,9 @@ class EngineConfig:
     # structured outputs (structured.py): free JSON strings at most this long, and no
     # free keys; for models that never close a string on their own (None: unbounded)
     guided_max_string: int | None = None
+    # speculative decoding (speculative.py): { method = "ngram" | "draft", model = ...,
+    # num_tokens = k }; None: off
+    speculative: dict[str, Any] | None = None
 
     @property
     def startup_timeout_s(self) -> float:

@@ -75,6 +75,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     guide: Guide | None = None  # structured output: a JSON schema, regex, choice or grammar
+    speculative: bool = True  # False: never speculated (the model's `speculative` config)
 
     def __post_init__(self) -> None:
         for f in fields(self):

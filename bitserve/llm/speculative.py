@@ -1,0 +1,480 @@
+"""Speculative decoding: cheap proposals, verified by the target in the step it runs anyway.
+
+A proposer guesses the next k tokens of a decoding request (`Proposer`): `NgramProposer`
+looks the last n tokens up in the request's own prompt and output (prompt lookup, no
+second model); `DraftProposer` runs a smaller model with the same vocabulary, its own
+paged KV cache and block manager, k batched steps. Proposals are made at the start of a
+step and kept on the sequence (`spec_token_ids`); the scheduler gives the row 1 + k tokens
+in its budget (fewer when the budget or the free blocks are short), and the model runner
+computes them as one chunk row of the same forward pass as every other row, sampling
+each of the k + 1 positions. `Speculator.verify` then decides, for all speculative rows
+of the step at once:
+
+- the target's distribution p at each position is the sampler's own (temperature,
+  top-k, top-p, min-p: `Sampler.filtered`; greedy rows a point mass on the argmax;
+  grammar masks stepped through the proposals);
+- proposal d_j, drawn from the draft's q_j (a point mass for n-gram), is accepted with
+  probability min(1, p_j(d_j) / q_j(d_j)); at the first rejection the token is drawn
+  from the residual max(p_j - q_j, 0), renormalised; if all k are accepted a bonus token
+  is drawn from p_k (Leviathan et al. 2023, Chen et al. 2023). Each emitted token is then
+  distributed exactly as the target's, and greedy rows get exactly the target's argmax
+  chain: the longest matching prefix plus the target's own next token.
+
+Seeds: the acceptance and residual uniforms of a seeded request come from its seed and
+output position (sampler.row_uniform, salted), and so do the draft's: a fixed seed
+gives the same text twice. The tokens differ from a non-speculative run's under the
+same seed (their distribution does not).
+
+The engine appends the accepted tokens one by one through its ordinary stop checks
+(stop strings, stop ids, max_tokens exact) and rolls back the rest: the sequence's
+computed tokens stop before its new last token again and the tail blocks that held
+only rejected K/V go back to the pool (`Scheduler.rollback`); only a sequence's own
+tokens are ever entered in the prefix cache, so it never sees a proposal.
+
+Not speculated (they sample as before): requests that opt out (`speculative=False`),
+ask for logprobs, use repetition/presence/frequency penalties, are still under
+min_tokens, or are too close to max_tokens or max_model_len; and every request while
+more than `max_batch` run (the step is then compute-bound and k extra rows per request
+cost more than they save: bench/speculative.py measures it).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from bitserve.llm.config import EngineConfig, check_type
+from bitserve.llm.sampler import Plan, Sampler, SamplingFailed, row_uniform, to_host, uniform
+from bitserve.llm.sequence import Sequence, SequenceStatus
+from bitserve.llm.structured import apply_masks
+
+METHODS = ("ngram", "draft")
+MAX_NUM_TOKENS = 16
+# above this many running requests nobody speculates (bench/speculative.py: on the
+# 2-core CPU, tinylm with n-gram k=4 gained at 4 streams and lost at 16)
+MAX_BATCH = 8
+SALT_ACCEPT, SALT_RESIDUAL, SALT_DRAFT = 0xACCE, 0x2E51, 0xD2AF
+
+
+@dataclass
+class SpeculativeConfig:
+    """`speculative = { method = "ngram" | "draft", model = ..., num_tokens = k }`."""
+
+    method: str
+    num_tokens: int = 4
+    model: str | None = None  # the draft's folder: absolute, or next to the target's
+    ngram_min: int = 1  # the shortest suffix the n-gram proposer matches
+    ngram_max: int = 3
+    max_batch: int = MAX_BATCH  # more running requests than this: no speculation
+    folder: Path | None = field(default=None, repr=False)  # the draft's, resolved
+
+    @classmethod
+    def parse(cls, value: Any, target: Path | None) -> SpeculativeConfig:
+        """From the model's parameters; ValueError naming `speculative.<field>`."""
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative must be a table, got {value!r}")
+        names = {f.name for f in fields(cls)} - {"folder"}
+        unknown = set(value) - names
+        if unknown:
+            raise ValueError(f"speculative: unknown fields {sorted(unknown)}")
+        if "method" not in value:
+            raise ValueError("speculative.method is required ('ngram' or 'draft')")
+        hints = {"method": str, "model": str | None}
+        for name, v in value.items():
+            check_type(f"speculative.{name}", v, hints.get(name, int))
+        config = cls(**value)
+        if config.method not in METHODS:
+            raise ValueError(
+                f"speculative.method must be 'ngram' or 'draft', got {config.method!r}"
+            )
+        if not 1 <= config.num_tokens <= MAX_NUM_TOKENS:
+            raise ValueError(f"speculative.num_tokens must be in [1, {MAX_NUM_TOKENS}]")
+        if not 1 <= config.ngram_min <= config.ngram_max:
+            raise ValueError("speculative.ngram_min must be in [1, ngram_max]")
+        if config.max_batch < 1:
+            raise ValueError("speculative.max_batch must be positive")
+        if config.method == "draft":
+            if config.model is None:
+                raise ValueError("speculative.model (the draft's folder) is required for 'draft'")
+            config.folder = draft_folder(config.model, target)
+        return config
+
+
+def draft_folder(name: str, target: Path | None) -> Path:
+    """The draft's Hugging Face folder: `name` as given, or beside the target's version
+    folder (`models/tinylm/draft` for `models/tinylm/1`), or inside it; a folder of
+    numeric versions means its highest."""
+    path = Path(name)
+    candidates = [path] if path.is_absolute() or target is None else []
+    if target is not None and not path.is_absolute():
+        candidates += [target.parent / path, target / path, path]
+    for folder in candidates:
+        if (folder / "config.json").is_file():
+            return folder
+        versions = sorted(
+            (int(p.name), p) for p in folder.glob("*") if p.name.isdigit() and p.is_dir()
+        )
+        if versions and (versions[-1][1] / "config.json").is_file():
+            return versions[-1][1]
+    raise ValueError(f"speculative.model: no model folder {name!r} (tried {candidates})")
+
+
+# -- proposers ----------------------------------------------------------------------------
+Proposal = tuple[list[int], torch.Tensor | None]  # tokens, q rows [k, vocab] or None (point mass)
+
+
+class Proposer(Protocol):
+    """What a proposer does: up to k tokens for each (decoding sequence, k)."""
+
+    def propose(self, rows: list[tuple[Sequence, int]]) -> list[Proposal]: ...
+
+    def release(self, seq: Sequence) -> None: ...
+
+    def reset(self) -> None: ...
+
+
+class NgramProposer:
+    """Prompt lookup: the longest suffix of n tokens (ngram_max down to ngram_min) that
+    occurred before in the sequence; its latest earlier occurrence's next k tokens."""
+
+    def __init__(self, config: SpeculativeConfig):
+        self.low, self.high = config.ngram_min, config.ngram_max
+
+    def propose(self, rows: list[tuple[Sequence, int]]) -> list[Proposal]:
+        return [(self.lookup(seq.token_ids, k), None) for seq, k in rows]
+
+    def lookup(self, token_ids: list[int], k: int) -> list[int]:
+        tokens = np.asarray(token_ids)
+        size = len(tokens)
+        for n in range(min(self.high, size - 1), self.low - 1, -1):
+            windows = np.lib.stride_tricks.sliding_window_view(tokens[:-1], n)
+            hits = np.flatnonzero((windows == tokens[size - n :]).all(axis=1))
+            if len(hits):
+                start = int(hits[-1]) + n
+                return tokens[start : start + k].tolist()
+        return []
+
+    def release(self, seq: Sequence) -> None:
+        pass
+
+    def reset(self) -> None:
+        pass
+
+
+class DraftProposer:
+    """A smaller model with the target's vocabulary proposes by running k steps. Each
+    request has a mirror sequence in the draft's own KV pool; before proposing, the
+    mirror keeps the K/V of the longest prefix it shares with the request (what the
+    target accepted) and computes the rest, then draws k tokens, one batched step each,
+    greedy for greedy requests and from the same filtered distribution otherwise."""
+
+    def __init__(self, config: SpeculativeConfig, target: EngineConfig, num_blocks: int):
+        from bitserve.llm.block_manager import BlockManager
+        from bitserve.llm.model_runner import ModelRunner
+
+        self.config = EngineConfig(
+            model=config.folder,
+            dtype=target.dtype,
+            device=target.device,
+            block_size=target.block_size,
+            num_kv_blocks=num_blocks,
+            max_model_len=target.max_model_len,
+            max_num_batched_tokens=target.max_num_batched_tokens,
+            max_num_seqs=target.max_num_seqs,
+            enable_prefix_caching=False,
+            enforce_eager=target.enforce_eager,
+            seed=target.seed,
+        )
+        vocab = (self.config.hf_config.get("vocab_size"), target.hf_config.get("vocab_size"))
+        if vocab[0] != vocab[1]:
+            raise ValueError(
+                f"speculative.model: the draft's vocabulary ({vocab[0]}) is not the "
+                f"target's ({vocab[1]})"
+            )
+        self.runner = ModelRunner(self.config)
+        self.block_manager_class = BlockManager
+        self.rng = random.Random(target.seed ^ SALT_DRAFT)
+        self.reset()
+
+    def reset(self) -> None:
+        self.block_manager = self.block_manager_class(self.config, self.runner.num_blocks)
+        self.mirrors: dict[int, Sequence] = {}  # id(target seq) -> mirror
+
+    def release(self, seq: Sequence) -> None:
+        mirror = self.mirrors.pop(id(seq), None)
+        if mirror is not None:
+            self.block_manager.free(mirror)
+
+    def mirror(self, seq: Sequence) -> Sequence:
+        """The request's mirror, its tokens now the request's, its K/V kept for their
+        common prefix (the tail behind it given back)."""
+        m = self.mirrors.get(id(seq))
+        if m is None:
+            m = Sequence(seq.request_id, list(seq.token_ids), seq.sampling_params)
+            m.status = SequenceStatus.RUNNING
+            self.mirrors[id(seq)] = m
+            return m
+        common = min(m.num_computed_tokens, seq.num_tokens)
+        mine, theirs = m.token_ids, seq.token_ids
+        same = next((i for i in range(m.synced, common) if mine[i] != theirs[i]), common)
+        m.token_ids = list(theirs)
+        m.num_computed_tokens = same
+        self.block_manager.trim(m)
+        return m
+
+    @torch.inference_mode()
+    def propose(self, rows: list[tuple[Sequence, int]]) -> list[Proposal]:
+        from bitserve.llm.scheduler import SchedulerOutput
+
+        drafts: dict[int, tuple[list[int], list[torch.Tensor | None]]] = {}
+        active = []
+        for seq, k in rows:
+            m = self.mirror(seq)
+            m.synced = seq.num_tokens
+            drafts[id(seq)] = ([], [])
+            active.append((seq, m, k))
+        while active:
+            batch, budget, left = SchedulerOutput(), self.config.max_num_batched_tokens, []
+            for seq, m, k in active:
+                n = min(m.num_tokens - m.num_computed_tokens, budget)
+                if n <= 0:
+                    left.append((seq, m, k))
+                elif self.block_manager.allocate_slots(m, n):
+                    batch.scheduled.append((m, n))
+                    budget -= n
+                    left.append((seq, m, k))
+                else:  # the draft's pool is full: this request proposes nothing now
+                    self.release(seq)
+                    drafts[id(seq)] = ([], [])
+            if not batch:
+                break
+            out = self.runner.execute(batch)
+            for m, n in batch.scheduled:
+                m.num_computed_tokens += n
+            by_mirror = {id(m): seq for seq, m, _ in left}
+            targets = [by_mirror[id(m)] for m in out.sample_seqs]
+            if targets:
+                tokens, probs = self.draw(out.logits, targets, out.sample_seqs)
+                for seq, m, token, q in zip(targets, out.sample_seqs, tokens, probs, strict=True):
+                    m.token_ids.append(token)
+                    drafts[id(seq)][0].append(token)
+                    drafts[id(seq)][1].append(q)
+            active = [(s, m, k) for s, m, k in left if len(drafts[id(s)][0]) < k]
+        proposals = []
+        for seq, _ in rows:
+            tokens, qs = drafts[id(seq)]
+            sampled = bool(qs) and qs[0] is not None
+            proposals.append((tokens, torch.stack(qs) if sampled else None))
+        return proposals
+
+    def draw(
+        self, logits: torch.Tensor, targets: list[Sequence], mirrors: list[Sequence]
+    ) -> tuple[list[int], list[torch.Tensor | None]]:
+        """One token per row: the argmax for greedy requests, else a draw from the
+        target's sampling settings applied to the draft's logits (q, kept)."""
+        probs = target_probs(logits, targets, random.Random(0))
+        u = []
+        for seq, m in zip(targets, mirrors, strict=True):
+            seed = seq.sampling_params.seed
+            position = m.num_tokens - seq.num_prompt_tokens
+            u.append(
+                uniform(self.rng.getrandbits(64))
+                if seed is None
+                else row_uniform(seed ^ SALT_DRAFT, position)
+            )
+        drawn = inverse_cdf(probs, torch.tensor(u, dtype=torch.float64, device=probs.device))
+        tokens = [int(t) for t in to_host(drawn)]
+        return tokens, [
+            None if seq.sampling_params.greedy else probs[i] for i, seq in enumerate(targets)
+        ]
+
+
+# -- verification ---------------------------------------------------------------------------
+def target_probs(logits: torch.Tensor, seqs: list[Sequence], rng: random.Random) -> torch.Tensor:
+    """Each row's distribution as the sampler draws it, normalised: a point mass on the
+    argmax for greedy rows; NaN rows stay NaN (the caller fails them)."""
+    plan = Plan(seqs, logits.shape[-1], (), rng)
+    probs = torch.zeros_like(logits)
+    probs.scatter_(1, logits.argmax(-1, keepdim=True), 1.0)
+    if plan.special:
+        d = plan.send(logits.device)
+        rows = d["special"].long()
+        kept = Sampler.filtered(logits.index_select(0, rows), plan, d)
+        probs.index_copy_(0, rows, kept / kept.sum(-1, keepdim=True))
+    return probs.masked_fill(logits[:, :1].isnan(), float("nan"))
+
+
+def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """The sampler's draw: the first token whose cumulative mass reaches u x the total."""
+    cdf = probs.cumsum(-1, dtype=torch.float64)
+    return (cdf < (u * cdf[:, -1])[:, None]).sum(-1).clamp_max(probs.shape[-1] - 1)
+
+
+def acceptance(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """The probability of keeping a proposal drawn from q: min(1, p/q)."""
+    return (p / q.clamp_min(1e-30)).clamp_max(1.0)
+
+
+def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """What a rejected position draws from: max(p - q, 0), renormalised by the draw."""
+    return (p - q).clamp_min(0.0)
+
+
+@dataclass
+class SpecStats:
+    """The Prometheus counters: proposals made, accepted, tokens emitted by speculative
+    rows (accepted + the target's own, cut by stops), acceptance by position."""
+
+    proposed: int = 0
+    accepted: int = 0
+    emitted: int = 0
+    steps: int = 0  # speculative rows verified
+    proposed_at: list[int] = field(default_factory=list)
+    accepted_at: list[int] = field(default_factory=list)
+
+    def record(self, k: int, a: int) -> None:
+        self.steps += 1
+        self.proposed += k
+        self.accepted += a
+        grow = k - len(self.proposed_at)
+        if grow > 0:
+            self.proposed_at += [0] * grow
+            self.accepted_at += [0] * grow
+        for j in range(k):
+            self.proposed_at[j] += 1
+            self.accepted_at[j] += j < a
+
+
+class Speculator:
+    """The engine's side of speculative decoding: propose before a step, verify after."""
+
+    def __init__(self, config: SpeculativeConfig, engine: EngineConfig, num_blocks: int):
+        self.config = config
+        self.max_model_len = engine.max_model_len
+        self.proposer: Proposer
+        if config.method == "ngram":
+            self.proposer = NgramProposer(config)
+        else:
+            self.proposer = DraftProposer(config, engine, num_blocks)
+        self.rng = random.Random(engine.seed ^ SALT_ACCEPT)
+        self.stats = SpecStats()
+
+    def reset(self) -> None:
+        self.proposer.reset()
+
+    def release(self, seq: Sequence) -> None:
+        self.proposer.release(seq)
+
+    def num_tokens(self, seq: Sequence) -> int:
+        """How many proposals this row may have now (0: it decodes as before)."""
+        p = seq.sampling_params
+        if (
+            not p.speculative
+            or p.logprobs is not None
+            or p.needs_penalties
+            or seq.num_output_tokens < p.min_tokens
+            or seq.status != SequenceStatus.RUNNING
+            or seq.num_tokens - seq.num_computed_tokens != 1
+        ):
+            return 0
+        room = min(p.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens)
+        return max(0, min(self.config.num_tokens, room - 1))
+
+    def propose(self, running: list[Sequence]) -> None:
+        """Proposals for the running decodes, kept on each sequence for the next step."""
+        for seq in running:
+            seq.spec_token_ids, seq.spec_probs = [], None
+        if len(running) > self.config.max_batch:
+            return
+        rows = [(seq, k) for seq in running if (k := self.num_tokens(seq)) > 0]
+        if not rows:
+            return
+        for (seq, _), (tokens, probs) in zip(rows, self.proposer.propose(rows), strict=True):
+            if seq.matcher is not None and tokens:  # the grammar's prefix of them
+                tokens = tokens[: seq.matcher.validate_tokens(tokens)]
+            seq.spec_token_ids = tokens
+            seq.spec_probs = probs[: len(tokens)] if probs is not None and tokens else None
+
+    @torch.inference_mode()
+    def verify(
+        self, logits: torch.Tensor, seqs: list[Sequence]
+    ) -> list[list[int] | SamplingFailed]:
+        """The tokens each speculative row emits. `logits` holds 1 + k rows per
+        sequence (k = its proposals still scheduled), in the order of `seqs`."""
+        counts = [1 + len(seq.spec_token_ids) for seq in seqs]
+        rows = [seq for seq, c in zip(seqs, counts, strict=True) for _ in range(c)]
+        self.mask(logits, seqs, counts)
+        p = target_probs(logits, rows, self.rng)
+        q = torch.zeros_like(p)
+        drafted, u_accept, u_residual, at = [], [], [], 0
+        for seq, c in zip(seqs, counts, strict=True):
+            tokens = seq.spec_token_ids
+            if seq.spec_probs is not None:
+                q[at : at + c - 1] = seq.spec_probs[: c - 1].to(q)
+            else:
+                q[torch.arange(at, at + c - 1), tokens] = 1.0
+            drafted += [*tokens, 0]
+            seed, base = seq.sampling_params.seed, seq.num_output_tokens
+            for j in range(c):
+                if seed is None:
+                    u_accept.append(uniform(self.rng.getrandbits(64)))
+                    u_residual.append(uniform(self.rng.getrandbits(64)))
+                else:
+                    u_accept.append(row_uniform(seed ^ SALT_ACCEPT, base + j))
+                    u_residual.append(row_uniform(seed ^ SALT_RESIDUAL, base + j))
+            at += c
+        device = logits.device
+        index = torch.tensor(drafted, device=device)[:, None]
+        keep = acceptance(p.gather(1, index), q.gather(1, index))[:, 0]
+        keep = torch.tensor(u_accept, device=device) < keep.double()
+        left = residual(p, q)
+        left = torch.where(left.sum(-1, keepdim=True) > 0, left, p)
+        drawn = inverse_cdf(left, torch.tensor(u_residual, dtype=torch.float64, device=device))
+        valid = torch.isfinite(p).all(-1)
+        host = to_host(torch.cat([keep.double(), drawn.double(), valid.double()]))
+        n = len(rows)
+        return self.decide(seqs, counts, host[:n], host[n : 2 * n], host[2 * n :])
+
+    def decide(self, seqs, counts, keep, drawn, valid) -> list[list[int] | SamplingFailed]:
+        out: list[list[int] | SamplingFailed] = []
+        at = 0
+        for seq, c in zip(seqs, counts, strict=True):
+            if not all(valid[at : at + c]):
+                out.append(SamplingFailed("the model's logits for this request hold NaN"))
+                at += c
+                continue
+            a = 0
+            while a < c - 1 and keep[at + a]:
+                a += 1
+            self.stats.record(c - 1, a)
+            out.append([*seq.spec_token_ids[:a], int(drawn[at + a])])
+            at += c
+        return out
+
+    @staticmethod
+    def mask(logits: torch.Tensor, seqs: list[Sequence], counts: list[int]) -> None:
+        """Grammar masks of every position of the guided rows: the matcher stepped
+        through the proposals (which it accepted when they were made) and back."""
+        guided = [(i, seq) for i, seq in enumerate(seqs) if seq.matcher is not None]
+        if not guided:
+            return
+        from llguidance.torch import allocate_token_bitmask, fill_next_token_bitmask
+
+        starts = np.cumsum([0, *counts])
+        rows = [int(starts[i]) + j for i, seq in guided for j in range(counts[i])]
+        bitmask = allocate_token_bitmask(len(rows), logits.shape[-1])
+        r = 0
+        for _, seq in guided:
+            for token in [*seq.spec_token_ids, None]:
+                fill_next_token_bitmask(seq.matcher, bitmask, r)
+                r += 1
+                if token is not None:
+                    seq.matcher.consume_token(token)
+            if seq.spec_token_ids:
+                seq.matcher.rollback(len(seq.spec_token_ids))
+        apply_masks(logits, rows, bitmask)
