@@ -507,6 +507,19 @@ class LLMEngine:
             generation_tokens_total=self.generation_tokens_total,
             requests_failed_total=self.requests_failed_total,
             tokens_per_expert=self.tokens_per_expert(),
+            **self.spec_metrics(),
+        )
+
+    def spec_metrics(self) -> dict:
+        if self.speculator is None:
+            return {}
+        stats = self.speculator.stats
+        return dict(
+            spec_proposed_tokens=stats.proposed,
+            spec_accepted_tokens=stats.accepted,
+            spec_emitted_tokens=stats.emitted,
+            spec_proposed_per_position=list(stats.proposed_at),
+            spec_accepted_per_position=list(stats.accepted_at),
         )
 
     def tokens_per_expert(self) -> list[int]:
