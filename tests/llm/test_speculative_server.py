@@ -8,6 +8,7 @@ import openai
 import pytest
 
 from bitserve.llm import LLM, SamplingParams
+from bitserve.loadtest import report, server_view
 from tests.conftest import Server
 from tests.server.test_openai import build_llm, metric
 
@@ -62,3 +63,14 @@ def test_a_bad_opt_out_is_a_400_naming_the_field(server):
     assert "speculative" in response.text
     ok = httpx.post(server.url + "/v1/completions", json={**body, "speculative": False})
     assert ok.status_code == 200
+
+
+def test_the_bench_report_shows_the_acceptance(server):
+    before = server_view.scrape(server.url, "spec")
+    body = {"model": "spec", "prompt": PROMPT, "max_tokens": 24, "temperature": 0}
+    assert httpx.post(server.url + "/v1/completions", json=body).status_code == 200
+    view = server_view.difference(before, server_view.scrape(server.url, "spec"))
+    rates = [float(r) for r in view["spec_acceptance_by_position"].split("/")]
+    assert len(rates) == 3 and 0 <= view["spec_acceptance"] <= 1
+    text = report.table([{"load": "c=1", "completed": 1, "failed": 0, "server": view}])
+    assert "spec accept" in text and view["spec_acceptance_by_position"] in text
