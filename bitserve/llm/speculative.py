@@ -150,14 +150,20 @@ class NgramProposer:
 
     def lookup(self, token_ids: list[int], k: int) -> list[int]:
         tokens = np.asarray(token_ids)
-        size = len(tokens)
-        for n in range(min(self.high, size - 1), self.low - 1, -1):
-            windows = np.lib.stride_tricks.sliding_window_view(tokens[:-1], n)
-            hits = np.flatnonzero((windows == tokens[size - n :]).all(axis=1))
-            if len(hits):
-                start = int(hits[-1]) + n
-                return tokens[start : start + k].tolist()
-        return []
+        last = len(tokens) - 1
+        ends = np.flatnonzero(tokens[:-1] == tokens[last])  # earlier places of the last token
+        if not len(ends):
+            return []
+        length, alive = np.ones(len(ends), dtype=np.int64), np.ones(len(ends), dtype=bool)
+        for j in range(1, min(self.high, last)):  # how far back each one matches
+            before = ends - j
+            alive &= (before >= 0) & (tokens[np.maximum(before, 0)] == tokens[last - j])
+            length += alive
+        best = int(length.max())
+        if best < self.low:
+            return []
+        end = int(ends[np.flatnonzero(length == best)[-1]])  # the latest of the longest
+        return tokens[end + 1 : end + 1 + k].tolist()
 
     def release(self, seq: Sequence) -> None:
         pass
@@ -405,14 +411,32 @@ class Speculator:
         self, logits: torch.Tensor, seqs: list[Sequence]
     ) -> list[list[int] | SamplingFailed]:
         """The tokens each speculative row emits. `logits` holds 1 + k rows per
-        sequence (k = its proposals still scheduled), in the order of `seqs`."""
+        sequence (k = its proposals still scheduled), in the order of `seqs`. Greedy
+        rows need the argmax only; sampled rows go through rejection sampling."""
         counts = [1 + len(seq.spec_token_ids) for seq in seqs]
-        rows = [seq for seq, c in zip(seqs, counts, strict=True) for _ in range(c)]
         self.mask(logits, seqs, counts)
-        p = target_probs(logits, rows, self.rng)
+        values, argmax = logits.max(-1)  # max propagates NaN: it finds broken rows too
+        parts = [argmax.double(), values.isnan().double()]
+        sampled = [i for i, seq in enumerate(seqs) if not seq.sampling_params.greedy]
+        if sampled:
+            parts += self.rejection(logits, seqs, counts, sampled)
+        return self.decide(seqs, counts, set(sampled), to_host(torch.cat(parts)))
+
+    def rejection(
+        self, logits: torch.Tensor, seqs: list[Sequence], counts: list[int], sampled: list[int]
+    ) -> list[torch.Tensor]:
+        """For the rows of the sampled sequences: whether each proposal is kept, the token
+        drawn from the residual (the bonus row: from p itself), whether p is valid."""
+        starts = np.cumsum([0, *counts])
+        index = [r for i in sampled for r in range(starts[i], starts[i + 1])]
+        device = logits.device
+        x = logits.index_select(0, torch.tensor(index, device=device))
+        rows = [seqs[i] for i in sampled for _ in range(counts[i])]
+        p = target_probs(x, rows, self.rng)
         q = torch.zeros_like(p)
         drafted, u_accept, u_residual, at = [], [], [], 0
-        for seq, c in zip(seqs, counts, strict=True):
+        for i in sampled:
+            seq, c = seqs[i], counts[i]
             tokens = seq.spec_token_ids
             if seq.spec_probs is not None:
                 q[at : at + c - 1] = seq.spec_probs[: c - 1].to(q)
@@ -428,32 +452,42 @@ class Speculator:
                     u_accept.append(row_uniform(seed ^ SALT_ACCEPT, base + j))
                     u_residual.append(row_uniform(seed ^ SALT_RESIDUAL, base + j))
             at += c
-        device = logits.device
-        index = torch.tensor(drafted, device=device)[:, None]
-        keep = acceptance(p.gather(1, index), q.gather(1, index))[:, 0]
-        keep = torch.tensor(u_accept, device=device) < keep.double()
+        picked = torch.tensor(drafted, device=device)[:, None]
+        keep = acceptance(p.gather(1, picked), q.gather(1, picked))[:, 0]
+        keep = torch.tensor(u_accept, dtype=torch.float64, device=device) < keep.double()
         left = residual(p, q)
         left = torch.where(left.sum(-1, keepdim=True) > 0, left, p)
         drawn = inverse_cdf(left, torch.tensor(u_residual, dtype=torch.float64, device=device))
-        valid = torch.isfinite(p).all(-1)
-        host = to_host(torch.cat([keep.double(), drawn.double(), valid.double()]))
-        n = len(rows)
-        return self.decide(seqs, counts, host[:n], host[n : 2 * n], host[2 * n :])
+        return [keep.double(), drawn.double(), torch.isfinite(p).all(-1).double()]
 
-    def decide(self, seqs, counts, keep, drawn, valid) -> list[list[int] | SamplingFailed]:
+    def decide(self, seqs, counts, sampled: set[int], host) -> list[list[int] | SamplingFailed]:
+        """Per sequence: the proposals kept, then the target's token (plain Python)."""
+        total = sum(counts)
+        argmax, nan = host[:total], host[total : 2 * total]
+        rs = (len(host) - 2 * total) // 3
+        keep, drawn, valid = (host[2 * total + j * rs : 2 * total + (j + 1) * rs] for j in range(3))
         out: list[list[int] | SamplingFailed] = []
-        at = 0
-        for seq, c in zip(seqs, counts, strict=True):
-            if not all(valid[at : at + c]):
-                out.append(SamplingFailed("the model's logits for this request hold NaN"))
-                at += c
-                continue
+        at = sub = 0
+        for i, (seq, c) in enumerate(zip(seqs, counts, strict=True)):
+            tokens = seq.spec_token_ids
             a = 0
-            while a < c - 1 and keep[at + a]:
-                a += 1
-            self.stats.record(c - 1, a)
-            out.append([*seq.spec_token_ids[:a], int(drawn[at + a])])
+            if i in sampled:
+                bad = not all(valid[sub : sub + c])
+                while a < c - 1 and keep[sub + a]:
+                    a += 1
+                last = drawn[sub + a]
+                sub += c
+            else:
+                bad = any(nan[at : at + c])
+                while a < c - 1 and tokens[a] == argmax[at + a]:
+                    a += 1
+                last = argmax[at + a]
             at += c
+            if bad:
+                out.append(SamplingFailed("the model's logits for this request hold NaN"))
+                continue
+            self.stats.record(c - 1, a)
+            out.append([*tokens[:a], int(last)])
         return out
 
     @staticmethod
