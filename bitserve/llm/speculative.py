@@ -283,6 +283,8 @@ class DraftProposer:
     ) -> tuple[list[int], list[torch.Tensor | None]]:
         """One token per row: the argmax for greedy requests, else a draw from the
         target's sampling settings applied to the draft's logits (q, kept)."""
+        if all(seq.sampling_params.greedy for seq in targets):
+            return [int(t) for t in to_host(logits.argmax(-1))], [None] * len(targets)
         probs = target_probs(logits, targets, random.Random(0))
         u = []
         for seq, m in zip(targets, mirrors, strict=True):
