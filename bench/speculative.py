@@ -166,6 +166,8 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--parts", default="demo,copy,streams,default,1b")
+    parser.add_argument("--streams", default="2,4,8,16", help="part 3's stream counts")
     parser.add_argument("--no-1b", action="store_true")
     parser.add_argument("--model-1b", type=Path, help="a ~1B HF folder (default: built)")
     args = parser.parse_args()
@@ -175,27 +177,30 @@ def main() -> None:
     ngram = {"speculative": {"method": "ngram", "num_tokens": k}}
     forced = {"speculative": {"method": "ngram", "num_tokens": k, "max_batch": 64}}
     results: dict = {"cpu": cpu(), "threads": args.threads, "k": k, "tokens": t, "rounds": r}
-    demo = demo_prompts(args.prompts)
+    parts = set(args.parts.split(",")) - ({"1b"} if args.no_1b else set())
     fp32 = {"speculative": {"method": "draft", "model": "draft/1", "num_tokens": k}}
-    results["demo_b1"] = compare(
-        {"plain": (target, {}), "draft": (target, draft), "draft-fp32": (target, fp32),
-         "ngram": (target, ngram)},
-        demo, t, False, r,
-    )  # fmt: skip
+    if "demo" in parts:
+        results["demo_b1"] = compare(
+            {"plain": (target, {}), "draft": (target, draft), "draft-fp32": (target, fp32),
+             "ngram": (target, ngram)},
+            demo_prompts(args.prompts), t, False, r,
+        )  # fmt: skip
     copy = copy_prompts(16)
-    results["copy_b1"] = compare(
-        {"plain": (target, {}), "ngram": (target, ngram), "draft": (target, draft)},
-        copy[: args.prompts], t, False, r,
-    )  # fmt: skip
-    for n in (2, 4, 8, 16):
+    if "copy" in parts:
+        results["copy_b1"] = compare(
+            {"plain": (target, {}), "ngram": (target, ngram), "draft": (target, draft)},
+            copy[: args.prompts], t, False, r,
+        )  # fmt: skip
+    for n in map(int, args.streams.split(",")) if "streams" in parts else []:
         results[f"copy_x{n}_forced"] = compare(
             {"plain": (target, {}), "ngram": (target, forced)}, copy[:n], t, True, r
         )
-    results["copy_x16_default"] = compare(
-        {"plain": (target, {}), "ngram": (target, ngram), "draft": (target, draft)},
-        copy, t, True, r,
-    )  # fmt: skip
-    if not args.no_1b:
+    if "default" in parts:
+        results["copy_x16_default"] = compare(
+            {"plain": (target, {}), "ngram": (target, ngram), "draft": (target, draft)},
+            copy, t, True, r,
+        )  # fmt: skip
+    if "1b" in parts:
         results["overhead_1b"] = overhead_1b(args.model_1b, steps=8)
     print(table(results))
     print(json.dumps(results))

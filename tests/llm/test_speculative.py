@@ -23,11 +23,12 @@ from tests.llm.conftest import make_engine
 from tests.llm.test_architectures import ARCHS, EXTRA, arch_dirs, reference  # noqa: F401
 from tests.llm.test_engine import GREEDY, MIXED, SHARED, generate
 
-NGRAM = {"method": "ngram"}
+# speculation on whatever the batch (the default stops above MAX_BATCH running requests)
+NGRAM = {"method": "ngram", "max_batch": 64}
 
 
 def draft(folder, k: int, **extra) -> dict:
-    return {"method": "draft", "model": str(folder), "num_tokens": k, **extra}
+    return {"method": "draft", "model": str(folder), "num_tokens": k, "max_batch": 64, **extra}
 
 
 @pytest.fixture(scope="module")
@@ -349,3 +350,14 @@ def test_ngram_proposes_the_tokens_after_the_latest_match():
     assert proposer.lookup([5, 6, 7, 8, 5, 6], 4) == [7, 8, 5, 6]
     assert proposer.lookup([1, 2, 3], 2) == []
     assert proposer.lookup([4, 4], 3) == [4]
+
+
+def test_speculation_is_off_while_more_than_max_batch_requests_run(model_dirs):
+    llama = model_dirs["llama"]
+    spec = {"method": "ngram", "num_tokens": 3, "max_batch": 2}
+    engine = make_engine(llama, num_kv_blocks=64, speculative=spec)
+    check_parity(llama, MIXED[:3], generate(engine, MIXED[:3]))  # three run the whole time
+    assert engine.speculator.stats.proposed == 0
+    check_parity(llama, MIXED[:2], generate(engine, MIXED[:2]))
+    assert engine.speculator.stats.proposed > 0
+    assert speculative.SpeculativeConfig("ngram").max_batch == speculative.MAX_BATCH
