@@ -65,16 +65,19 @@ def test_greedy_speculation_matches_transformers_on_every_architecture(every_dir
         assert engine.speculator.stats.proposed > 0
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft"])
+@pytest.mark.parametrize(
+    ("name", "method"),
+    [("llama", "ngram"), ("llama", "draft"), ("mistral_window", "ngram"), ("gemma3", "draft")],
+)
 def test_greedy_exact_under_chunked_prefill_preemption_and_prefix_hits_in_one_batch(
-    model_dirs, method
+    every_dir, name, method
 ):
-    llama = model_dirs["llama"]
-    spec = {**NGRAM, "num_tokens": 3} if method == "ngram" else draft(llama, 4)
-    engine = make_engine(llama, num_kv_blocks=12, max_num_batched_tokens=16, speculative=spec)
+    folder = every_dir[name]  # mistral_window: blocks also freed behind a sliding window
+    spec = {**NGRAM, "num_tokens": 3} if method == "ngram" else draft(folder, 4)
+    engine = make_engine(folder, num_kv_blocks=12, max_num_batched_tokens=16, speculative=spec)
     generate(engine, SHARED[:1])  # its blocks stay cached: the next batch hits them
     prompts = SHARED + MIXED
-    check_parity(llama, prompts, generate(engine, prompts))
+    check_parity(folder, prompts, generate(engine, prompts))
     assert engine.scheduler.num_preemptions > 0
     assert engine.block_manager.prefix_cache_hits > 0
     assert engine.speculator.stats.accepted > 0
