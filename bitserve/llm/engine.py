@@ -421,6 +421,7 @@ class LLMEngine:
         if seq.spec_token_ids:  # the rejected proposals' KV is not the sequence's
             self.speculator.stats.emitted += emitted
             seq.spec_token_ids = []
+            del seq.logprobs[seq.num_output_tokens :]  # those of tokens a stop cut off
             if status is None:
                 self.scheduler.rollback(seq)
         if status is not None:

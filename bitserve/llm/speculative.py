@@ -32,7 +32,7 @@ only rejected K/V go back to the pool (`Scheduler.rollback`); only a sequence's 
 tokens are ever entered in the prefix cache, so it never sees a proposal.
 
 Not speculated (they sample as before): requests that opt out (`speculative=False`),
-ask for logprobs, use repetition/presence/frequency penalties, are still under
+use repetition/presence/frequency penalties (they change with every token), are still under
 min_tokens, or are too close to max_tokens or max_model_len; and every request while
 more than `max_batch` run (the step is then compute-bound and k extra rows per request
 cost more than they save: bench/speculative.py measures it).
@@ -385,7 +385,6 @@ class Speculator:
         p = seq.sampling_params
         if (
             not p.speculative
-            or p.logprobs is not None
             or p.needs_penalties
             or seq.num_output_tokens < p.min_tokens
             or seq.status != SequenceStatus.RUNNING
@@ -424,7 +423,45 @@ class Speculator:
         sampled = [i for i, seq in enumerate(seqs) if not seq.sampling_params.greedy]
         if sampled:
             parts += self.rejection(logits, seqs, counts, sampled)
-        return self.decide(seqs, counts, set(sampled), to_host(torch.cat(parts)))
+        out = self.decide(seqs, counts, set(sampled), to_host(torch.cat(parts)))
+        self.logprobs(logits, seqs, counts, out)
+        return out
+
+    @staticmethod
+    def logprobs(logits: torch.Tensor, seqs: list[Sequence], counts: list[int], out) -> None:
+        """The emitted tokens' logprobs (and top n) for the rows that ask, as the sampler
+        gives them: the raw distribution after the grammar mask. The engine drops those
+        of tokens a stop cut off."""
+        wanted = [
+            i
+            for i, seq in enumerate(seqs)
+            if seq.sampling_params.logprobs is not None and isinstance(out[i], list)
+        ]
+        if not wanted:
+            return
+        starts = np.cumsum([0, *counts])
+        rows = [int(starts[i]) + j for i in wanted for j in range(len(out[i]))]
+        tokens = [t for i in wanted for t in out[i]]
+        device = logits.device
+        lp = torch.log_softmax(logits.index_select(0, torch.tensor(rows, device=device)), -1)
+        chosen = lp.gather(1, torch.tensor(tokens, device=device)[:, None])
+        n = min(max(seqs[i].sampling_params.logprobs for i in wanted), logits.shape[-1])
+        parts = [chosen.flatten().double()]
+        if n:
+            top = lp.topk(n, dim=-1)
+            parts += [top.values.flatten().double(), top.indices.flatten().double()]
+        host = to_host(torch.cat(parts))
+        m = len(rows)
+        values, ids = host[m : m + m * n], host[m + m * n :]
+        r = 0
+        for i in wanted:
+            keep = min(seqs[i].sampling_params.logprobs, n)
+            for token in out[i]:
+                entry = {token: host[r]}
+                for w in range(keep):
+                    entry.setdefault(int(ids[r * n + w]), values[r * n + w])
+                seqs[i].logprobs.append(entry)
+                r += 1
 
     def rejection(
         self, logits: torch.Tensor, seqs: list[Sequence], counts: list[int], sampled: list[int]

@@ -364,3 +364,21 @@ def test_speculation_is_off_while_more_than_max_batch_requests_run(model_dirs):
     check_parity(llama, MIXED[:2], generate(engine, MIXED[:2]))
     assert engine.speculator.stats.proposed > 0
     assert speculative.SpeculativeConfig("ngram").max_batch == speculative.MAX_BATCH
+
+
+def test_logprobs_of_speculated_tokens_are_the_plain_engines(model_dirs):
+    llama = model_dirs["llama"]
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=3)
+    plain = make_engine(llama, num_kv_blocks=64)
+    engine = make_engine(llama, num_kv_blocks=64, speculative=draft(llama, 4))
+    prompt = "the quick brown fox jumps over the lazy dog the quick"
+    stop_at = generate_full(plain, prompt, greedy).outputs[0].token_ids[6]
+    cut = SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[stop_at], logprobs=1)
+    for params in (greedy, cut):  # cut: the stop falls inside an accepted run
+        want, got = generate_full(plain, prompt, params), generate_full(engine, prompt, params)
+        want, got = want.outputs[0], got.outputs[0]
+        assert got.token_ids == want.token_ids and len(got.logprobs) == len(got.token_ids)
+        for mine, theirs in zip(got.logprobs, want.logprobs, strict=True):
+            assert list(mine) == list(theirs)
+            assert [mine[t] for t in mine] == pytest.approx([theirs[t] for t in mine], abs=1e-4)
+    assert engine.speculator.stats.accepted > 0
