@@ -56,10 +56,11 @@ from bitserve.llm.structured import apply_masks
 METHODS = ("ngram", "draft")
 MAX_NUM_TOKENS = 16
 # above this many running requests nobody speculates. bench/speculative.py, tinylm,
-# n-gram k = 4 forced on, copy-heavy prompts, one thread of the 2-core EPYC, 5 rounds:
-# x plain 0.99 / 0.97 / 1.06 / 0.95 at 1-4 streams (acceptance 20-37%), 0.80 at 6,
-# 0.91 at 8, 0.63 at 16: past 4 the extra rows cost more than the tokens they save
-MAX_BATCH = 4
+# n-gram k = 4 forced on, copy-heavy prompts (acceptance 31-37%), one thread of the
+# 2-core EPYC, 5 rounds: x plain 0.99 at 2 streams, 0.87 at 4, 0.84 at 8, 0.80 at 16
+# (an earlier, noisier run: 0.97 / 1.06 / 0.95 at 2-4, 0.80 at 6): past 2 the extra
+# rows cost more than the tokens they save (batch 1: 1.30x)
+MAX_BATCH = 2
 SALT_ACCEPT, SALT_RESIDUAL, SALT_DRAFT = 0xACCE, 0x2E51, 0xD2AF
 
 
