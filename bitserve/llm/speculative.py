@@ -48,8 +48,11 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from bitserve.llm.block_manager import BlockManager
 from bitserve.llm.config import EngineConfig, check_type
+from bitserve.llm.model_runner import ModelRunner
 from bitserve.llm.sampler import Plan, Sampler, SamplingFailed, row_uniform, to_host, uniform
+from bitserve.llm.scheduler import SchedulerOutput
 from bitserve.llm.sequence import Sequence, SequenceStatus
 from bitserve.llm.structured import apply_masks
 
@@ -183,9 +186,6 @@ class DraftProposer:
     greedy for greedy requests and from the same filtered distribution otherwise."""
 
     def __init__(self, config: SpeculativeConfig, target: EngineConfig, num_blocks: int):
-        from bitserve.llm.block_manager import BlockManager
-        from bitserve.llm.model_runner import ModelRunner
-
         self.config = EngineConfig(
             model=config.folder,
             dtype=target.dtype,
@@ -206,16 +206,17 @@ class DraftProposer:
                 f"target's ({vocab[1]})"
             )
         self.runner = ModelRunner(self.config)
-        self.block_manager_class = BlockManager
         self.rng = random.Random(target.seed ^ SALT_DRAFT)
         self.reset()
 
     def reset(self) -> None:
-        self.block_manager = self.block_manager_class(self.config, self.runner.num_blocks)
+        self.block_manager = BlockManager(self.config, self.runner.num_blocks)
         self.mirrors: dict[int, Sequence] = {}  # id(target seq) -> mirror
+        self.synced: dict[int, int] = {}  # id(target seq) -> its length at the last proposal
 
     def release(self, seq: Sequence) -> None:
         mirror = self.mirrors.pop(id(seq), None)
+        self.synced.pop(id(seq), None)
         if mirror is not None:
             self.block_manager.free(mirror)
 
@@ -230,7 +231,8 @@ class DraftProposer:
             return m
         common = min(m.num_computed_tokens, seq.num_tokens)
         mine, theirs = m.token_ids, seq.token_ids
-        same = next((i for i in range(m.synced, common) if mine[i] != theirs[i]), common)
+        synced = self.synced.get(id(seq), 0)  # before it, the mirror's tokens are the seq's
+        same = next((i for i in range(synced, common) if mine[i] != theirs[i]), common)
         m.token_ids = list(theirs)
         m.num_computed_tokens = same
         self.block_manager.trim(m)
@@ -238,13 +240,11 @@ class DraftProposer:
 
     @torch.inference_mode()
     def propose(self, rows: list[tuple[Sequence, int]]) -> list[Proposal]:
-        from bitserve.llm.scheduler import SchedulerOutput
-
         drafts: dict[int, tuple[list[int], list[torch.Tensor | None]]] = {}
         active = []
         for seq, k in rows:
             m = self.mirror(seq)
-            m.synced = seq.num_tokens
+            self.synced[id(seq)] = seq.num_tokens
             drafts[id(seq)] = ([], [])
             active.append((seq, m, k))
         while active:
