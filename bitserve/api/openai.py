@@ -4,7 +4,7 @@ parameters, and response bodies built from engine outputs (errors: api/errors.py
 The server's routes (server/openai.py) and `bitserve batch` (offline/executor.py) both
 build on it, so a batch output body is exactly what the server answers. Parameters
 beyond OpenAI's (`top_k`, `min_p`, `repetition_penalty`, `ignore_eos`, `min_tokens`,
-`stop_token_ids`, `priority`) are accepted as extra fields, as vLLM does.
+`stop_token_ids`, `priority`, `speculative`) are accepted as extra fields, as vLLM does.
 
 The sampling fields are taken as sent and checked once, by `SamplingParams` (built by
 `backends.llm.sampling`, the one builder of every door), so an out-of-range value gets
@@ -97,6 +97,7 @@ class _Request(BaseModel):
     priority: Annotated[int, Field(ge=-(2**31), le=2**31 - 1)] = 0
     skip_special_tokens: Annotated[Any, _sampled("skip_special_tokens")] = True
     include_stop_str_in_output: Annotated[Any, _sampled("include_stop_str_in_output")] = False
+    speculative: Annotated[Any, _sampled("speculative")] = True  # false: opt out (llm/speculative)
     # structured outputs: OpenAI's response_format, or vLLM's guided_* (one of them)
     response_format: ResponseFormat | None = None
     guided_json: dict | str | None = None

@@ -158,8 +158,25 @@ class BlockManager:
             seq.num_registered_blocks = len(computed_blocks)
         for _ in range(num_new_blocks):
             seq.block_table.append(self._pop_free_block())
-        self._register_full_blocks(seq, num_tokens + num_new_tokens)
+        # speculative tokens (past seq.num_tokens) are not the sequence's yet: never cached
+        self._register_full_blocks(seq, min(num_tokens + num_new_tokens, seq.num_tokens))
         return True
+
+    def can_append(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Whether `allocate_slots(seq, num_new_tokens)` finds enough free blocks (a
+        running sequence; under a sliding window it may free some first)."""
+        needed = cdiv(seq.num_computed_tokens + num_new_tokens, self.block_size)
+        return needed - len(seq.block_table) <= self.num_free_blocks
+
+    def trim(self, seq: Sequence) -> None:
+        """Speculative decoding's rollback: give back the tail blocks that hold only
+        rejected tokens (past num_computed_tokens). They were never entered in the prefix
+        cache (only a sequence's own tokens are), so they go to the free queue's head."""
+        keep = max(cdiv(seq.num_computed_tokens, self.block_size), seq.num_registered_blocks)
+        while len(seq.block_table) > keep:
+            block_id = seq.block_table.pop()
+            if block_id != FREED:
+                self._release(block_id)
 
     def free(self, seq: Sequence) -> None:
         """Return a sequence's blocks. Tail blocks go first into the LRU queue, so the

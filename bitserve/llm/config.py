@@ -241,6 +241,9 @@ class EngineConfig:
     max_loras: int = 0
     max_lora_rank: int = 16
     lora_modules: dict[str, str] = field(default_factory=dict)
+    # speculative decoding (speculative.py): { method = "ngram" | "draft", model = ...,
+    # num_tokens = k }; None: off
+    speculative: dict[str, Any] | None = None
 
     @property
     def startup_timeout_s(self) -> float:

@@ -42,6 +42,7 @@ from bitserve.llm.sampler import Sampler, SamplingFailed
 from bitserve.llm.sampling_params import SamplingError, SamplingParams
 from bitserve.llm.scheduler import Scheduler, SchedulerOutput
 from bitserve.llm.sequence import Sequence, SequenceStatus
+from bitserve.llm.speculative import SpeculativeConfig, Speculator
 from bitserve.llm.structured import Grammars, GuideError, mask_rows
 from bitserve.llm.workers import WorkerDied, Workers
 from bitserve.tensors import allow_tf32
@@ -111,6 +112,10 @@ class LLMEngine:
             if self.workers is not None:
                 self.workers.fail(error)
             raise
+        self.speculator = None  # speculative decoding (speculative.py), when configured
+        if self.config.speculative is not None:
+            spec = SpeculativeConfig.parse(self.config.speculative, self.config.model)
+            self.speculator = Speculator(spec, self.config, self.runner.num_blocks)
         self.reset()
         self.register_lora_modules()
         self.sampler = Sampler()
@@ -132,6 +137,8 @@ class LLMEngine:
         self.block_manager = BlockManager(self.config, self.runner.num_blocks)
         self.scheduler = Scheduler(self.config, self.block_manager)
         self.requests: dict[str, RequestState] = {}
+        if self.speculator is not None:
+            self.speculator.reset()
 
     # -- requests ---------------------------------------------------------------------
     def add_request(
@@ -229,13 +236,21 @@ class LLMEngine:
         if state is None:
             return None
         self.scheduler.finish(state.seq, SequenceStatus.FINISHED_ABORTED)
+        self.release(state.seq)
         return self.make_output(state)
+
+    def release(self, seq: Sequence) -> None:
+        """A request ended: its draft model's KV (speculative decoding) goes back too."""
+        if self.speculator is not None:
+            self.speculator.release(seq)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
     # -- the loop -----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        if self.speculator is not None:  # proposals first: the scheduler budgets them
+            self.speculator.propose(self.scheduler.running)
         batch = self.scheduler.schedule()
         if not batch:
             return []
@@ -330,6 +345,7 @@ class LLMEngine:
             return None
         state.error = error
         self.scheduler.finish(seq, SequenceStatus.FINISHED_ERROR)
+        self.release(seq)
         self.requests_failed_total += 1
         log.error("request %s failed inside a step: %s", seq.request_id, error)
         return self.make_output(state)
@@ -360,9 +376,11 @@ class LLMEngine:
                 results += [out] if out is not None else []
         if not output.sample_seqs:
             return results
-        tokens = self.sample(output, masks)
+        output, speculative = self.split_speculative(output)
+        tokens: list = self.sample(output, masks) if output.sample_seqs else []
+        rows = list(zip(output.sample_seqs, tokens, strict=True)) + speculative
         now = time.monotonic()
-        for seq, token in zip(output.sample_seqs, tokens, strict=True):
+        for seq, token in rows:
             try:
                 if isinstance(token, SamplingFailed):
                     raise token
@@ -372,6 +390,27 @@ class LLMEngine:
             if out is not None:
                 results.append(out)
         return results
+
+    def split_speculative(self, output: ModelOutput) -> tuple[ModelOutput, list[tuple]]:
+        """The rows of speculative decodes (1 + k each) verified apart: the plain rows'
+        output, and (seq, tokens it emits or SamplingFailed) for each speculative one."""
+        seqs = output.sample_seqs
+        spec = [i for i, seq in enumerate(seqs) if seq.spec_token_ids]
+        if not spec:
+            return output, []
+        plain = [i for i, seq in enumerate(seqs) if not seq.spec_token_ids]
+        logits = output.logits
+        rows = torch.tensor(spec, device=logits.device)
+        kept = ModelOutput([seqs[i] for i in plain], prompt_logits=output.prompt_logits)
+        if plain:
+            kept.logits = logits.index_select(0, torch.tensor(plain, device=logits.device))
+        ordered = list(dict.fromkeys(seqs[i] for i in spec))
+        try:
+            verified = self.speculator.verify(logits.index_select(0, rows), ordered)
+        except Exception as error:  # (a grammar, a device): each row fails alone
+            log.warning("verifying %d speculative row(s) failed (%r)", len(ordered), error)
+            verified = [SamplingFailed(f"{type(error).__name__}: {error}")] * len(ordered)
+        return kept, list(zip(ordered, verified, strict=True))
 
     def sample(self, output: ModelOutput, masks: Future | None) -> list[int | SamplingFailed]:
         """The sampler over the batch; if it raises (a grammar mask, a device), each row
@@ -390,17 +429,31 @@ class LLMEngine:
                 tokens.append(SamplingFailed(f"{type(error).__name__}: {error}"))
         return tokens
 
-    def apply(self, seq: Sequence, token: int, now: float) -> RequestOutput | None:
-        """Append a sampled token, check the stops; the output to deliver, if any."""
+    def apply(self, seq: Sequence, token: int | list[int], now: float) -> RequestOutput | None:
+        """Append a sampled token (a speculative row: its verified tokens, one by one),
+        check the stops; the output to deliver, if any."""
         state = self.requests[seq.request_id]
         state.first_token_time = state.first_token_time or now
-        seq.append_token(token)
-        self.generation_tokens_total += 1
-        if seq.matcher is not None and not seq.matcher.consume_token(token):
-            raise SamplingFailed(f"the grammar refused token {token}: {seq.matcher.get_error()}")
-        status = self.check_stop(state, token)
+        tokens, status, emitted = [token] if isinstance(token, int) else token, None, 0
+        for token in tokens:
+            emitted += 1
+            seq.append_token(token)
+            self.generation_tokens_total += 1
+            if seq.matcher is not None and not seq.matcher.consume_token(token):
+                error = seq.matcher.get_error()
+                raise SamplingFailed(f"the grammar refused token {token}: {error}")
+            status = self.check_stop(state, token)
+            if status is not None:
+                break
+        if seq.spec_token_ids:  # the rejected proposals' KV is not the sequence's
+            self.speculator.stats.emitted += emitted
+            seq.spec_token_ids = []
+            del seq.logprobs[seq.num_output_tokens :]  # those of tokens a stop cut off
+            if status is None:
+                self.scheduler.rollback(seq)
         if status is not None:
             self.scheduler.finish(seq, status)
+            self.release(seq)
             del self.requests[seq.request_id]
         if state.stream or status is not None:  # building outputs costs per token
             return self.make_output(state)
@@ -483,6 +536,19 @@ class LLMEngine:
             requests_failed_total=self.requests_failed_total,
             tokens_per_expert=self.tokens_per_expert(),
             lora=self.lora.stats() if self.lora is not None else {},
+            **self.spec_metrics(),
+        )
+
+    def spec_metrics(self) -> dict:
+        if self.speculator is None:
+            return {}
+        stats = self.speculator.stats
+        return dict(
+            spec_proposed_tokens=stats.proposed,
+            spec_accepted_tokens=stats.accepted,
+            spec_emitted_tokens=stats.emitted,
+            spec_proposed_per_position=list(stats.proposed_at),
+            spec_accepted_per_position=list(stats.accepted_at),
         )
 
     def tokens_per_expert(self) -> list[int]:

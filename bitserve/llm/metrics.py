@@ -27,6 +27,13 @@ class EngineMetrics:
     requests_failed_total: int = 0  # requests that failed alone inside a step
     tokens_per_expert: list[int] = field(default_factory=list)
     lora: dict[str, dict[str, int]] = field(default_factory=dict)  # per adapter (lora.py)
+    # speculative decoding (speculative.py): proposals, those accepted, tokens the
+    # speculative rows emitted (accepted + the target's own), and both by position
+    spec_proposed_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_emitted_tokens: int = 0
+    spec_proposed_per_position: list[int] = field(default_factory=list)
+    spec_accepted_per_position: list[int] = field(default_factory=list)
 
     def as_dict(self) -> dict:
         return asdict(self)

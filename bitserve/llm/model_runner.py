@@ -71,7 +71,8 @@ GRAPH_MAX_BATCH = 256  # the largest batch-size bucket captured as a CUDA graph
 
 @dataclass
 class ModelOutput:
-    sample_seqs: list[Sequence] = field(default_factory=list)  # those that get a new token
+    # those that get a new token, one per logits row (a speculative row: 1 + its proposals)
+    sample_seqs: list[Sequence] = field(default_factory=list)
     logits: torch.Tensor | None = None  # [len(sample_seqs), vocab], fp32
     prompt_logits: dict[str, tuple[int, torch.Tensor]] = field(default_factory=dict)
     # request_id -> (first position predicted, logits rows [n, vocab])
@@ -402,12 +403,14 @@ class ModelRunner:
             if table[0] < 0:  # blocks freed behind a sliding window: never read
                 table = [max(block, 0) for block in table]
             num_ctx_blocks = -(-end // bs)
+            spec = end - seq.num_tokens  # > 0: a decode row scores its proposals too
             if n == 1:
                 input_ids.append(seq.token_ids[start])
                 positions.append(start)
                 slots.append(table[start // bs] * bs + start % bs)
             else:
-                input_ids.extend(seq.token_ids[start:end])
+                tokens = seq.token_ids if spec <= 0 else seq.token_ids + seq.spec_token_ids
+                input_ids.extend(tokens[start:end])
                 positions.extend(range(start, end))
                 slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             if batched_decode:
@@ -423,6 +426,9 @@ class ModelRunner:
             if end == seq.num_tokens:
                 out.sample_seqs.append(seq)
                 step.sample_rows.append(row + n - 1)
+            elif spec > 0:  # every row of a speculative decode is sampled: seq once each
+                out.sample_seqs += [seq] * (spec + 1)
+                step.sample_rows.extend(range(row + n - 1 - spec, row + n))
             if seq.wants_prompt_logprobs:
                 last = min(end, seq.num_prompt_tokens - 1)  # rows predicting prompt tokens
                 if last > start:

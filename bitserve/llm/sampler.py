@@ -240,6 +240,20 @@ class Sampler:
         if not plan.any_sampled:
             no = torch.zeros_like(greedy, dtype=torch.bool)
             return greedy, no, torch.ones_like(x[:, 0])
+        probs = Sampler.filtered(x, plan, d)
+        cdf = probs.cumsum(-1, dtype=torch.float64)
+        total = cdf[:, -1]
+        drawn = (cdf < (d["uniform"] * total)[:, None]).sum(-1)  # the first reaching u x sum
+        sampled = d["sampled"].bool()
+        invalid = sampled & ~(torch.isfinite(total) & (total > 0))
+        if greedy is not None:
+            drawn = torch.where(sampled, drawn, greedy)
+        return drawn, invalid, total
+
+    @staticmethod
+    def filtered(x: torch.Tensor, plan: Plan, d: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The rows' probabilities after temperature, top-k, top-p and min-p, not
+        renormalised (what a draw samples from; speculative.py verifies against it)."""
         probs = torch.softmax(x / d["temperature"].float()[:, None], dim=-1)
         threshold = torch.zeros_like(probs[:, 0])
         if plan.top_k_max:
@@ -261,14 +275,7 @@ class Sampler:
             threshold = torch.maximum(threshold, d["min_p"].float() * probs.amax(-1))
         if plan.top_k_max or d["nucleus"].numel() or plan.any_min_p:
             probs = torch.where(probs >= threshold[:, None], probs, 0.0)
-        cdf = probs.cumsum(-1, dtype=torch.float64)
-        total = cdf[:, -1]
-        drawn = (cdf < (d["uniform"] * total)[:, None]).sum(-1)  # the first reaching u x sum
-        sampled = d["sampled"].bool()
-        invalid = sampled & ~(torch.isfinite(total) & (total > 0))
-        if greedy is not None:
-            drawn = torch.where(sampled, drawn, greedy)
-        return drawn, invalid, total
+        return probs
 
     @staticmethod
     def unpack(host: list[float], seqs: list[Sequence], plan: Plan) -> list[int | SamplingFailed]:

@@ -76,6 +76,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     guide: Guide | None = None  # structured output: a JSON schema, regex, choice or grammar
     lora: str | None = None  # the LoRA adapter to generate with (llm/lora.py); None: the base
+    speculative: bool = True  # False: never speculated (the model's `speculative` config)
 
     def __post_init__(self) -> None:
         for f in fields(self):

@@ -141,6 +141,8 @@ class Scheduler:
             if self.rope.switches(seq.rope_prefix, seq.num_tokens):
                 self.restart(seq)
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if seq.spec_token_ids:  # a decode row scores its proposals too, in budget
+                num_new = self._speculate(seq, num_new, budget)
             while not self.block_manager.allocate_slots(seq, num_new):
                 victim = self._pick_victim()
                 self.preempt(victim)
@@ -182,6 +184,24 @@ class Scheduler:
         used = {s.lora_id for s in self.running} - {0}
         return seq.lora_id in used or len(used) < self.config.max_loras
 
+    def _speculate(self, seq: Sequence, num_new: int, budget: int) -> int:
+        """A decode row's tokens with its proposals (speculative.py): as many as the
+        budget and the free blocks take; none when it is not a decode (a recompute)."""
+        spec = seq.spec_token_ids
+        if num_new != 1 or seq.num_tokens - seq.num_computed_tokens != 1:
+            spec.clear()
+            return num_new
+        del spec[budget - 1 :]
+        while spec and not self.block_manager.can_append(seq, 1 + len(spec)):
+            spec.pop()  # short of blocks: fewer proposals before anyone is preempted
+        return 1 + len(spec)
+
+    def rollback(self, seq: Sequence) -> None:
+        """After a speculative step: the KV of the rejected proposals is not the
+        sequence's; its computed tokens stop before its last token again."""
+        seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens - 1)
+        self.block_manager.trim(seq)
+
     def _pick_victim(self) -> Sequence:
         """The tail of `running`: the newest admitted (fcfs) or lowest priority (priority);
         never a request already scheduled in this step, which all sit before it."""
@@ -200,6 +220,7 @@ class Scheduler:
         """Preemption by recompute: drop the KV, go back to waiting, start over later."""
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
+        seq.spec_token_ids.clear()
         seq.status = SequenceStatus.PREEMPTED
         seq.num_preemptions += 1
         self.num_preemptions += 1

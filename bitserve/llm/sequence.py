@@ -69,6 +69,10 @@ class Sequence:
     device: str = field(default="cpu", repr=False)  # where the seeded generator draws
     matcher: Any = field(default=None, repr=False)  # the structured-output grammar's state
     lora_id: int = 0  # its LoRA adapter's uid (lora.py), 0: the base model
+    # speculative decoding (speculative.py): tokens proposed after the last one, scored
+    # with it in the next step, and the draft's distribution of each (None: a point mass)
+    spec_token_ids: list[int] = field(default_factory=list, repr=False)
+    spec_probs: Any = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

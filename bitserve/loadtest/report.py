@@ -29,6 +29,8 @@ COLUMNS = [  # (header, key path, format)
     ("srv queue", ("server", "mean_queue_ms"), "{:.2f}"),
     ("srv compute", ("server", "mean_compute_ms"), "{:.2f}"),
     ("srv batch", ("server", "mean_batch_size"), "{:.1f}"),
+    ("spec accept", ("server", "spec_acceptance"), "{:.0%}"),
+    ("spec accept/pos", ("server", "spec_acceptance_by_position"), "{}"),
 ]
 STREAM_ONLY = {"out tok/s", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99", "ITL p99"}
 

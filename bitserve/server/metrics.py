@@ -124,6 +124,32 @@ def _engine_metrics(server: ServerState) -> Iterator[Metric]:
             labels=adapter_labels,
         ),
     }
+    spec = {  # speculative decoding (llm/speculative.py), vLLM's spec_decode names
+        "spec_proposed_tokens": CounterMetricFamily(
+            "bitserve_llm_spec_decode_num_draft_tokens", "Tokens proposed.", labels=labels
+        ),
+        "spec_accepted_tokens": CounterMetricFamily(
+            "bitserve_llm_spec_decode_num_accepted_tokens", "Proposals accepted.", labels=labels
+        ),
+        "spec_emitted_tokens": CounterMetricFamily(
+            "bitserve_llm_spec_decode_num_emitted_tokens",
+            "Tokens emitted by speculative steps (accepted and the target's own).",
+            labels=labels,
+        ),
+    }
+    by_position = {
+        "spec_proposed_per_position": CounterMetricFamily(
+            "bitserve_llm_spec_decode_num_draft_tokens_per_pos",
+            "Proposals at each position after the last token (0 first).",
+            labels=[*labels, "position"],
+        ),
+        "spec_accepted_per_position": CounterMetricFamily(
+            "bitserve_llm_spec_decode_num_accepted_tokens_per_pos",
+            "Proposals accepted at each position (their ratio to the proposed: the "
+            "acceptance rate by position).",
+            labels=[*labels, "position"],
+        ),
+    }
     restarts = CounterMetricFamily(
         "bitserve_llm_engine_restarts",
         "Times the engine's step loop died and was restarted by its supervisor.",
@@ -143,4 +169,17 @@ def _engine_metrics(server: ServerState) -> Iterator[Metric]:
             for adapter, stats in snapshot.get("lora", {}).items():
                 for key, family in lora.items():
                     family.add_metric([name, str(number), adapter], float(stats[key]))
-    yield from (*families.values(), experts, *lora.values(), restarts)
+            if snapshot.get("spec_proposed_per_position"):  # speculating models only
+                for key, family in spec.items():
+                    family.add_metric([name, str(number)], float(snapshot[key]))
+                for key, family in by_position.items():
+                    for position, count in enumerate(snapshot[key]):
+                        family.add_metric([name, str(number), str(position)], float(count))
+    yield from (
+        *families.values(),
+        experts,
+        *lora.values(),
+        restarts,
+        *spec.values(),
+        *by_position.values(),
+    )

@@ -1,0 +1,244 @@
+"""Speculative decoding: tok/s with and without, acceptance, and the verification's cost.
+
+    .venv/bin/python -m bench.speculative [--rounds 3] [--tokens 64] [--no-1b]
+
+Same weights and prompts for every variant, greedy (so each speculative variant's tokens
+are checked equal to the plain engine's), prefix caching off (a later round would hit
+an earlier one's prompts), the engine's offline API (`LLMEngine`, what serve runs).
+Every round runs all variants of a part one after another (A/B interleaved) and the
+ratios are taken within the round; the table shows the median ratio over the rounds and
+its spread (min-max). The machine is shared and noisy: read the spread.
+
+1. demo pair, batch 1: models/tinylm and its draft models/tinylm/draft (tools/train_lm.py
+   --draft-of, the same corpus; "draft" its int8 version 2, "draft-fp32" version 1), on
+   held-out verses (models/tinylm/heldout.txt, never trained on): the first words of a
+   verse as the prompt, `--tokens` new tokens.
+2. copy-heavy, batch 1, n-gram: a held-out passage (three verses) and the start of its
+   first verse again, so that the answer repeats spans of the prompt.
+3. streams: the copy-heavy prompts 2, 4, 8, 16 at once with n-gram speculation forced on
+   (max_batch 64): where it stops paying (speculative.MAX_BATCH comes from here); and 16
+   at once with the default configuration (speculation off above MAX_BATCH).
+4. overhead bound: a ~1B random-weight Llama (TinyLlama's shape, fp32), batch 1; the
+   draft is the target itself, so all k = 4 proposals are accepted and every step scores
+   5 tokens. Per step: a plain decode against the verification step (the target's
+   forward over 5 rows, verification, rollback), the proposer's time taken out.
+
+Prints a table, then one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from bitserve.llm.engine import LLM
+from bitserve.llm.sampling_params import SamplingParams
+
+ROOT = Path(__file__).resolve().parents[1]
+TINYLM = ROOT / "models" / "tinylm"
+ENGINE = dict(kv_cache_memory=64 << 20, enable_prefix_caching=False, max_model_len=256)
+
+
+def heldout() -> list[str]:
+    lines = (TINYLM / "heldout.txt").read_text().splitlines()
+    return [line for line in lines if len(line.split()) >= 12]
+
+
+def demo_prompts(n: int) -> list[str]:
+    return [" ".join(line.split()[:6]) for line in heldout()[:n]]
+
+
+def copy_prompts(n: int) -> list[str]:
+    verses = heldout()
+    passages = [verses[i : i + 3] for i in range(0, 3 * n, 3)]
+    return ["\n".join(p) + "\n" + " ".join(p[0].split()[:4]) for p in passages]
+
+
+def run(llm: LLM, prompts: list[str], tokens: int, together: bool) -> tuple[float, list]:
+    """(generated tokens per second, token ids): all prompts at once, or one by one."""
+    params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+    start = time.perf_counter()
+    if together:
+        outs = llm.generate(prompts, params)
+    else:
+        outs = [llm.generate(p, params)[0] for p in prompts]
+    seconds = time.perf_counter() - start
+    ids = [o.outputs[0].token_ids for o in outs]
+    return sum(map(len, ids)) / seconds, ids
+
+
+def acceptance(llm: LLM) -> dict:
+    stats = llm.engine.speculator.stats
+    pairs = zip(stats.accepted_at, stats.proposed_at, strict=True)
+    return {
+        "acceptance": stats.accepted / max(stats.proposed, 1),
+        "by_position": [round(a / max(p, 1), 3) for a, p in pairs],
+        "tokens_per_step": stats.emitted / max(stats.steps, 1),
+    }
+
+
+def compare(variants: dict, prompts, tokens, together, rounds) -> dict:
+    """Each variant's tok/s per round (interleaved), ratios to "plain" within rounds."""
+    llms = {name: LLM(folder, **ENGINE, **kw) for name, (folder, kw) in variants.items()}
+    speeds: dict[str, list[float]] = {name: [] for name in llms}
+    for _ in range(rounds):
+        reference = None
+        for name, llm in llms.items():
+            rate, ids = run(llm, prompts, tokens, together)
+            speeds[name].append(rate)
+            if reference is None:
+                reference = ids
+            elif ids != reference:
+                raise AssertionError(f"{name}: greedy tokens differ from the plain engine's")
+    out = {}
+    for name, llm in llms.items():
+        ratios = [s / p for s, p in zip(speeds[name], speeds["plain"], strict=True)]
+        row = {"tok_s": statistics.median(speeds[name]), "ratio": statistics.median(ratios)}
+        row["spread"] = [min(ratios), max(ratios)]
+        if llm.engine.speculator is not None:
+            row |= acceptance(llm)
+        out[name] = row
+        llm.shutdown()
+    return out
+
+
+def overhead_1b(folder: Path | None, steps: int) -> dict:
+    """ms per plain decode step and per verification step (k = 4, all accepted)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    tmp = None
+    if folder is None:
+        tmp = tempfile.TemporaryDirectory()
+        folder = Path(tmp.name) / "1b"
+        config = LlamaConfig(
+            hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
+            num_attention_heads=32, num_key_value_heads=4, vocab_size=32000,
+            max_position_embeddings=512, tie_word_embeddings=False,
+        )  # fmt: skip
+        torch.manual_seed(0)
+        with torch.no_grad():
+            AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    kw = dict(kv_cache_memory=256 << 20, max_model_len=512, enable_prefix_caching=False)
+    spec = {"method": "draft", "model": str(folder), "num_tokens": 4}
+    prompt = list(range(100, 132))
+    result = {}
+    for name, extra in (("plain", {}), ("verify_k4", {"speculative": spec})):
+        llm = LLM(folder, **kw, **extra)
+        engine, times, propose = llm.engine, [], [0.0]
+        if engine.speculator is not None:  # the proposer's time is not the step's
+            inner = engine.speculator.propose
+
+            def timed(running, inner=inner, propose=propose):
+                t0 = time.perf_counter()
+                inner(running)
+                propose[0] += time.perf_counter() - t0
+
+            engine.speculator.propose = timed
+        params = SamplingParams(temperature=0, max_tokens=5 * steps + 1, ignore_eos=True)
+        engine.add_request("r", prompt, params)
+        engine.step()  # the prefill
+        while engine.has_unfinished_requests() and len(times) < steps:
+            propose[0] = 0.0
+            t0 = time.perf_counter()
+            engine.step()
+            times.append(time.perf_counter() - t0 - propose[0])
+        engine.abort_request("r")
+        result[name] = 1e3 * statistics.median(times)
+        llm.shutdown()
+        del llm, engine
+    result["ratio"] = result["verify_k4"] / result["plain"]
+    if tmp is not None:
+        tmp.cleanup()
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--k", type=int, default=4)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--parts", default="demo,copy,streams,default,1b")
+    parser.add_argument("--streams", default="2,4,8,16", help="part 3's stream counts")
+    parser.add_argument("--no-1b", action="store_true")
+    parser.add_argument("--model-1b", type=Path, help="a ~1B HF folder (default: built)")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    target, k, r, t = TINYLM / "1", args.k, args.rounds, args.tokens
+    draft = {"speculative": {"method": "draft", "model": "draft", "num_tokens": k}}
+    ngram = {"speculative": {"method": "ngram", "num_tokens": k}}
+    forced = {"speculative": {"method": "ngram", "num_tokens": k, "max_batch": 64}}
+    results: dict = {"cpu": cpu(), "threads": args.threads, "k": k, "tokens": t, "rounds": r}
+    parts = set(args.parts.split(",")) - ({"1b"} if args.no_1b else set())
+    fp32 = {"speculative": {"method": "draft", "model": "draft/1", "num_tokens": k}}
+    if "demo" in parts:
+        results["demo_b1"] = compare(
+            {"plain": (target, {}), "draft": (target, draft), "draft-fp32": (target, fp32),
+             "ngram": (target, ngram)},
+            demo_prompts(args.prompts), t, False, r,
+        )  # fmt: skip
+    copy = copy_prompts(16)
+    if "copy" in parts:
+        results["copy_b1"] = compare(
+            {"plain": (target, {}), "ngram": (target, ngram), "draft": (target, draft)},
+            copy[: args.prompts], t, False, r,
+        )  # fmt: skip
+    for n in map(int, args.streams.split(",")) if "streams" in parts else []:
+        results[f"copy_x{n}_forced"] = compare(
+            {"plain": (target, {}), "ngram": (target, forced)}, copy[:n], t, True, r
+        )
+    if "default" in parts:
+        results["copy_x16_default"] = compare(
+            {"plain": (target, {}), "ngram": (target, ngram), "draft": (target, draft)},
+            copy, t, True, r,
+        )  # fmt: skip
+    if "1b" in parts:
+        results["overhead_1b"] = overhead_1b(args.model_1b, steps=8)
+    print(table(results))
+    print(json.dumps(results))
+
+
+def table(results: dict) -> str:
+    lines = [
+        f"{'part':<18} {'variant':<10} {'tok/s':>7} {'x plain':>8} {'spread':>11} "
+        f"{'accept':>7} {'by position':<28} {'tok/step':>8}"
+    ]
+    for part, rows in results.items():
+        if not isinstance(rows, dict) or "plain" not in rows or part == "overhead_1b":
+            continue
+        for name, row in rows.items():
+            spread = f"{row['spread'][0]:.2f}-{row['spread'][1]:.2f}"
+            extra = ""
+            if "acceptance" in row:
+                by = "/".join(f"{a:.2f}" for a in row["by_position"])
+                extra = f" {row['acceptance']:>7.0%} {by:<28} {row['tokens_per_step']:>8.2f}"
+            lines.append(
+                f"{part:<18} {name:<10} {row['tok_s']:>7.1f} {row['ratio']:>8.2f} {spread:>11}"
+                + extra
+            )
+    if "overhead_1b" in results:
+        o = results["overhead_1b"]
+        lines.append(
+            f"1B batch 1: plain decode step {o['plain']:.1f} ms, verification step (k=4) "
+            f"{o['verify_k4']:.1f} ms: {o['ratio']:.2f}x"
+        )
+    return "\n".join(lines)
+
+
+def cpu() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return f"{line.split(':', 1)[1].strip()}, {os.cpu_count()} cores"
+    return "unknown"
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,556 @@
+"""Speculative decoding: cheap proposals, verified by the target in the step it runs anyway.
+
+A proposer guesses the next k tokens of a decoding request (`Proposer`): `NgramProposer`
+looks the last n tokens up in the request's own prompt and output (prompt lookup, no
+second model); `DraftProposer` runs a smaller model with the same vocabulary, its own
+paged KV cache and block manager, k batched steps. Proposals are made at the start of a
+step and kept on the sequence (`spec_token_ids`); the scheduler gives the row 1 + k tokens
+in its budget (fewer when the budget or the free blocks are short), and the model runner
+computes them as one chunk row of the same forward pass as every other row, sampling
+each of the k + 1 positions. `Speculator.verify` then decides, for all speculative rows
+of the step at once:
+
+- the target's distribution p at each position is the sampler's own (temperature,
+  top-k, top-p, min-p: `Sampler.filtered`; greedy rows a point mass on the argmax;
+  grammar masks stepped through the proposals);
+- proposal d_j, drawn from the draft's q_j (a point mass for n-gram), is accepted with
+  probability min(1, p_j(d_j) / q_j(d_j)); at the first rejection the token is drawn
+  from the residual max(p_j - q_j, 0), renormalised; if all k are accepted a bonus token
+  is drawn from p_k (Leviathan et al. 2023, Chen et al. 2023). Each emitted token is then
+  distributed exactly as the target's, and greedy rows get exactly the target's argmax
+  chain: the longest matching prefix plus the target's own next token.
+
+Seeds: the acceptance and residual uniforms of a seeded request come from its seed and
+output position (sampler.row_uniform, salted), and so do the draft's: a fixed seed
+gives the same text twice. The tokens differ from a non-speculative run's under the
+same seed (their distribution does not).
+
+The engine appends the accepted tokens one by one through its ordinary stop checks
+(stop strings, stop ids, max_tokens exact) and rolls back the rest: the sequence's
+computed tokens stop before its new last token again and the tail blocks that held
+only rejected K/V go back to the pool (`Scheduler.rollback`); only a sequence's own
+tokens are ever entered in the prefix cache, so it never sees a proposal.
+
+Not speculated (they sample as before): requests that opt out (`speculative=False`),
+use repetition/presence/frequency penalties (they change with every token), are still under
+min_tokens, or are too close to max_tokens or max_model_len; and every request while
+more than `max_batch` run (the step is then compute-bound and k extra rows per request
+cost more than they save: bench/speculative.py measures it).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from bitserve.llm.block_manager import BlockManager
+from bitserve.llm.config import EngineConfig, check_type
+from bitserve.llm.model_runner import ModelRunner
+from bitserve.llm.sampler import Plan, Sampler, SamplingFailed, row_uniform, to_host, uniform
+from bitserve.llm.scheduler import SchedulerOutput
+from bitserve.llm.sequence import Sequence, SequenceStatus
+from bitserve.llm.structured import apply_masks
+
+METHODS = ("ngram", "draft")
+MAX_NUM_TOKENS = 16
+# above this many running requests nobody speculates. bench/speculative.py, tinylm,
+# n-gram k = 4 forced on, copy-heavy prompts (acceptance 31-37%), one thread of the
+# 2-core EPYC, 5 rounds: x plain 0.99 at 2 streams, 0.87 at 4, 0.84 at 8, 0.80 at 16
+# (an earlier, noisier run: 0.97 / 1.06 / 0.95 at 2-4, 0.80 at 6): past 2 the extra
+# rows cost more than the tokens they save (batch 1: 1.30x)
+MAX_BATCH = 2
+SALT_ACCEPT, SALT_RESIDUAL, SALT_DRAFT = 0xACCE, 0x2E51, 0xD2AF
+
+
+@dataclass
+class SpeculativeConfig:
+    """`speculative = { method = "ngram" | "draft", model = ..., num_tokens = k }`."""
+
+    method: str
+    num_tokens: int = 4
+    model: str | None = None  # the draft's folder: absolute, or next to the target's
+    ngram_min: int = 1  # the shortest suffix the n-gram proposer matches
+    ngram_max: int = 3
+    max_batch: int = MAX_BATCH  # more running requests than this: no speculation
+    folder: Path | None = field(default=None, repr=False)  # the draft's, resolved
+
+    @classmethod
+    def parse(cls, value: Any, target: Path | None) -> SpeculativeConfig:
+        """From the model's parameters; ValueError naming `speculative.<field>`."""
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative must be a table, got {value!r}")
+        names = {f.name for f in fields(cls)} - {"folder"}
+        unknown = set(value) - names
+        if unknown:
+            raise ValueError(f"speculative: unknown fields {sorted(unknown)}")
+        if "method" not in value:
+            raise ValueError("speculative.method is required ('ngram' or 'draft')")
+        hints = {"method": str, "model": str | None}
+        for name, v in value.items():
+            check_type(f"speculative.{name}", v, hints.get(name, int))
+        config = cls(**value)
+        if config.method not in METHODS:
+            raise ValueError(
+                f"speculative.method must be 'ngram' or 'draft', got {config.method!r}"
+            )
+        if not 1 <= config.num_tokens <= MAX_NUM_TOKENS:
+            raise ValueError(f"speculative.num_tokens must be in [1, {MAX_NUM_TOKENS}]")
+        if not 1 <= config.ngram_min <= config.ngram_max:
+            raise ValueError("speculative.ngram_min must be in [1, ngram_max]")
+        if config.max_batch < 1:
+            raise ValueError("speculative.max_batch must be positive")
+        if config.method == "draft":
+            if config.model is None:
+                raise ValueError("speculative.model (the draft's folder) is required for 'draft'")
+            config.folder = draft_folder(config.model, target)
+        return config
+
+
+def draft_folder(name: str, target: Path | None) -> Path:
+    """The draft's Hugging Face folder: `name` as given, or beside the target's version
+    folder (`models/tinylm/draft` for `models/tinylm/1`), or inside it; a folder of
+    numeric versions means its highest."""
+    path = Path(name)
+    candidates = [path] if path.is_absolute() or target is None else []
+    if target is not None and not path.is_absolute():
+        candidates += [target.parent / path, target / path, path]
+    for folder in candidates:
+        if (folder / "config.json").is_file():
+            return folder
+        versions = sorted(
+            (int(p.name), p) for p in folder.glob("*") if p.name.isdigit() and p.is_dir()
+        )
+        if versions and (versions[-1][1] / "config.json").is_file():
+            return versions[-1][1]
+    raise ValueError(f"speculative.model: no model folder {name!r} (tried {candidates})")
+
+
+# -- proposers ----------------------------------------------------------------------------
+Proposal = tuple[list[int], torch.Tensor | None]  # tokens, q rows [k, vocab] or None (point mass)
+
+
+class Proposer(Protocol):
+    """What a proposer does: up to k tokens for each (decoding sequence, k)."""
+
+    def propose(self, rows: list[tuple[Sequence, int]]) -> list[Proposal]: ...
+
+    def release(self, seq: Sequence) -> None: ...
+
+    def reset(self) -> None: ...
+
+
+class NgramProposer:
+    """Prompt lookup: the longest suffix of n tokens (ngram_max down to ngram_min) that
+    occurred before in the sequence; its latest earlier occurrence's next k tokens."""
+
+    def __init__(self, config: SpeculativeConfig):
+        self.low, self.high = config.ngram_min, config.ngram_max
+
+    def propose(self, rows: list[tuple[Sequence, int]]) -> list[Proposal]:
+        return [(self.lookup(seq.token_ids, k), None) for seq, k in rows]
+
+    def lookup(self, token_ids: list[int], k: int) -> list[int]:
+        tokens = np.asarray(token_ids)
+        last = len(tokens) - 1
+        ends = np.flatnonzero(tokens[:-1] == tokens[last])  # earlier places of the last token
+        if not len(ends):
+            return []
+        length, alive = np.ones(len(ends), dtype=np.int64), np.ones(len(ends), dtype=bool)
+        for j in range(1, min(self.high, last)):  # how far back each one matches
+            before = ends - j
+            alive &= (before >= 0) & (tokens[np.maximum(before, 0)] == tokens[last - j])
+            length += alive
+        best = int(length.max())
+        if best < self.low:
+            return []
+        end = int(ends[np.flatnonzero(length == best)[-1]])  # the latest of the longest
+        return tokens[end + 1 : end + 1 + k].tolist()
+
+    def release(self, seq: Sequence) -> None:
+        pass
+
+    def reset(self) -> None:
+        pass
+
+
+class DraftProposer:
+    """A smaller model with the target's vocabulary proposes by running k steps. Each
+    request has a mirror sequence in the draft's own KV pool; before proposing, the
+    mirror keeps the K/V of the longest prefix it shares with the request (what the
+    target accepted) and computes the rest, then draws k tokens, one batched step each,
+    greedy for greedy requests and from the same filtered distribution otherwise."""
+
+    def __init__(self, config: SpeculativeConfig, target: EngineConfig, num_blocks: int):
+        self.config = EngineConfig(
+            model=config.folder,
+            dtype=target.dtype,
+            device=target.device,
+            block_size=target.block_size,
+            num_kv_blocks=num_blocks,
+            max_model_len=target.max_model_len,
+            max_num_batched_tokens=target.max_num_batched_tokens,
+            max_num_seqs=target.max_num_seqs,
+            enable_prefix_caching=False,
+            enforce_eager=target.enforce_eager,
+            seed=target.seed,
+        )
+        vocab = (self.config.hf_config.get("vocab_size"), target.hf_config.get("vocab_size"))
+        if vocab[0] != vocab[1]:
+            raise ValueError(
+                f"speculative.model: the draft's vocabulary ({vocab[0]}) is not the "
+                f"target's ({vocab[1]})"
+            )
+        self.runner = ModelRunner(self.config)
+        self.rng = random.Random(target.seed ^ SALT_DRAFT)
+        self.reset()
+
+    def reset(self) -> None:
+        self.block_manager = BlockManager(self.config, self.runner.num_blocks)
+        self.mirrors: dict[int, Sequence] = {}  # id(target seq) -> mirror
+        self.synced: dict[int, int] = {}  # id(target seq) -> its length at the last proposal
+
+    def release(self, seq: Sequence) -> None:
+        mirror = self.mirrors.pop(id(seq), None)
+        self.synced.pop(id(seq), None)
+        if mirror is not None:
+            self.block_manager.free(mirror)
+
+    def mirror(self, seq: Sequence) -> Sequence:
+        """The request's mirror, its tokens now the request's, its K/V kept for their
+        common prefix (the tail behind it given back)."""
+        m = self.mirrors.get(id(seq))
+        if m is None:
+            m = Sequence(seq.request_id, list(seq.token_ids), seq.sampling_params)
+            m.status = SequenceStatus.RUNNING
+            self.mirrors[id(seq)] = m
+            return m
+        common = min(m.num_computed_tokens, seq.num_tokens)
+        mine, theirs = m.token_ids, seq.token_ids
+        synced = self.synced.get(id(seq), 0)  # before it, the mirror's tokens are the seq's
+        same = next((i for i in range(synced, common) if mine[i] != theirs[i]), common)
+        m.token_ids = list(theirs)
+        m.num_computed_tokens = same
+        self.block_manager.trim(m)
+        return m
+
+    @torch.inference_mode()
+    def propose(self, rows: list[tuple[Sequence, int]]) -> list[Proposal]:
+        drafts: dict[int, tuple[list[int], list[torch.Tensor | None]]] = {}
+        active = []
+        for seq, k in rows:
+            m = self.mirror(seq)
+            self.synced[id(seq)] = seq.num_tokens
+            drafts[id(seq)] = ([], [])
+            active.append((seq, m, k))
+        while active:
+            batch, budget, left = SchedulerOutput(), self.config.max_num_batched_tokens, []
+            for seq, m, k in active:
+                n = min(m.num_tokens - m.num_computed_tokens, budget)
+                if n <= 0:
+                    left.append((seq, m, k))
+                elif self.block_manager.allocate_slots(m, n):
+                    batch.scheduled.append((m, n))
+                    budget -= n
+                    left.append((seq, m, k))
+                else:  # the draft's pool is full: this request proposes nothing now
+                    self.release(seq)
+                    drafts[id(seq)] = ([], [])
+            if not batch:
+                break
+            out = self.runner.execute(batch)
+            for m, n in batch.scheduled:
+                m.num_computed_tokens += n
+            by_mirror = {id(m): seq for seq, m, _ in left}
+            targets = [by_mirror[id(m)] for m in out.sample_seqs]
+            if targets:
+                tokens, probs = self.draw(out.logits, targets, out.sample_seqs)
+                for seq, m, token, q in zip(targets, out.sample_seqs, tokens, probs, strict=True):
+                    m.token_ids.append(token)
+                    drafts[id(seq)][0].append(token)
+                    drafts[id(seq)][1].append(q)
+            active = [(s, m, k) for s, m, k in left if len(drafts[id(s)][0]) < k]
+        proposals = []
+        for seq, _ in rows:
+            tokens, qs = drafts[id(seq)]
+            sampled = bool(qs) and qs[0] is not None
+            proposals.append((tokens, torch.stack(qs) if sampled else None))
+        return proposals
+
+    def draw(
+        self, logits: torch.Tensor, targets: list[Sequence], mirrors: list[Sequence]
+    ) -> tuple[list[int], list[torch.Tensor | None]]:
+        """One token per row: the argmax for greedy requests, else a draw from the
+        target's sampling settings applied to the draft's logits (q, kept)."""
+        if all(seq.sampling_params.greedy for seq in targets):
+            return [int(t) for t in to_host(logits.argmax(-1))], [None] * len(targets)
+        probs = target_probs(logits, targets, random.Random(0))
+        u = []
+        for seq, m in zip(targets, mirrors, strict=True):
+            seed = seq.sampling_params.seed
+            position = m.num_tokens - seq.num_prompt_tokens
+            u.append(
+                uniform(self.rng.getrandbits(64))
+                if seed is None
+                else row_uniform(seed ^ SALT_DRAFT, position)
+            )
+        drawn = inverse_cdf(probs, torch.tensor(u, dtype=torch.float64, device=probs.device))
+        tokens = [int(t) for t in to_host(drawn)]
+        return tokens, [
+            None if seq.sampling_params.greedy else probs[i] for i, seq in enumerate(targets)
+        ]
+
+
+# -- verification ---------------------------------------------------------------------------
+def target_probs(logits: torch.Tensor, seqs: list[Sequence], rng: random.Random) -> torch.Tensor:
+    """Each row's distribution as the sampler draws it, normalised: a point mass on the
+    argmax for greedy rows; NaN rows stay NaN (the caller fails them)."""
+    plan = Plan(seqs, logits.shape[-1], (), rng)
+    probs = torch.zeros_like(logits)
+    probs.scatter_(1, logits.argmax(-1, keepdim=True), 1.0)
+    if plan.special:
+        d = plan.send(logits.device)
+        rows = d["special"].long()
+        kept = Sampler.filtered(logits.index_select(0, rows), plan, d)
+        probs.index_copy_(0, rows, kept / kept.sum(-1, keepdim=True))
+    return probs.masked_fill(logits[:, :1].isnan(), float("nan"))
+
+
+def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """The sampler's draw: the first token whose cumulative mass reaches u x the total."""
+    cdf = probs.cumsum(-1, dtype=torch.float64)
+    return (cdf < (u * cdf[:, -1])[:, None]).sum(-1).clamp_max(probs.shape[-1] - 1)
+
+
+def acceptance(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """The probability of keeping a proposal drawn from q: min(1, p/q)."""
+    return (p / q.clamp_min(1e-30)).clamp_max(1.0)
+
+
+def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """What a rejected position draws from: max(p - q, 0), renormalised by the draw."""
+    return (p - q).clamp_min(0.0)
+
+
+@dataclass
+class SpecStats:
+    """The Prometheus counters: proposals made, accepted, tokens emitted by speculative
+    rows (accepted + the target's own, cut by stops), acceptance by position."""
+
+    proposed: int = 0
+    accepted: int = 0
+    emitted: int = 0
+    steps: int = 0  # speculative rows verified
+    proposed_at: list[int] = field(default_factory=list)
+    accepted_at: list[int] = field(default_factory=list)
+
+    def record(self, k: int, a: int) -> None:
+        self.steps += 1
+        self.proposed += k
+        self.accepted += a
+        grow = k - len(self.proposed_at)
+        if grow > 0:
+            self.proposed_at += [0] * grow
+            self.accepted_at += [0] * grow
+        for j in range(k):
+            self.proposed_at[j] += 1
+            self.accepted_at[j] += j < a
+
+
+class Speculator:
+    """The engine's side of speculative decoding: propose before a step, verify after."""
+
+    def __init__(self, config: SpeculativeConfig, engine: EngineConfig, num_blocks: int):
+        self.config = config
+        self.max_model_len = engine.max_model_len
+        self.proposer: Proposer
+        if config.method == "ngram":
+            self.proposer = NgramProposer(config)
+        else:
+            self.proposer = DraftProposer(config, engine, num_blocks)
+        self.rng = random.Random(engine.seed ^ SALT_ACCEPT)
+        self.stats = SpecStats()
+
+    def reset(self) -> None:
+        self.proposer.reset()
+
+    def release(self, seq: Sequence) -> None:
+        self.proposer.release(seq)
+
+    def num_tokens(self, seq: Sequence) -> int:
+        """How many proposals this row may have now (0: it decodes as before)."""
+        p = seq.sampling_params
+        if (
+            not p.speculative
+            or p.needs_penalties
+            or seq.num_output_tokens < p.min_tokens
+            or seq.status != SequenceStatus.RUNNING
+            or seq.num_tokens - seq.num_computed_tokens != 1
+        ):
+            return 0
+        room = min(p.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens)
+        return max(0, min(self.config.num_tokens, room - 1))
+
+    def propose(self, running: list[Sequence]) -> None:
+        """Proposals for the running decodes, kept on each sequence for the next step."""
+        for seq in running:
+            seq.spec_token_ids, seq.spec_probs = [], None
+        if len(running) > self.config.max_batch:
+            return
+        rows = [(seq, k) for seq in running if (k := self.num_tokens(seq)) > 0]
+        if not rows:
+            return
+        for (seq, _), (tokens, probs) in zip(rows, self.proposer.propose(rows), strict=True):
+            if seq.matcher is not None and tokens:  # the grammar's prefix of them
+                tokens = tokens[: seq.matcher.validate_tokens(tokens)]
+            seq.spec_token_ids = tokens
+            seq.spec_probs = probs[: len(tokens)] if probs is not None and tokens else None
+
+    @torch.inference_mode()
+    def verify(
+        self, logits: torch.Tensor, seqs: list[Sequence]
+    ) -> list[list[int] | SamplingFailed]:
+        """The tokens each speculative row emits. `logits` holds 1 + k rows per
+        sequence (k = its proposals still scheduled), in the order of `seqs`. Greedy
+        rows need the argmax only; sampled rows go through rejection sampling."""
+        counts = [1 + len(seq.spec_token_ids) for seq in seqs]
+        self.mask(logits, seqs, counts)
+        values, argmax = logits.max(-1)  # max propagates NaN: it finds broken rows too
+        parts = [argmax.double(), values.isnan().double()]
+        sampled = [i for i, seq in enumerate(seqs) if not seq.sampling_params.greedy]
+        if sampled:
+            parts += self.rejection(logits, seqs, counts, sampled)
+        out = self.decide(seqs, counts, set(sampled), to_host(torch.cat(parts)))
+        self.logprobs(logits, seqs, counts, out)
+        return out
+
+    @staticmethod
+    def logprobs(logits: torch.Tensor, seqs: list[Sequence], counts: list[int], out) -> None:
+        """The emitted tokens' logprobs (and top n) for the rows that ask, as the sampler
+        gives them: the raw distribution after the grammar mask. The engine drops those
+        of tokens a stop cut off."""
+        wanted = [
+            i
+            for i, seq in enumerate(seqs)
+            if seq.sampling_params.logprobs is not None and isinstance(out[i], list)
+        ]
+        if not wanted:
+            return
+        starts = np.cumsum([0, *counts])
+        rows = [int(starts[i]) + j for i in wanted for j in range(len(out[i]))]
+        tokens = [t for i in wanted for t in out[i]]
+        device = logits.device
+        lp = torch.log_softmax(logits.index_select(0, torch.tensor(rows, device=device)), -1)
+        chosen = lp.gather(1, torch.tensor(tokens, device=device)[:, None])
+        n = min(max(seqs[i].sampling_params.logprobs for i in wanted), logits.shape[-1])
+        parts = [chosen.flatten().double()]
+        if n:
+            top = lp.topk(n, dim=-1)
+            parts += [top.values.flatten().double(), top.indices.flatten().double()]
+        host = to_host(torch.cat(parts))
+        m = len(rows)
+        values, ids = host[m : m + m * n], host[m + m * n :]
+        r = 0
+        for i in wanted:
+            keep = min(seqs[i].sampling_params.logprobs, n)
+            for token in out[i]:
+                entry = {token: host[r]}
+                for w in range(keep):
+                    entry.setdefault(int(ids[r * n + w]), values[r * n + w])
+                seqs[i].logprobs.append(entry)
+                r += 1
+
+    def rejection(
+        self, logits: torch.Tensor, seqs: list[Sequence], counts: list[int], sampled: list[int]
+    ) -> list[torch.Tensor]:
+        """For the rows of the sampled sequences: whether each proposal is kept, the token
+        drawn from the residual (the bonus row: from p itself), whether p is valid."""
+        starts = np.cumsum([0, *counts])
+        index = [r for i in sampled for r in range(starts[i], starts[i + 1])]
+        device = logits.device
+        x = logits.index_select(0, torch.tensor(index, device=device))
+        rows = [seqs[i] for i in sampled for _ in range(counts[i])]
+        p = target_probs(x, rows, self.rng)
+        q = torch.zeros_like(p)
+        drafted, u_accept, u_residual, at = [], [], [], 0
+        for i in sampled:
+            seq, c = seqs[i], counts[i]
+            tokens = seq.spec_token_ids
+            if seq.spec_probs is not None:
+                q[at : at + c - 1] = seq.spec_probs[: c - 1].to(q)
+            else:
+                q[torch.arange(at, at + c - 1), tokens] = 1.0
+            drafted += [*tokens, 0]
+            seed, base = seq.sampling_params.seed, seq.num_output_tokens
+            for j in range(c):
+                if seed is None:
+                    u_accept.append(uniform(self.rng.getrandbits(64)))
+                    u_residual.append(uniform(self.rng.getrandbits(64)))
+                else:
+                    u_accept.append(row_uniform(seed ^ SALT_ACCEPT, base + j))
+                    u_residual.append(row_uniform(seed ^ SALT_RESIDUAL, base + j))
+            at += c
+        picked = torch.tensor(drafted, device=device)[:, None]
+        keep = acceptance(p.gather(1, picked), q.gather(1, picked))[:, 0]
+        keep = torch.tensor(u_accept, dtype=torch.float64, device=device) < keep.double()
+        left = residual(p, q)
+        left = torch.where(left.sum(-1, keepdim=True) > 0, left, p)
+        drawn = inverse_cdf(left, torch.tensor(u_residual, dtype=torch.float64, device=device))
+        return [keep.double(), drawn.double(), torch.isfinite(p).all(-1).double()]
+
+    def decide(self, seqs, counts, sampled: set[int], host) -> list[list[int] | SamplingFailed]:
+        """Per sequence: the proposals kept, then the target's token (plain Python)."""
+        total = sum(counts)
+        argmax, nan = host[:total], host[total : 2 * total]
+        rs = (len(host) - 2 * total) // 3
+        keep, drawn, valid = (host[2 * total + j * rs : 2 * total + (j + 1) * rs] for j in range(3))
+        out: list[list[int] | SamplingFailed] = []
+        at = sub = 0
+        for i, (seq, c) in enumerate(zip(seqs, counts, strict=True)):
+            tokens = seq.spec_token_ids
+            a = 0
+            if i in sampled:
+                bad = not all(valid[sub : sub + c])
+                while a < c - 1 and keep[sub + a]:
+                    a += 1
+                last = drawn[sub + a]
+                sub += c
+            else:
+                bad = any(nan[at : at + c])
+                while a < c - 1 and tokens[a] == argmax[at + a]:
+                    a += 1
+                last = argmax[at + a]
+            at += c
+            if bad:
+                out.append(SamplingFailed("the model's logits for this request hold NaN"))
+                continue
+            self.stats.record(c - 1, a)
+            out.append([*tokens[:a], int(last)])
+        return out
+
+    @staticmethod
+    def mask(logits: torch.Tensor, seqs: list[Sequence], counts: list[int]) -> None:
+        """Grammar masks of every position of the guided rows: the matcher stepped
+        through the proposals (which it accepted when they were made) and back."""
+        guided = [(i, seq) for i, seq in enumerate(seqs) if seq.matcher is not None]
+        if not guided:
+            return
+        from llguidance.torch import allocate_token_bitmask, fill_next_token_bitmask
+
+        starts = np.cumsum([0, *counts])
+        rows = [int(starts[i]) + j for i, seq in guided for j in range(counts[i])]
+        bitmask = allocate_token_bitmask(len(rows), logits.shape[-1])
+        r = 0
+        for _, seq in guided:
+            for token in [*seq.spec_token_ids, None]:
+                fill_next_token_bitmask(seq.matcher, bitmask, r)
+                r += 1
+                if token is not None:
+                    seq.matcher.consume_token(token)
+            if seq.spec_token_ids:
+                seq.matcher.rollback(len(seq.spec_token_ids))
+        apply_masks(logits, rows, bitmask)
