@@ -29,6 +29,7 @@ from bitserve.server import (
     health,
     images,
     openai,
+    shm,
     startup,
     v2,
 )
@@ -37,7 +38,7 @@ from bitserve.server.http import error
 from bitserve.server.state import ServerOptions, ServerState
 
 log = logging.getLogger("bitserve.server")
-FRONT_ENDS = (v2, openai, generate, images, health, server_metrics, admin, console)  # in order
+FRONT_ENDS = (v2, openai, generate, images, health, server_metrics, admin, shm, console)  # in order
 
 
 class App:

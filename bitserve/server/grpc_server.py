@@ -61,6 +61,7 @@ from bitserve.api.v2 import (
 from bitserve.inference import ClientGone, InvalidRequest, text_inputs
 from bitserve.repository.repository import ModelNotFound, ModelUnavailable
 from bitserve.repository.version import ModelVersion, Ticket
+from bitserve.server import shm
 from bitserve.server.errors import EXPECTED, headers_of, status_of
 from bitserve.server.generate import text_stream
 from bitserve.server.record import Record
@@ -69,7 +70,13 @@ from bitserve.server.state import ServerState
 log = logging.getLogger("bitserve.server")
 
 SERVICE = "inference.GRPCInferenceService"
-EXTENSIONS = ["classification", "model_configuration", "statistics", "model_repository"]
+EXTENSIONS = [
+    "classification",
+    "model_configuration",
+    "statistics",
+    "model_repository",
+    "system_shared_memory",
+]
 HEALTH_PERIOD_S = 0.25  # as health.py's watchdog
 GRACE_S = 5.0
 FINAL = "triton_final_response"
@@ -289,6 +296,54 @@ class Service(pb_grpc.GRPCInferenceServiceServicer):
         if change:
             self.state.allow_changes()
 
+    # --------------------------------------------------------- shared memory
+
+    @rpc
+    async def SystemSharedMemoryStatus(self, request: Any, context: Any) -> Any:
+        self._shm_admin(context)
+        response = pb.SystemSharedMemoryStatusResponse()
+        for region in self.state.shm.status(request.name):
+            response.regions[region["name"]].CopyFrom(
+                pb.SystemSharedMemoryStatusResponse.RegionStatus(**region)
+            )
+        return response
+
+    @rpc
+    async def SystemSharedMemoryRegister(self, request: Any, context: Any) -> Any:
+        self._shm_admin(context)
+        self.state.shm.register(request.name, request.key, request.offset, request.byte_size)
+        return pb.SystemSharedMemoryRegisterResponse()
+
+    @rpc
+    async def SystemSharedMemoryUnregister(self, request: Any, context: Any) -> Any:
+        self._shm_admin(context)
+        self.state.shm.unregister(request.name)
+        return pb.SystemSharedMemoryUnregisterResponse()
+
+    @rpc
+    async def CudaSharedMemoryStatus(self, request: Any, context: Any) -> Any:
+        self._shm_admin(context)
+        if request.name:
+            raise InvalidRequest(f"no CUDA shared memory region '{request.name}' is registered")
+        return pb.CudaSharedMemoryStatusResponse()
+
+    @rpc
+    async def CudaSharedMemoryRegister(self, request: Any, context: Any) -> Any:
+        self._shm_admin(context)
+        raise shm.refuse_cuda()
+
+    @rpc
+    async def CudaSharedMemoryUnregister(self, request: Any, context: Any) -> Any:
+        self._shm_admin(context)
+        return pb.CudaSharedMemoryUnregisterResponse()
+
+    def _shm_admin(self, context: Any) -> None:
+        """shm.py's admin rules, with the peer and the token from the call."""
+        peer = context.peer() or ""  # ipv4:127.0.0.1:5000, ipv6:[::1]:5000, unix:...
+        host = "" if peer.startswith("unix:") else peer.partition(":")[2].rpartition(":")[0]
+        token = dict(context.invocation_metadata() or ()).get("authorization", "")
+        shm.authorize(self.state, host.strip("[]"), token)
+
     # ----------------------------------------------------------------- infer
 
     @rpc
@@ -341,7 +396,8 @@ class Service(pb_grpc.GRPCInferenceServiceServicer):
         it fails to start, else by `_answer` or by whoever gives up on its result."""
         record = Record(self.state, version, route)
         try:
-            record.parsed = parse_grpc_infer(version.config, request, context.time_remaining())
+            remaining = context.time_remaining()
+            record.parsed = parse_grpc_infer(version.config, request, remaining, self.state.shm)
             ticket = version.start(record.parsed)
         except BaseException as exc:
             record.close(exc)
@@ -362,7 +418,7 @@ class Service(pb_grpc.GRPCInferenceServiceServicer):
             record.outputs = outputs
             answer = classification.apply(version, record.parsed, outputs)
             response = encode_grpc_response(
-                version.config.name, version.version, record.parsed, answer, into
+                version.config.name, version.version, record.parsed, answer, into, self.state.shm
             )
         except BaseException as exc:
             record.close(exc)
