@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bitserve import coldstart
+from bitserve import coldstart, tracing
 from bitserve.backends import preimport
 from bitserve.backends.base import LoadError
 from bitserve.config import ModelConfig
@@ -128,8 +128,11 @@ class ModelVersion:
         """Begin one inference on the path: queued for a batch, generated on the LLM
         engine, or denoised on the step loop. `background` (the shadow mirror): the
         lowest priority, no deadline of its own. Raises InvalidRequest or a full
-        queue's error before anything is queued."""
-        return self.path.start(request, background)
+        queue's error before anything is queued. With tracing on, the call is a span."""
+        ticket = self.path.start(request, background)
+        if tracing.enabled():
+            tracing.model_call(self.config.name, self.version, ticket)
+        return ticket
 
     async def infer(self, request: InferRequest, background: bool = False) -> dict:
         """`start` for a caller with no client to watch (the mirror, batch jobs)."""

@@ -19,6 +19,7 @@ from typing import Any
 
 from starlette.routing import Router
 
+from bitserve import tracing
 from bitserve.metrics import Metrics
 from bitserve.repository.repository import Repository
 from bitserve.server import (
@@ -34,7 +35,7 @@ from bitserve.server import (
     v2,
 )
 from bitserve.server import metrics as server_metrics
-from bitserve.server.http import error
+from bitserve.server.http import error, traced
 from bitserve.server.state import ServerOptions, ServerState
 
 log = logging.getLogger("bitserve.server")
@@ -50,6 +51,8 @@ class App:
         self.router = router
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if tracing.enabled() and scope["type"] == "http":
+            return await traced(self.router, scope, receive, send)
         await self.router(scope, receive, send)
 
 

@@ -44,7 +44,7 @@ import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
-from bitserve import __version__
+from bitserve import __version__, tracing
 from bitserve.api import classification
 from bitserve.api.proto import grpc_service_pb2 as pb
 from bitserve.api.proto import grpc_service_pb2_grpc as pb_grpc
@@ -105,11 +105,12 @@ async def start(state: ServerState) -> list[asyncio.Task]:
         return []
     limit = state.options.max_body
     server = grpc.aio.server(
+        interceptors=[Traced()] if tracing.enabled() else None,
         options=[
             ("grpc.max_receive_message_length", limit),
             ("grpc.max_send_message_length", limit),
             ("grpc.so_reuseport", 0),  # a port another server holds fails here, as HTTP's does
-        ]
+        ],
     )
     pb_grpc.add_GRPCInferenceServiceServicer_to_server(Service(state), server)
     health = health_aio.HealthServicer()
@@ -176,6 +177,37 @@ def _thread_name(tid: int) -> str | None:
             return f.read().strip()
     except OSError:
         return None
+
+
+class Traced(grpc.aio.ServerInterceptor):
+    """Each call inside its tracing span (tracing.server_span), the child of the
+    `traceparent` in its metadata; a stream's span lasts as long as the stream."""
+
+    async def intercept_service(self, continuation: Callable, details: Any) -> Any:
+        handler = await continuation(details)
+        if handler is None:
+            return None
+        carrier = dict(details.invocation_metadata or ())
+        name = details.method.lstrip("/")
+        attributes = {"rpc.system": "grpc", "rpc.method": name.rpartition("/")[2]}
+        if handler.unary_unary is not None:
+            unary = handler.unary_unary
+
+            async def traced_unary(request: Any, context: Any) -> Any:
+                with tracing.server_span(name, carrier, attributes):
+                    return await unary(request, context)
+
+            return handler._replace(unary_unary=traced_unary)
+        if handler.stream_stream is not None:
+            stream = handler.stream_stream
+
+            async def traced_stream(requests: Any, context: Any) -> AsyncIterator:
+                with tracing.server_span(name, carrier, attributes):
+                    async for response in stream(requests, context):
+                        yield response
+
+            return handler._replace(stream_stream=traced_stream)
+        return handler
 
 
 def _ready(state: ServerState, model: str, version: str | None = None) -> bool:
