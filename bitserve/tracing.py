@@ -1,7 +1,10 @@
 """OpenTelemetry traces: off unless `--otlp-traces-endpoint` (or the standard
 OTEL_EXPORTER_OTLP_TRACES_ENDPOINT) names a collector, then exported over OTLP with the
 SDK's batch processor (OTLP/gRPC by default; OTEL_EXPORTER_OTLP_TRACES_PROTOCOL =
-http/protobuf for OTLP/HTTP, whose endpoint is the full `.../v1/traces` URL).
+http/protobuf for OTLP/HTTP, whose endpoint is the full `.../v1/traces` URL). The SDK's
+own variables apply too: OTEL_TRACES_SAMPLER (e.g. parentbased_traceidratio with
+OTEL_TRACES_SAMPLER_ARG=0.01) keeps the cost of a busy server's spans down, and
+OTEL_BSP_* tune the batch processor.
 
 The span tree of one request:
 
@@ -35,9 +38,12 @@ def configure(endpoint: str | None, service: str = "bitserve") -> bool:
     endpoint = endpoint or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
     if not endpoint:
         return False
-    from opentelemetry.sdk.resources import Resource
-    from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+    try:
+        from opentelemetry.sdk.resources import Resource
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor
+    except ImportError as e:
+        raise SystemExit(f"tracing needs bitserve's 'tracing' extra ({e})") from None
 
     provider = TracerProvider(resource=Resource.create({"service.name": service}))
     provider.add_span_processor(BatchSpanProcessor(_exporter(endpoint)))
@@ -98,6 +104,8 @@ def model_call(model: str, version: int, ticket: Any) -> None:
 
     attributes = {"bitserve.model": model, "bitserve.model_version": version}
     span = _tracer.start_span(f"model {model}", attributes=attributes)
+    if not span.is_recording():  # not sampled (OTEL_TRACES_SAMPLER)
+        return
     started = time.time_ns()
 
     def done(result: Any) -> None:
@@ -143,6 +151,11 @@ async def _traced_generation(model: str, outputs: AsyncIterator[Any]) -> AsyncIt
 
     # a span never made current: an async generator may resume in another context
     span = _tracer.start_span(f"llm {model}", attributes={"bitserve.model": model})
+    if not span.is_recording():
+        async with contextlib.aclosing(outputs) as outs:
+            async for out in outs:
+                yield out
+        return
     last = None
     try:
         async with contextlib.aclosing(outputs) as outs:  # closing this closes the engine's
