@@ -225,3 +225,32 @@ def test_a_request_without_traceparent_starts_its_own_trace(server, receiver):
             roots = [s for s in receiver.spans if s.name == http_name and not s.parent_span_id]
         time.sleep(0.05)
     assert roots, "no root span for a request without traceparent"
+
+
+def test_a_grpc_stream_is_one_span_over_its_requests(server, receiver):
+    trace_id, span_id, headers = caller()
+    client = tg.InferenceServerClient(server.grpc)
+    answers = []
+    done = threading.Event()
+
+    def callback(result, error):
+        answers.append(error or result.as_numpy("y"))
+        if len(answers) == 2:
+            done.set()
+
+    client.start_stream(callback, headers=headers)
+    for _ in range(2):
+        given = tg.InferInput("x", [2, 1], "FP32")
+        given.set_data_from_numpy(X)
+        client.async_stream_infer("double", [given])
+    assert done.wait(30)
+    client.stop_stream()
+    for answer in answers:
+        np.testing.assert_array_equal(answer, X * 2)
+
+    rpc = "inference.GRPCInferenceService/ModelStreamInfer"
+    spans = receiver.trace(trace_id, {rpc, "model double"})
+    root = next(s for s in spans if s.name == rpc)
+    assert root.parent_span_id.hex() == span_id and root.kind == SERVER_KIND
+    calls = [s for s in spans if s.name == "model double"]
+    assert len(calls) == 2 and all(c.parent_span_id == root.span_id for c in calls)
