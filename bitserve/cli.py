@@ -138,6 +138,13 @@ def main() -> None:
     help='Ray cluster ADDRESS for models with isolation = "ray" (replicas): HOST:PORT, '
     "'auto' (this node's cluster) or 'local' (start a Ray here). Ray is imported only then.",
 )
+@click.option(
+    "--otlp-traces-endpoint",
+    envvar="OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+    default=None,
+    help="OpenTelemetry collector for traces (OTLP/gRPC, e.g. http://127.0.0.1:4317); "
+    "tracing is off without one.",
+)
 @click.option("--log-level", default="info", show_default=True)
 def serve(
     repository_path: Path,
@@ -154,6 +161,7 @@ def serve(
     access_log: str | None,
     lazy_load: bool,
     ray_address: str | None,
+    otlp_traces_endpoint: str | None,
     log_level: str,
 ) -> None:
     """Serve every model in a repository on HTTP (v2 / Open Inference Protocol)."""
@@ -190,7 +198,13 @@ def serve(
     repository = Repository(repository_path, drain_timeout=drain_timeout)
     repository.model_names()  # a missing folder fails here, before the port opens
     app = create_app(repository, options)
-    _run(app, host, port, log_level, drain_timeout)
+    from bitserve import tracing
+
+    tracing.configure(otlp_traces_endpoint)
+    try:
+        _run(app, host, port, log_level, drain_timeout)
+    finally:
+        tracing.shutdown()  # the spans still buffered go out
 
 
 def _run(app, host: str, port: int, log_level: str, drain_timeout: float) -> None:

@@ -42,6 +42,7 @@ class InferRequest:
     outputs: list[str] = field(default_factory=list)  # requested names, in order
     binary: dict[str, bool] = field(default_factory=dict)  # per-output binary choice
     classification: dict[str, int] = field(default_factory=dict)  # output -> top k
+    shm: dict[str, Any] = field(default_factory=dict)  # output -> its shared-memory Placement
     priority: int = 0  # 0: the model's default level
     timeout_us: int = 0  # 0: the model's default queue timeout
 

@@ -70,6 +70,8 @@ CONTENTS = {
 
 # (name, datatype, shape, read the data): one input as a wire gives it
 WireInput = tuple[str, Any, Any, Callable[[], np.ndarray]]
+# the server's shared-memory regions (bitserve/server/shm.py's SharedMemory), or None
+Shm = Any
 
 
 # ------------------------------------------------------------ the one request
@@ -83,10 +85,12 @@ def infer_request(
     request_id: str | None,
     binary_default: bool = False,
     after_inputs: Callable[[], None] | None = None,
+    shm: Shm = None,
 ) -> InferRequest:
     """The request both wires decode into: each input checked against the model's
     config before its data is read (`after_inputs` runs once all are read), then the
-    batch size, the requested outputs (name, parameters) and the request parameters."""
+    batch size, the requested outputs (name, parameters; an output asked into `shm`, the
+    server's shared-memory regions, is placed there) and the request parameters."""
     arrays: dict[str, np.ndarray] = {}
     for name, datatype, shape, read in inputs:
         arrays[name] = read_input(config, arrays, name, datatype, shape, read)
@@ -94,6 +98,7 @@ def infer_request(
         after_inputs()
     rows = check_inputs(config, arrays)
     names, binary, classification = read_outputs(config, outputs, binary_default)
+    placed = shm_outputs(shm, outputs, classification)
     return InferRequest(
         inputs=arrays,
         rows=rows,
@@ -102,6 +107,7 @@ def infer_request(
         outputs=names,
         binary=binary,
         classification=classification,
+        shm=placed,
         priority=int_param(params, "priority"),
         timeout_us=int_param(params, "timeout"),
     )
@@ -196,6 +202,37 @@ def read_outputs(
     return names, binary, classes
 
 
+def shm_outputs(shm: Shm, asked: list[tuple[str, dict]] | None, classes: dict) -> dict:
+    """The outputs asked into shared memory, each one's placement checked now."""
+    placed = {}
+    for name, params in asked or ():
+        if "shared_memory_region" not in params:
+            continue
+        where = f"output '{name}'"
+        if name in classes:
+            raise InvalidRequest(f"{where}: a classification output cannot go to shared memory")
+        placed[name] = _shm(shm, where).place(params, where)
+    return placed
+
+
+def shm_input(
+    shm: Shm, params: dict, name: str, datatype: str, shape: list[int]
+) -> np.ndarray | None:
+    """An input whose parameters place it in a shared-memory region, read from there
+    (None: the input's data is in the request)."""
+    if "shared_memory_region" not in params:
+        return None
+    where = f"input '{name}'"
+    region = _shm(shm, where)
+    return from_binary(name, datatype, shape, region.read(region.place(params, where), where))
+
+
+def _shm(shm: Shm, where: str) -> Any:
+    if shm is None:
+        raise InvalidRequest(f"{where}: shared memory is not served on this path")
+    return shm
+
+
 def int_param(params: dict, key: str) -> int:
     value = params.get(key, 0)
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -213,8 +250,11 @@ def output_datatype(name: str, array: np.ndarray) -> str:
 # ------------------------------------------------------------------- HTTP: JSON
 
 
-def parse_infer(config: ModelConfig, body: bytes, header_length: int | None) -> InferRequest:
-    """An HTTP request body: JSON, or JSON and the binary tensor extension's bytes."""
+def parse_infer(
+    config: ModelConfig, body: bytes, header_length: int | None, shm: Shm = None
+) -> InferRequest:
+    """An HTTP request body: JSON, or JSON and the binary tensor extension's bytes;
+    inputs and outputs may name `shm`'s regions."""
     header, binary = _split_body(body, header_length)
     doc = json_object(header)
     raw_inputs = doc.get("inputs")
@@ -232,7 +272,12 @@ def parse_infer(config: ModelConfig, body: bytes, header_length: int | None) -> 
     def read(item: dict) -> np.ndarray:
         nonlocal offset
         name, datatype, shape = item["name"], item["datatype"], item["shape"]
-        size = _params(item, f"input '{name}'").get("binary_data_size")
+        params = _params(item, f"input '{name}'")
+        size = params.get("binary_data_size")
+        if (shared := shm_input(shm, params, name, datatype, shape)) is not None:
+            if size is not None or "data" in item:
+                raise InvalidRequest(f"input '{name}': its data is in shared memory and the body")
+            return shared
         if size is not None:
             if not isinstance(size, int) or size < 0:
                 raise InvalidRequest(f"input '{name}': binary_data_size must be an integer")
@@ -264,6 +309,7 @@ def parse_infer(config: ModelConfig, body: bytes, header_length: int | None) -> 
         request_id,
         binary_default=bool(params.get("binary_data_output", False)),
         after_inputs=all_claimed,
+        shm=shm,
     )
 
 
@@ -300,9 +346,14 @@ def _json_outputs(raw: Any) -> list[tuple[str, dict]] | None:
 
 
 def encode_response(
-    model: str, version: int, request: InferRequest, outputs: dict[str, np.ndarray]
+    model: str,
+    version: int,
+    request: InferRequest,
+    outputs: dict[str, np.ndarray],
+    shm: Shm = None,
 ) -> tuple[bytes, int | None]:
     """The response body and, when some output is binary, the JSON header's length.
+    An output placed in shared memory is written there; its entry has no data.
 
     JSON data holding NaN or an infinity is written `NaN`, `Infinity`, `-Infinity`, as
     Triton's writer does (rapidjson's kWriteNanAndInfFlag) and Python's json and
@@ -316,7 +367,9 @@ def encode_response(
             "datatype": output_datatype(name, array),
             "shape": list(array.shape),
         }
-        if request.binary.get(name):
+        if name in request.shm:
+            entry["parameters"] = shm_output(shm, request.shm[name], name, array)
+        elif request.binary.get(name):
             blob = to_binary(array)
             entry["parameters"] = {"binary_data_size": len(blob)}
             blobs.append(blob)
@@ -340,30 +393,49 @@ def encode_response(
     return b"".join([header, *blobs]), len(header)
 
 
+def shm_output(shm: Shm, placement: Any, name: str, array: np.ndarray) -> dict:
+    """Write an output into its region; the parameters its response entry carries."""
+    where = f"output '{name}'"
+    blob = to_binary(array)
+    _shm(shm, where).write(placement, blob, where)
+    return {"shared_memory_region": placement.region, "shared_memory_byte_size": len(blob)}
+
+
 # -------------------------------------------------------------- gRPC: protobuf
 
 
 def parse_grpc_infer(
-    config: ModelConfig, request: pb.ModelInferRequest, deadline_s: float | None
+    config: ModelConfig,
+    request: pb.ModelInferRequest,
+    deadline_s: float | None,
+    shm: Shm = None,
 ) -> InferRequest:
     """A `ModelInferRequest`. A client deadline becomes the request's queue timeout, so
-    the batcher drops it unrun once the deadline passes."""
+    the batcher drops it unrun once the deadline passes. `raw_input_contents` holds one
+    entry per input whose data is not in a shared-memory region, in input order."""
     if not request.inputs:
         raise InvalidRequest("field 'inputs' must be a non-empty list")
     raw = request.raw_input_contents
-    if raw and len(raw) != len(request.inputs):
+    params = [grpc_params(t.parameters) for t in request.inputs]
+    shared = sum("shared_memory_region" in p for p in params)
+    if raw and len(raw) != len(request.inputs) - shared:
         raise InvalidRequest(
-            f"field 'raw_input_contents' has {len(raw)} entries for {len(request.inputs)} inputs"
+            f"field 'raw_input_contents' has {len(raw)} entries for "
+            f"{len(request.inputs) - shared} inputs not in shared memory"
         )
-    wire_inputs = []
-    for i, tensor in enumerate(request.inputs):
+    wire_inputs, at = [], 0
+    for tensor, tensor_params in zip(request.inputs, params, strict=True):
         shape = list(tensor.shape)
-        read = _reader(tensor, shape, raw[i] if raw else None)
+        if "shared_memory_region" in tensor_params:
+            read = partial(shm_input, shm, tensor_params, tensor.name, tensor.datatype, shape)
+        else:
+            read = _reader(tensor, shape, raw[at] if raw else None)
+            at += 1
         wire_inputs.append((tensor.name, tensor.datatype, shape, read))
     asked = request.outputs
     outputs = [(o.name, grpc_params(o.parameters)) for o in asked] if asked else None
     parsed = infer_request(
-        config, wire_inputs, grpc_params(request.parameters), outputs, request.id or None
+        config, wire_inputs, grpc_params(request.parameters), outputs, request.id or None, shm=shm
     )
     if deadline_s is not None:
         left = max(1, int(deadline_s * 1e6))
@@ -447,9 +519,11 @@ def encode_grpc_response(
     request: InferRequest,
     outputs: dict[str, np.ndarray],
     response: pb.ModelInferResponse | None = None,
+    shm: Shm = None,
 ) -> pb.ModelInferResponse:
     """The response message, or `response` filled in (a stream's `infer_response`,
-    which then needs no copy into its envelope)."""
+    which then needs no copy into its envelope). An output placed in shared memory is
+    written there, with an empty raw_output_contents entry that keeps the others' index."""
     pb = grpc_messages()
     if response is None:
         response = pb.ModelInferResponse()
@@ -460,7 +534,15 @@ def encode_grpc_response(
     for name in request.outputs:
         array = outputs[name]
         datatype = output_datatype(name, array)
-        response.outputs.add(name=name, datatype=datatype, shape=array.shape)
+        tensor = response.outputs.add(name=name, datatype=datatype, shape=array.shape)
+        if name in request.shm:
+            placed = shm_output(shm, request.shm[name], name, array)
+            tensor.parameters["shared_memory_region"].string_param = placed["shared_memory_region"]
+            tensor.parameters["shared_memory_byte_size"].int64_param = placed[
+                "shared_memory_byte_size"
+            ]
+            response.raw_output_contents.append(b"")
+            continue
         response.raw_output_contents.append(to_binary(array))
     return response
 

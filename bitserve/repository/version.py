@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bitserve import coldstart
+from bitserve import coldstart, tracing
 from bitserve.backends import preimport
 from bitserve.backends.base import LoadError
 from bitserve.config import ModelConfig
@@ -142,18 +142,21 @@ class ModelVersion:
         engine, or denoised on the step loop. `background` (the shadow mirror): the
         lowest priority, no deadline of its own. Raises InvalidRequest or a full
         queue's error before anything is queued. With a response cache, a request seen
-        before is answered from it without queueing (a hit takes no batch slot)."""
+        before is answered from it without queueing (a hit takes no batch slot). With
+        tracing on, the call is a span."""
         key = self.cache.key(request.inputs) if self.cache is not None else None
-        if key is None:
-            return self.path.start(request, background)
-        assert self.cache is not None
-        hit = self.cache.get(key)
-        if hit is not None:
-            answered = asyncio.get_running_loop().create_future()
-            answered.set_result(hit)
-            return Ticket(answered, lambda _: None)
+        if key is not None:
+            assert self.cache is not None
+            hit = self.cache.get(key)
+            if hit is not None:
+                answered = asyncio.get_running_loop().create_future()
+                answered.set_result(hit)
+                return Ticket(answered, lambda _: None)
         ticket = self.path.start(request, background)
-        ticket.result.add_done_callback(functools.partial(_keep, self.cache, key))
+        if key is not None:
+            ticket.result.add_done_callback(functools.partial(_keep, self.cache, key))
+        if tracing.enabled():
+            tracing.model_call(self.config.name, self.version, ticket)
         return ticket
 
     async def infer(self, request: InferRequest, background: bool = False) -> dict:

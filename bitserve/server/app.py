@@ -20,6 +20,7 @@ from typing import Any
 
 from starlette.routing import Router
 
+from bitserve import tracing
 from bitserve.metrics import Metrics
 from bitserve.repository.repository import Repository
 from bitserve.server import (
@@ -32,15 +33,29 @@ from bitserve.server import (
     lora,
     openai,
     rerank,
+    shm,
     startup,
     v2,
 )
 from bitserve.server import metrics as server_metrics
-from bitserve.server.http import error
+from bitserve.server.http import error, traced
 from bitserve.server.state import ServerOptions, ServerState
 
 log = logging.getLogger("bitserve.server")
-FRONT_ENDS = (v2, openai, lora, rerank, generate, images, health, server_metrics, admin, console)
+# in order
+FRONT_ENDS = (
+    v2,
+    openai,
+    lora,
+    rerank,
+    generate,
+    images,
+    health,
+    server_metrics,
+    admin,
+    shm,
+    console,
+)
 
 
 class App:
@@ -52,6 +67,8 @@ class App:
         self.router = router
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if tracing.enabled() and scope["type"] == "http":
+            return await traced(self.router, scope, receive, send)
         await self.router(scope, receive, send)
 
 

@@ -23,6 +23,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
+from bitserve import tracing
 from bitserve.api.jsonbody import json_object
 from bitserve.backends.llm import EngineRequest, LLMService, sampling
 from bitserve.inference import InvalidRequest
@@ -51,12 +52,15 @@ def text_stream(version: ModelVersion, text: Any, parameters: Any) -> AsyncItera
     Closing it early stops the generation and frees its KV blocks."""
     llm, admitted = admit(version, text, parameters)
     lease = version.begin()  # no await since the caller's lookup: a drain cannot miss it
-    return _pieces(llm, admitted, lease)
+    return _pieces(llm, admitted, lease, version.config.name)
 
 
-async def _pieces(llm: LLMService, admitted: EngineRequest, lease: Lease) -> AsyncIterator[Piece]:
+async def _pieces(
+    llm: LLMService, admitted: EngineRequest, lease: Lease, model: str
+) -> AsyncIterator[Piece]:
     try:
-        async with contextlib.aclosing(llm.generate(admitted)) as outs:
+        outputs = tracing.generation(model, llm.generate(admitted))
+        async with contextlib.aclosing(outputs) as outs:
             async for out in outs:
                 delta = out.outputs[0].delta_text
                 if delta or out.finished:

@@ -44,7 +44,7 @@ import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
-from bitserve import __version__
+from bitserve import __version__, tracing
 from bitserve.api import classification
 from bitserve.api.proto import grpc_service_pb2 as pb
 from bitserve.api.proto import grpc_service_pb2_grpc as pb_grpc
@@ -61,6 +61,7 @@ from bitserve.api.v2 import (
 from bitserve.inference import ClientGone, InvalidRequest, text_inputs
 from bitserve.repository.repository import ModelNotFound, ModelUnavailable
 from bitserve.repository.version import ModelVersion, Ticket
+from bitserve.server import shm
 from bitserve.server.errors import EXPECTED, headers_of, status_of
 from bitserve.server.generate import text_stream
 from bitserve.server.record import Record
@@ -69,7 +70,13 @@ from bitserve.server.state import ServerState
 log = logging.getLogger("bitserve.server")
 
 SERVICE = "inference.GRPCInferenceService"
-EXTENSIONS = ["classification", "model_configuration", "statistics", "model_repository"]
+EXTENSIONS = [
+    "classification",
+    "model_configuration",
+    "statistics",
+    "model_repository",
+    "system_shared_memory",
+]
 HEALTH_PERIOD_S = 0.25  # as health.py's watchdog
 GRACE_S = 5.0
 FINAL = "triton_final_response"
@@ -98,11 +105,12 @@ async def start(state: ServerState) -> list[asyncio.Task]:
         return []
     limit = state.options.max_body
     server = grpc.aio.server(
+        interceptors=[Traced()] if tracing.enabled() else None,
         options=[
             ("grpc.max_receive_message_length", limit),
             ("grpc.max_send_message_length", limit),
             ("grpc.so_reuseport", 0),  # a port another server holds fails here, as HTTP's does
-        ]
+        ],
     )
     pb_grpc.add_GRPCInferenceServiceServicer_to_server(Service(state), server)
     health = health_aio.HealthServicer()
@@ -169,6 +177,37 @@ def _thread_name(tid: int) -> str | None:
             return f.read().strip()
     except OSError:
         return None
+
+
+class Traced(grpc.aio.ServerInterceptor):
+    """Each call inside its tracing span (tracing.server_span), the child of the
+    `traceparent` in its metadata; a stream's span lasts as long as the stream."""
+
+    async def intercept_service(self, continuation: Callable, details: Any) -> Any:
+        handler = await continuation(details)
+        if handler is None:
+            return None
+        carrier = dict(details.invocation_metadata or ())
+        name = details.method.lstrip("/")
+        attributes = {"rpc.system": "grpc", "rpc.method": name.rpartition("/")[2]}
+        if handler.unary_unary is not None:
+            unary = handler.unary_unary
+
+            async def traced_unary(request: Any, context: Any) -> Any:
+                with tracing.server_span(name, carrier, attributes):
+                    return await unary(request, context)
+
+            return handler._replace(unary_unary=traced_unary)
+        if handler.stream_stream is not None:
+            stream = handler.stream_stream
+
+            async def traced_stream(requests: Any, context: Any) -> AsyncIterator:
+                with tracing.server_span(name, carrier, attributes):
+                    async for response in stream(requests, context):
+                        yield response
+
+            return handler._replace(stream_stream=traced_stream)
+        return handler
 
 
 def _ready(state: ServerState, model: str, version: str | None = None) -> bool:
@@ -289,6 +328,54 @@ class Service(pb_grpc.GRPCInferenceServiceServicer):
         if change:
             self.state.allow_changes()
 
+    # --------------------------------------------------------- shared memory
+
+    @rpc
+    async def SystemSharedMemoryStatus(self, request: Any, context: Any) -> Any:
+        self._shm_admin(context)
+        response = pb.SystemSharedMemoryStatusResponse()
+        for region in self.state.shm.status(request.name):
+            response.regions[region["name"]].CopyFrom(
+                pb.SystemSharedMemoryStatusResponse.RegionStatus(**region)
+            )
+        return response
+
+    @rpc
+    async def SystemSharedMemoryRegister(self, request: Any, context: Any) -> Any:
+        self._shm_admin(context)
+        self.state.shm.register(request.name, request.key, request.offset, request.byte_size)
+        return pb.SystemSharedMemoryRegisterResponse()
+
+    @rpc
+    async def SystemSharedMemoryUnregister(self, request: Any, context: Any) -> Any:
+        self._shm_admin(context)
+        self.state.shm.unregister(request.name)
+        return pb.SystemSharedMemoryUnregisterResponse()
+
+    @rpc
+    async def CudaSharedMemoryStatus(self, request: Any, context: Any) -> Any:
+        self._shm_admin(context)
+        if request.name:
+            raise InvalidRequest(f"no CUDA shared memory region '{request.name}' is registered")
+        return pb.CudaSharedMemoryStatusResponse()
+
+    @rpc
+    async def CudaSharedMemoryRegister(self, request: Any, context: Any) -> Any:
+        self._shm_admin(context)
+        raise shm.refuse_cuda()
+
+    @rpc
+    async def CudaSharedMemoryUnregister(self, request: Any, context: Any) -> Any:
+        self._shm_admin(context)
+        return pb.CudaSharedMemoryUnregisterResponse()
+
+    def _shm_admin(self, context: Any) -> None:
+        """shm.py's admin rules, with the peer and the token from the call."""
+        peer = context.peer() or ""  # ipv4:127.0.0.1:5000, ipv6:[::1]:5000, unix:...
+        host = "" if peer.startswith("unix:") else peer.partition(":")[2].rpartition(":")[0]
+        token = dict(context.invocation_metadata() or ()).get("authorization", "")
+        shm.authorize(self.state, host.strip("[]"), token)
+
     # ----------------------------------------------------------------- infer
 
     @rpc
@@ -341,7 +428,8 @@ class Service(pb_grpc.GRPCInferenceServiceServicer):
         it fails to start, else by `_answer` or by whoever gives up on its result."""
         record = Record(self.state, version, route)
         try:
-            record.parsed = parse_grpc_infer(version.config, request, context.time_remaining())
+            remaining = context.time_remaining()
+            record.parsed = parse_grpc_infer(version.config, request, remaining, self.state.shm)
             ticket = version.start(record.parsed)
         except BaseException as exc:
             record.close(exc)
@@ -362,7 +450,7 @@ class Service(pb_grpc.GRPCInferenceServiceServicer):
             record.outputs = outputs
             answer = classification.apply(version, record.parsed, outputs)
             response = encode_grpc_response(
-                version.config.name, version.version, record.parsed, answer, into
+                version.config.name, version.version, record.parsed, answer, into, self.state.shm
             )
         except BaseException as exc:
             record.close(exc)

@@ -11,6 +11,7 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 
+from bitserve import tracing
 from bitserve.rollout.policy import VERSION_HEADER
 
 
@@ -32,6 +33,22 @@ def pinned_version(request: Request) -> str | None:
     """The version a v2 request asks for: in its path, or in the rollout header (None:
     the model's traffic policy or its highest ready version answers)."""
     return request.path_params.get("version") or request.headers.get(VERSION_HEADER)
+
+
+async def traced(app: Any, scope: dict, receive: Any, send: Any) -> None:
+    """Serve one HTTP request inside its tracing span (tracing.server_span), which
+    lasts until the response's last byte, a stream's too, and gets its status."""
+    headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
+    method, path = scope["method"], scope["path"]
+    attributes = {"http.request.method": method, "url.path": path}
+    with tracing.server_span(f"{method} {path}", headers, attributes) as span:
+
+        async def sending(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                span.set_attribute("http.response.status_code", message["status"])
+            await send(message)
+
+        await app(scope, receive, sending)
 
 
 async def until_disconnect(

@@ -19,6 +19,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
+from bitserve import tracing
 from bitserve.api.openai import (
     ChatRequest,
     CompletionRequest,
@@ -224,7 +225,8 @@ class _Streams(Responses):
         async def run(index: int) -> None:
             try:
                 admitted = self.admitted[index]
-                async for out in self.llm.generate(admitted, priority=self.req.priority):
+                outs = self.llm.generate(admitted, priority=self.req.priority)
+                async for out in tracing.generation(self.labels[0], outs):
                     await queue.put((index, out))
             except BaseException as e:
                 await queue.put((index, e))

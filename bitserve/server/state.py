@@ -18,6 +18,7 @@ from bitserve.repository.version import ModelVersion
 from bitserve.rollout.state import Rollouts
 from bitserve.rollout.state import Route as RolloutRoute
 from bitserve.server.errors import Draining, Forbidden, Unauthorized
+from bitserve.server.shm import SharedMemory
 
 log = logging.getLogger("bitserve.server")
 
@@ -46,6 +47,7 @@ class ServerState:
         self.options = options
         self.metrics = metrics
         self.rollout = Rollouts(repository, metrics)  # canary and shadow traffic
+        self.shm = SharedMemory()  # the registered shared-memory regions (shm.py)
         self.draining = False
         self.inflight = 0
         self._idle = asyncio.Event()

@@ -42,6 +42,7 @@ EXTENSIONS = [
     "model_configuration",
     "statistics",
     "model_repository",
+    "system_shared_memory",
 ]
 
 
@@ -143,7 +144,7 @@ class V2:
             if header_length is not None and not header_length.isdigit():
                 raise InvalidRequest("header Inference-Header-Content-Length must be an integer")
             length = int(header_length) if header_length is not None else None
-            record.parsed = parse_infer(version.config, body, length)
+            record.parsed = parse_infer(version.config, body, length, self.state.shm)
             ticket = version.start(record.parsed)
             record.job = ticket.job
             gone = ClientGone("client disconnected")
@@ -151,7 +152,7 @@ class V2:
             record.outputs = outputs
             answer = classification.apply(version, record.parsed, outputs)
             payload, json_length = encode_response(
-                version.config.name, version.version, record.parsed, answer
+                version.config.name, version.version, record.parsed, answer, self.state.shm
             )
         if json_length is None:
             return Response(payload, media_type="application/json")
