@@ -382,3 +382,46 @@ def test_logprobs_of_speculated_tokens_are_the_plain_engines(model_dirs):
             assert list(mine) == list(theirs)
             assert [mine[t] for t in mine] == pytest.approx([theirs[t] for t in mine], abs=1e-4)
     assert engine.speculator.stats.accepted > 0
+
+
+# -- LoRA rows: the adapter's greedy tokens, speculated or not ------------------------------
+@pytest.mark.parametrize("path", ["c", "grouped", "dense"])  # lora.PATHS
+def test_lora_and_base_rows_speculating_in_one_batch_give_transformers_peft_tokens(
+    model_dirs, tmp_path, path
+):
+    from tests.llm.test_lora import make_adapter
+    from tests.llm.test_lora import reference as peft_reference
+
+    base = model_dirs["llama"]
+    adapters = {
+        name: str(make_adapter(base, tmp_path / name, "llama", seed=seed, rank=rank))
+        for name, seed, rank in (("a", 1, 4), ("b", 2, 8))
+    }
+    passage = [1, *range(40, 52)]  # repeated: n-gram proposes from the first copy
+    prompts = [[*passage, *passage, 9], [*passage, 300, *passage[:5]], [7, 8, *passage * 2]]
+    loras = ["a", None, "b", "a", None, "b"]  # interleaved: adapter and base rows mixed
+    prompts = [prompts[i % 3] for i in range(len(loras))]
+    new = 40  # long enough for the random model's own output to repeat itself
+    want = [
+        peft_reference(base, adapters[lora] if lora else None, prompt, new)[0]
+        for prompt, lora in zip(prompts, loras, strict=True)
+    ]
+    for spec in (None, {**NGRAM, "num_tokens": 4}):
+        engine = make_engine(
+            base, num_kv_blocks=64, max_loras=2, lora_modules=adapters, speculative=spec
+        )
+        if path == "c" and engine.lora.kernels is None:
+            pytest.skip("no C compiler here: the C kernels are not built")
+        engine.lora.use_path(path)
+        steps = []
+        engine.fault_hook = lambda seqs, steps=steps: steps.append({s.lora_id for s in seqs})
+        params = [
+            SamplingParams(max_tokens=new, temperature=0, ignore_eos=True, lora=lora)
+            for lora in loras
+        ]
+        got = generate(engine, prompts, params)
+        assert got == want, spec
+        assert any(len(s) == 3 for s in steps)  # both adapters and the base in one step
+        if spec is not None:
+            stats = engine.speculator.stats
+            assert stats.proposed > 0 and stats.accepted > 0
