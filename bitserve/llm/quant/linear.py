@@ -106,11 +106,12 @@ class QuantLinear(nn.Module):
             x = x.contiguous()
         return self.c_kernels.gemv(self.c_weight, x)
 
-    def c_view(self):
+    def c_view(self, lora=None):
         """This layer as the C decode layer reads it (bias included), or None: plain int8
-        and int4 with their C view built, not int8-outlier."""
+        and int4 with their C view built, not int8-outlier; `lora` as `c.fp32_weight`."""
         plain = type(self) in (Int8Linear, Int4Linear)
-        return qweight(self) if plain and getattr(self, "c_weight", None) is not None else None
+        built = plain and getattr(self, "c_weight", None) is not None
+        return qweight(self, lora=lora) if built else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.prepared_for != self.device:
@@ -427,10 +428,14 @@ def tied_head(embedding: Int8Embedding, int8_activations: bool = True) -> Int8Li
 QUANT_MODULES = (QuantLinear, Int8Embedding)
 
 
-def qweight(layer, bias: bool = True):
+def qweight(layer, bias: bool = True, lora=None):
     """The C view (`Weight`) of an Int8Linear or Int4Linear: pointers into its buffers,
-    which must stay alive as long as the view."""
+    which must stay alive as long as the view; `lora`: its LoRA slots (c.fp32_weight)."""
     fields = {"N": layer.out_features, "K": layer.in_features, "bias": c.ptr(None)}
+    if lora is not None:
+        a, bt, slots = lora
+        fields |= {"lora_a": c.ptr(a), "lora_bt": c.ptr(bt), "lora_slots": c.ptr(slots, "int *")}
+        fields |= {"lora_S": a.shape[0], "lora_W": a.shape[1]}
     if bias:
         fields["bias"] = c.ptr(layer.bias)
     if isinstance(layer, Int4Linear):
