@@ -14,7 +14,8 @@ its spread (min-max). The machine is shared and noisy: read the spread.
    held-out verses (models/tinylm/heldout.txt, never trained on): the first words of a
    verse as the prompt, `--tokens` new tokens.
 2. copy-heavy, batch 1, n-gram: a held-out passage (three verses) and the start of its
-   first verse again, so that the answer repeats spans of the prompt.
+   first verse again, so that the answer repeats spans of the prompt; n-gram also with
+   ngram_min 2 (a one-token match proposes nothing).
 3. streams: the copy-heavy prompts 2, 4, 8, 16 at once with n-gram speculation forced on
    (max_batch 64): where it stops paying (speculative.MAX_BATCH comes from here); and 16
    at once with the default configuration (speculation off above MAX_BATCH).
@@ -175,6 +176,8 @@ def main() -> None:
     target, k, r, t = TINYLM / "1", args.k, args.rounds, args.tokens
     draft = {"speculative": {"method": "draft", "model": "draft", "num_tokens": k}}
     ngram = {"speculative": {"method": "ngram", "num_tokens": k}}
+    # only matches of 2+ tokens propose: fewer speculative rows, each more often right
+    ngram2 = {"speculative": {"method": "ngram", "num_tokens": k, "ngram_min": 2, "ngram_max": 5}}
     forced = {"speculative": {"method": "ngram", "num_tokens": k, "max_batch": 64}}
     results: dict = {"cpu": cpu(), "threads": args.threads, "k": k, "tokens": t, "rounds": r}
     parts = set(args.parts.split(",")) - ({"1b"} if args.no_1b else set())
@@ -188,7 +191,8 @@ def main() -> None:
     copy = copy_prompts(16)
     if "copy" in parts:
         results["copy_b1"] = compare(
-            {"plain": (target, {}), "ngram": (target, ngram), "draft": (target, draft)},
+            {"plain": (target, {}), "ngram": (target, ngram), "ngram-2..5": (target, ngram2),
+             "draft": (target, draft)},
             copy[: args.prompts], t, False, r,
         )  # fmt: skip
     for n in map(int, args.streams.split(",")) if "streams" in parts else []:
