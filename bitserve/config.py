@@ -357,11 +357,6 @@ class ModelConfig(_Strict):
 
     @model_validator(mode="after")
     def _check(self) -> ModelConfig:
-        if self.backend == "llm" and self.instance_group.isolation == "ray":
-            raise ValueError(
-                'isolation = "ray" replicates batched models; an llm model places its '
-                'workers on Ray with parameters.distributed_executor = "ray"'
-            )
         if self.backend == "llm" and (self.max_batch_size or self.dynamic_batching):
             raise ValueError(
                 "an llm model batches in its engine: drop max_batch_size and dynamic_batching"
