@@ -41,8 +41,9 @@ import logging
 import os
 import time
 from collections import OrderedDict
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from bitserve import raycluster
 from bitserve.backends.base import LoadError
@@ -56,12 +57,16 @@ from bitserve.llm.outputs import RequestOutput
 from bitserve.llm.sampling_params import SamplingParams
 from bitserve.llm.scheduler import RequestTooLong
 
+if TYPE_CHECKING:
+    from prometheus_client.core import Metric
+
 log = logging.getLogger("bitserve.repository")
 
 PING_PERIOD_S = 1.0
 START_TIMEOUT_S = 300.0
 ROUTER_KEYS = {"route_imbalance", "route_policy"}
-RULES = ("prefix", "least_loaded", "overloaded", "round_robin")
+MAX_SESSIONS = 100_000  # sticky keys remembered (least recently used forgotten)
+RULES = ("prefix", "least_loaded", "overloaded", "sticky", "round_robin")
 
 
 # ---------------------------------------------------------------- the replica (actor)
@@ -127,16 +132,20 @@ class PrefixRouter:
         self.holds: dict[Any, OrderedDict[int, None]] = {}
         self.capacity: dict[Any, int] = {}
         self.load: dict[Any, int] = {}
+        self.routed: dict[Any, int] = {}  # requests sent, the tie-break between equal loads
         self.decisions = dict.fromkeys(RULES, 0)
+        self.sticky: OrderedDict[str, Any] = OrderedDict()  # session key -> replica, LRU
         self._next = 0
 
     def add(self, replica: Any, num_blocks: int) -> None:
         self.holds[replica], self.capacity[replica] = OrderedDict(), num_blocks
-        self.load[replica] = 0
+        self.load[replica], self.routed[replica] = 0, 0
 
     def remove(self, replica: Any) -> None:
-        for table in (self.holds, self.capacity, self.load):
+        for table in (self.holds, self.capacity, self.load, self.routed):
             table.pop(replica, None)
+        for key in [k for k, r in self.sticky.items() if r is replica]:
+            del self.sticky[key]
 
     def hashes(self, ids: list[int]) -> list[int]:
         """The chained hashes of the prompt's full blocks, as the block manager makes
@@ -148,14 +157,26 @@ class PrefixRouter:
             out.append(parent)
         return out
 
-    def pick(self, ids: list[int], candidates: list[Any]) -> Any:
+    def pick(self, ids: list[int], candidates: list[Any], key: str | None = None) -> Any:
         """The replica for this prompt (one of `candidates`, the healthy ones); it
-        records the prompt's blocks as held there."""
+        records the prompt's blocks as held there. A session `key` sticks to the replica
+        its first request went to while that one is healthy and not overloaded."""
+        if key is not None:
+            replica = self.sticky.get(key)
+            least = self.least_loaded(candidates)
+            if replica in candidates and self.load[replica] - self.load[least] <= self.imbalance:
+                self.sticky.move_to_end(key)
+                return self._take(replica, self.hashes(ids), "sticky")
+            replica = self.pick(ids, candidates)
+            self.sticky[key] = replica
+            while len(self.sticky) > MAX_SESSIONS:
+                self.sticky.popitem(last=False)
+            return replica
         if self.policy == "round_robin":
             self._next += 1
             return self._take(candidates[self._next % len(candidates)], [], "round_robin")
         hashes = self.hashes(ids)
-        least = min(candidates, key=lambda r: self.load[r])
+        least = self.least_loaded(candidates)
         best, matched = least, 0
         for replica in candidates:
             held = self.holds[replica]
@@ -170,8 +191,12 @@ class PrefixRouter:
             return self._take(least, hashes, "overloaded")
         return self._take(best, hashes, "prefix")
 
+    def least_loaded(self, candidates: list[Any]) -> Any:
+        return min(candidates, key=lambda r: (self.load[r], self.routed[r]))
+
     def _take(self, replica: Any, hashes: list[int], rule: str) -> Any:
         self.decisions[rule] += 1
+        self.routed[replica] += 1
         held = self.holds[replica]
         for h in hashes:
             held[h] = None
@@ -427,7 +452,8 @@ class RayLLMService(LLMService):
         if not candidates:
             self._unreserve(len(ids))
             raise EngineDead(f"model '{self.config.name}': {self.down()}")
-        replica = self.router.pick(ids, candidates)
+        # a session key, where a front door set one (the OpenAI `user` field)
+        replica = self.router.pick(ids, candidates, getattr(request, "session", None))
         replica.served += 1
         self.router.load[replica] = self.router.load.get(replica, 0) + 1
         outputs = replica.actor.generate.options(num_returns="streaming").remote(
@@ -471,3 +497,78 @@ def _hf_config(folder: Path) -> dict:
 
     path = folder / "config.json"
     return json.loads(path.read_text()) if path.is_file() else {}
+
+
+# ---------------------------------------------------------------- metrics
+
+
+def collect(models: dict) -> Iterator[Metric]:
+    """Scrape-time metrics of every Ray-replicated LLM (`models`: the repository's):
+    per replica its health, load and prefix cache, and the router's decisions by rule."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    labels = ["model", "version", "replica"]
+    families = {
+        "healthy": GaugeMetricFamily(
+            "bitserve_llm_replica_healthy",
+            "1 while the replica answers and is healthy.",
+            labels=labels,
+        ),
+        "ongoing": GaugeMetricFamily(
+            "bitserve_llm_replica_ongoing_requests",
+            "Requests in flight on the replica.",
+            labels=labels,
+        ),
+        "served": CounterMetricFamily(
+            "bitserve_llm_replica_requests",
+            "Requests the router sent to the replica.",
+            labels=labels,
+        ),
+        "waiting": GaugeMetricFamily(
+            "bitserve_llm_replica_num_requests_waiting",
+            "The replica engine's waiting queue.",
+            labels=labels,
+        ),
+        "kv": GaugeMetricFamily(
+            "bitserve_llm_replica_kv_cache_usage_perc",
+            "The replica's KV blocks in use.",
+            labels=labels,
+        ),
+        "queries": CounterMetricFamily(
+            "bitserve_llm_replica_prefix_cache_queries", "Prompt tokens looked up.", labels=labels
+        ),
+        "hits": CounterMetricFamily(
+            "bitserve_llm_replica_prefix_cache_hits", "Prompt tokens found cached.", labels=labels
+        ),
+    }
+    rules = CounterMetricFamily(
+        "bitserve_llm_route_decisions",
+        "Requests routed, by the rule that chose the replica (prefix: longest cached "
+        "prefix; least_loaded: no prefix cached anywhere; overloaded: the prefix's replica "
+        "was past route_imbalance; sticky: the session key's replica; round_robin).",
+        labels=["model", "version", "rule"],
+    )
+    replaced = CounterMetricFamily(
+        "bitserve_llm_replicas_replaced",
+        "Replicas started again after theirs was lost.",
+        labels=["model", "version"],
+    )
+    for name, entry in models.items():
+        for number, version in entry.versions.items():
+            service = getattr(version.path, "service", None)
+            if not isinstance(service, RayLLMService):
+                continue
+            where = [name, str(number)]
+            for replica in service.replicas:
+                row, m = [*where, str(replica.slot)], replica.metrics
+                families["healthy"].add_metric(row, float(replica.usable()))
+                families["ongoing"].add_metric(row, float(service.router.load.get(replica, 0)))
+                families["served"].add_metric(row, float(replica.served))
+                families["waiting"].add_metric(row, float(m.get("num_requests_waiting", 0)))
+                families["kv"].add_metric(row, float(m.get("kv_cache_usage", 0)))
+                families["queries"].add_metric(row, float(m.get("prefix_cache_queries", 0)))
+                families["hits"].add_metric(row, float(m.get("prefix_cache_hits", 0)))
+            for rule, count in service.router.decisions.items():
+                rules.add_metric([*where, rule], float(count))
+            replaced.add_metric(where, float(service.replaced))
+    yield from (*families.values(), rules, replaced)
