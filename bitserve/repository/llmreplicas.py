@@ -38,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import time
 from collections import OrderedDict
@@ -220,9 +221,10 @@ class Replica:
         self.problem: str | None = None  # the replica's own health answer
         self.metrics: dict = {}
         self.served = 0  # requests routed here
+        self.draining = False  # scaled down: takes no new request, removed once idle
 
     def usable(self) -> bool:
-        return self.dead is None and self.problem is None
+        return self.dead is None and self.problem is None and not self.draining
 
 
 class RayLLMService(LLMService):
@@ -244,7 +246,10 @@ class RayLLMService(LLMService):
         self.vocab = 0
         self.replaced = 0  # replicas started again after theirs died
         self._watch: asyncio.Task | None = None
-        self._spawning: dict[int, asyncio.Task] = {}  # slot -> its replacement starting
+        self._spawning: dict[int, asyncio.Task] = {}  # slot -> its replica starting
+        self.scaling = config.instance_group.autoscaling
+        self._since: tuple[int, float] | None = None  # (wanted count, since when)
+        self._drains: set[asyncio.Task] = set()
 
     # ------------------------------------------------------------ lifecycle
 
@@ -255,6 +260,8 @@ class RayLLMService(LLMService):
             raise LoadError(f"{self.folder}: no tokenizer.json / tokenizer_config.json")
         self.vocab = int(_hf_config(self.folder).get("vocab_size") or len(self.tokenizer))
         count = self.config.instance_group.count
+        if self.scaling is not None:  # count is the initial number, at least one to start
+            count = min(max(count, self.scaling.min_replicas, 1), self.scaling.max_replicas)
         started = time.perf_counter()
         self.replicas = list(await asyncio.gather(*(self._spawn(i) for i in range(count))))
         self.warmup_seconds = max(0.0, time.perf_counter() - started)
@@ -302,7 +309,7 @@ class RayLLMService(LLMService):
     async def stop(self) -> None:
         import ray
 
-        for task in [self._watch, *self._spawning.values()]:
+        for task in [self._watch, *self._spawning.values(), *self._drains]:
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
@@ -324,6 +331,86 @@ class RayLLMService(LLMService):
             for replica in [r for r in self.replicas if r.dead is not None]:
                 if replica.slot not in self._spawning:
                     self._spawning[replica.slot] = asyncio.create_task(self._replace(replica))
+            if self.scaling is not None:
+                self._autoscale()
+
+    # ------------------------------------------------------------ autoscaling
+
+    def _autoscale(self) -> None:
+        """Ray Serve's rule: ongoing requests (queued and running) over the target per
+        replica, clamped to [min, max]; a change held for its delay is made."""
+        scaling = self.scaling
+        ongoing = self.running + self.waiting
+        wanted = math.ceil(ongoing / scaling.target_ongoing_requests)
+        wanted = min(max(wanted, scaling.min_replicas), scaling.max_replicas)
+        serving = [r for r in self.replicas if not r.draining]
+        have = len(serving) + sum(1 for s in self._spawning if s not in {r.slot for r in serving})
+        now = time.monotonic()
+        if wanted == have:
+            self._since = None
+            return
+        if self._since is None or self._since[0] != wanted:
+            self._since = (wanted, now)
+        delay = scaling.upscale_delay_s if wanted > have else scaling.downscale_delay_s
+        if now - self._since[1] < delay:
+            return
+        self._since = None
+        if wanted > have:
+            for _ in range(wanted - have):
+                self._grow()
+        else:
+            alive = [r for r in serving if r.dead is None]
+            if alive:  # the least-loaded goes; a dead one is being replaced, not drained
+                self._drain(min(alive, key=lambda r: self.router.load.get(r, 0)))
+
+    def _grow(self) -> None:
+        slot = max([r.slot for r in self.replicas] + list(self._spawning) + [-1]) + 1
+        log.info("model %s: scaling up, starting replica %d", self.config.name, slot)
+
+        async def grow() -> None:
+            try:
+                replica = await self._spawn(slot)
+                self.replicas = [*self.replicas, replica]
+            except LoadError as e:
+                log.error("model %s: scaling up: %s", self.config.name, e)
+            finally:
+                self._spawning.pop(slot, None)
+
+        self._spawning[slot] = asyncio.create_task(grow())
+
+    def _drain(self, replica: Replica) -> None:
+        """Take no new request; once its streams end, stop and remove it."""
+        import ray
+
+        log.info("model %s: scaling down, draining replica %d", self.config.name, replica.slot)
+        replica.draining = True
+
+        async def drain() -> None:
+            try:
+                while self.router.load.get(replica, 0) > 0 and replica.dead is None:
+                    await asyncio.sleep(0.1)
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(replica.actor.stop.remote(), 10)
+            finally:
+                with contextlib.suppress(Exception):
+                    ray.kill(replica.actor, no_restart=True)
+                self.router.remove(replica)
+                self.replicas = [r for r in self.replicas if r is not replica]
+                self._drains.discard(task)
+
+        task = asyncio.create_task(drain())
+        self._drains.add(task)
+
+    async def _cold_start(self) -> list[Replica]:
+        """Scaled to zero: start a replica and wait for it (--lazy-load semantics)."""
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not (candidates := [r for r in self.replicas if r.usable()]):
+            if not self._spawning:
+                self._grow()
+            if time.monotonic() > deadline:
+                raise EngineDead(f"model '{self.config.name}': no replica started in time")
+            await asyncio.sleep(0.05)
+        return candidates
 
     async def _ping(self, replica: Replica) -> None:
         try:
@@ -362,6 +449,8 @@ class RayLLMService(LLMService):
     def down(self) -> str | None:
         if any(r.usable() for r in self.replicas):
             return None
+        if self.scaling is not None and not any(r.dead or r.problem for r in self.replicas):
+            return None  # scaled to zero (or draining to it): the next request starts one
         why = "; ".join(f"replica {r.slot}: {r.dead or r.problem}" for r in self.replicas)
         return f"no healthy LLM replica ({why})"
 
@@ -450,8 +539,13 @@ class RayLLMService(LLMService):
         ids = request.take()
         candidates = [r for r in self.replicas if r.usable()]
         if not candidates:
-            self._unreserve(len(ids))
-            raise EngineDead(f"model '{self.config.name}': {self.down()}")
+            try:
+                if self.scaling is None:
+                    raise EngineDead(f"model '{self.config.name}': {self.down()}")
+                candidates = await self._cold_start()
+            except BaseException:
+                self._unreserve(len(ids))
+                raise
         # a session key, where a front door set one (the OpenAI `user` field)
         replica = self.router.pick(ids, candidates, getattr(request, "session", None))
         replica.served += 1
