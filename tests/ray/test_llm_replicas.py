@@ -138,3 +138,27 @@ def test_stream_comes_token_by_token_and_disconnect_aborts(server):
     assert metric(server, "bitserve_llm_kv_cache_usage_perc", model="chat") == 0
     generated = settled(server, "bitserve_llm_generation_tokens_total", model="chat") - before
     assert generated < 120, generated  # aborted well before its 240 tokens
+
+
+def test_the_llm_hpa_scales_on_metrics_this_server_exports(server):
+    """deploy/kubernetes/llm: the HPA validates against Kubernetes' schemas, and each
+    metric it and the adapter rules name is one an llm model's pod exports."""
+    import yaml
+
+    from tests.conftest import ROOT
+
+    folder = ROOT / "deploy" / "kubernetes" / "llm"
+    hpa = yaml.safe_load((folder / "hpa.yaml").read_text())
+    rules = yaml.safe_load((folder / "prometheus-adapter-rules.yaml").read_text())
+    names = {m["pods"]["metric"]["name"] for m in hpa["spec"]["metrics"]}
+    served = {r["name"]["as"] for r in yaml.safe_load(rules["data"]["config.yaml"])["rules"]}
+    assert names == served
+    exported = {
+        family.name
+        for family in text_string_to_metric_families(httpx.get(server.url + "/metrics").text)
+        if any(s.labels.get("model") == "chat" for s in family.samples)
+    }
+    assert names <= exported, names - exported
+    kubernetes_validate = pytest.importorskip("kubernetes_validate")
+    for doc in (hpa, rules):
+        kubernetes_validate.validate(doc, "1.30.0", strict=True)
