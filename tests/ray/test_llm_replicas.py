@@ -110,6 +110,32 @@ def test_two_replicas_on_two_nodes_answer_as_one_engine(server, repo):
     assert metric(server, "bitserve_llm_generation_tokens_total", model="chat") >= 16 * 8
 
 
+def test_v2_generate_infer_and_stream_reach_the_replicas(server, repo):
+    params = {"max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    offline = LLM(repo / "chat" / "1", num_kv_blocks=64).generate(
+        ["the quick"], SamplingParams(**params)
+    )[0]
+    doc = {"text_input": "the quick", "parameters": params}
+    generated = httpx.post(server.url + "/v2/models/chat/generate", json=doc, timeout=60).json()
+    assert generated["text_output"] == offline.outputs[0].text
+    tensor = {"shape": [1], "datatype": "BYTES"}
+    inputs = [
+        {"name": "text_input", **tensor, "data": ["the quick"]},
+        {"name": "sampling_parameters", **tensor, "data": [json.dumps(params)]},
+    ]
+    infer = httpx.post(server.url + "/v2/models/chat/infer", json={"inputs": inputs}, timeout=60)
+    assert infer.json()["outputs"][0]["data"][0] == offline.outputs[0].text
+    with httpx.stream(
+        "POST", server.url + "/v2/models/chat/generate_stream", json=doc, timeout=60
+    ) as r:
+        pieces = [
+            json.loads(line[6:])["text_output"]
+            for line in r.iter_lines()
+            if line.startswith("data: ")
+        ]
+    assert len(pieces) > 1 and "".join(pieces) == offline.outputs[0].text
+
+
 def test_stream_comes_token_by_token_and_disconnect_aborts(server):
     body = {
         "model": "chat",
