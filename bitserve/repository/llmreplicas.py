@@ -533,44 +533,68 @@ class RayLLMService(LLMService):
         stream: bool = True,
     ):
         """Stream one admitted request from the replica the router picks; closing this
-        iterator cancels the replica's task (the engine aborts the request)."""
+        iterator cancels the replica's task (the engine aborts the request). A replica
+        lost before the request's first output hands it to another (nothing ran
+        there that the client saw); one lost after ends the stream with EngineDead."""
         import ray
 
         ids = request.take()
-        candidates = [r for r in self.replicas if r.usable()]
-        if not candidates:
-            try:
-                if self.scaling is None:
+        state = {"started": False}
+        try:
+            tried: set[int] = set()
+            while True:
+                candidates = [r for r in self.replicas if r.usable() and id(r) not in tried]
+                if not candidates and self.scaling is not None and not tried:
+                    candidates = await self._cold_start()
+                if not candidates:
                     raise EngineDead(f"model '{self.config.name}': {self.down()}")
-                candidates = await self._cold_start()
-            except BaseException:
+                # a session key, where a front door set one (the OpenAI `user` field)
+                replica = self.router.pick(ids, candidates, getattr(request, "session", None))
+                tried.add(id(replica))
+                outputs = self._stream(replica, ids, request, request_id, priority, stream, state)
+                try:
+                    async with contextlib.aclosing(outputs):  # a closed stream cancels now
+                        async for out in outputs:
+                            yield out
+                    return
+                except ray.exceptions.RayActorError as e:
+                    self._lost(replica, "died")
+                    if state["started"]:
+                        raise EngineDead(
+                            f"model '{self.config.name}': LLM replica {replica.slot} "
+                            f"(pid {replica.pid}) was lost mid-request"
+                        ) from e
+                    log.warning(
+                        "model %s: replica %d lost before it started a request; another takes it",
+                        self.config.name,
+                        replica.slot,
+                    )
+        finally:
+            if state["started"]:
+                self.running -= 1
+            else:
                 self._unreserve(len(ids))
-                raise
-        # a session key, where a front door set one (the OpenAI `user` field)
-        replica = self.router.pick(ids, candidates, getattr(request, "session", None))
+
+    async def _stream(self, replica, ids, request, request_id, priority, stream, state):
+        import ray
+
         replica.served += 1
         self.router.load[replica] = self.router.load.get(replica, 0) + 1
         outputs = replica.actor.generate.options(num_returns="streaming").remote(
             ids, request.params, request_id, priority, stream
         )
-        started = finished = False
+        finished = False
         try:
             async for ref in outputs:
                 out: RequestOutput = await ref
                 if not out.prompt_token_ids:
                     out.prompt_token_ids = ids
                 self.last_progress = time.monotonic()
-                if not started:
-                    started = True
+                if not state["started"]:
+                    state["started"] = True
                     self._start_running(len(ids))
                 finished = out.finished
                 yield out
-        except ray.exceptions.RayActorError as e:
-            self._lost(replica, "died")
-            raise EngineDead(
-                f"model '{self.config.name}': LLM replica {replica.slot} (pid {replica.pid}) "
-                "was lost mid-request"
-            ) from e
         except ray.exceptions.RayTaskError as e:
             cause = getattr(e, "cause", None)
             raise (cause if isinstance(cause, BaseException) else RuntimeError(str(e))) from None
@@ -580,10 +604,6 @@ class RayLLMService(LLMService):
                     ray.cancel(outputs)
             if replica in self.router.load:
                 self.router.load[replica] -= 1
-            if started:
-                self.running -= 1
-            else:
-                self._unreserve(len(ids))
 
 
 def _hf_config(folder: Path) -> dict:
