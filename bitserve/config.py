@@ -97,6 +97,26 @@ class DynamicBatching(_Strict):
         return self
 
 
+class Autoscaling(_Strict):
+    """Ray replicas scaled on load, in Ray Serve's `autoscaling_config` words: the
+    count aims at `target_ongoing_requests` per replica, between min and max; a need
+    held `upscale_delay_s` adds replicas, a surplus held `downscale_delay_s` drains one
+    (no request cut) and removes it. min_replicas = 0 scales to zero after idle; the
+    next request waits for a replica to start (--lazy-load's cold start)."""
+
+    min_replicas: Annotated[int, Field(ge=0)] = 1
+    max_replicas: Annotated[int, Field(ge=1)] = 1
+    target_ongoing_requests: Annotated[float, Field(gt=0)] = 2.0
+    upscale_delay_s: Annotated[float, Field(ge=0)] = 30.0
+    downscale_delay_s: Annotated[float, Field(ge=0)] = 600.0
+
+    @model_validator(mode="after")
+    def _check(self) -> Autoscaling:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(f"min_replicas {self.min_replicas} > max_replicas {self.max_replicas}")
+        return self
+
+
 class InstanceGroup(_Strict):
     count: Annotated[int, Field(ge=1)] = 1
     kind: Literal["cpu", "gpu", "auto"] = "auto"
@@ -114,6 +134,8 @@ class InstanceGroup(_Strict):
     # `ray_actor_options`. num_gpus defaults to 1 when kind = "gpu".
     num_cpus: Annotated[float, Field(ge=0)] | None = None
     num_gpus: Annotated[float, Field(ge=0)] | None = None
+    # Ray replicas scaled on load (llm models; count is the initial number).
+    autoscaling: Autoscaling | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -131,6 +153,8 @@ class InstanceGroup(_Strict):
             raise ValueError(
                 f'{" and ".join(ray_only)}: Ray resources, only with isolation = "ray"'
             )
+        if self.autoscaling is not None and self.isolation != "ray":
+            raise ValueError('autoscaling: scales Ray replicas, only with isolation = "ray"')
         if self.kind == "cpu" and self.num_gpus:
             raise ValueError('kind = "cpu" with num_gpus > 0: choose one')
         return self
@@ -357,11 +381,8 @@ class ModelConfig(_Strict):
 
     @model_validator(mode="after")
     def _check(self) -> ModelConfig:
-        if self.backend == "llm" and self.instance_group.isolation == "ray":
-            raise ValueError(
-                'isolation = "ray" replicates batched models; an llm model places its '
-                'workers on Ray with parameters.distributed_executor = "ray"'
-            )
+        if self.instance_group.autoscaling is not None and self.backend != "llm":
+            raise ValueError("instance_group.autoscaling: Ray replicas of llm models only, so far")
         if self.backend == "llm" and (self.max_batch_size or self.dynamic_batching):
             raise ValueError(
                 "an llm model batches in its engine: drop max_batch_size and dynamic_batching"

@@ -11,6 +11,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from bitserve.repository import llmreplicas
 from bitserve.server.state import ServerState
 
 
@@ -54,6 +55,7 @@ def collect(server: ServerState) -> Iterator[Metric]:
     draining = GaugeMetricFamily("bitserve_draining", "1 while the server drains.")
     draining.add_metric([], 1.0 if server.draining else 0.0)
     yield from _engine_metrics(server)
+    yield from llmreplicas.collect(server.repository.models)
     for name, entry in server.repository.models.items():
         for number, version in entry.versions.items():
             report = version.report()

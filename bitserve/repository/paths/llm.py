@@ -25,9 +25,11 @@ class LLMPath(ExecutionPath):
 
     async def load(self) -> tuple[list[tuple[coldstart.Span, coldstart.Span]], float]:
         from bitserve.backends.llm import LLMService
+        from bitserve.repository.llmreplicas import RayLLMService
 
         started = time.perf_counter()
-        service = LLMService(self.config, self.version.version_dir)
+        kind = RayLLMService if self.config.instance_group.isolation == "ray" else LLMService
+        service = kind(self.config, self.version.version_dir)
         await service.start()
         self.service = service
         elapsed, warmup = time.perf_counter() - started, service.warmup_seconds
@@ -50,7 +52,12 @@ class LLMPath(ExecutionPath):
 
     def report(self) -> Report:
         service = self.service
-        if service is None or service.engine is None or self.version.state != "ready":
+        if service is None or self.version.state != "ready":
+            return Report()
+        if hasattr(service, "replicas"):  # on Ray: the replicas' engines summed
+            healthy = sum(r.usable() for r in service.replicas)
+            return Report(engine=service.metrics() or None, healthy=healthy)
+        if service.engine is None:
             return Report()
         snapshot = service.engine.metrics().as_dict()
         return Report(engine=snapshot, engine_restarts=service.restarts)

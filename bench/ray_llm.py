@@ -1,0 +1,160 @@
+"""LLM data-parallel replicas on Ray: 2 replicas against 1, same server, same load.
+
+    /work/main/.venv/bin/python -m bench.ray_llm [--rounds 3] [--streams 32] [--tokens 64]
+
+One `bitserve serve --ray local` (a private Ray of 2 CPUs) holds two models over the
+same random-weight Llama (hidden 512, 8 layers, the 58m shape with a 384-piece
+tokenizer, built here; nothing is downloaded): "one" with 1 replica and "two" with 2,
+each replica one torch thread. Rounds alternate one / two (A/B interleaved in one run,
+so box noise hits both); each round is 32 concurrent streamed completions x 2 waves,
+100-word prompts, `--tokens` output tokens with ignore_eos. Reported per model: output
+tok/s and TTFT p99 (median over rounds, with min-max spread), and the ratio of the
+medians. Issue #34's goal: two >= 1.7x one's tok/s with a TTFT p99 no worse. The load
+average of the box is printed before and after: it is shared.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+CONFIG = """
+backend = "llm"
+[instance_group]
+isolation = "ray"
+count = {count}
+num_cpus = 0.5
+threads = 1
+[parameters]
+max_model_len = 512
+max_num_seqs = 64
+num_kv_blocks = 512
+"""
+WORDS = ["the", "quick", "brown", "fox", "jumps", "over", "the", "lazy", "dog", "a"]
+WORDS += ["paged", "kv", "cache", "block"]
+
+
+def build(root: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from tests.llm.conftest import COMMON, build_tokenizer
+
+    folder = root / "one" / "1"
+    folder.mkdir(parents=True)
+    build_tokenizer(folder)
+    config = LlamaConfig(
+        hidden_size=512,
+        intermediate_size=1408,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        **COMMON,
+    )
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    (root / "two").mkdir()
+    (root / "two" / "1").symlink_to(folder)
+    for name, count in (("one", 1), ("two", 2)):
+        (root / name / "config.toml").write_text(CONFIG.format(count=count))
+
+
+async def one_stream(client: httpx.AsyncClient, url: str, model: str, prompt: str, tokens: int):
+    body = {"model": model, "prompt": prompt, "max_tokens": tokens, "stream": True}
+    body |= {"ignore_eos": True, "temperature": 0}
+    sent, first, count = time.perf_counter(), None, 0
+    async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
+        assert r.status_code == 200, await r.aread()
+        async for line in r.aiter_lines():
+            if line.startswith("data: {"):
+                doc = json.loads(line[6:])
+                assert "error" not in doc, doc
+                if doc["choices"][0]["text"] or doc["choices"][0]["finish_reason"]:
+                    first = first or time.perf_counter()
+                    count += 1
+    return first - sent, count
+
+
+async def round_(url: str, model: str, streams: int, tokens: int, rng: random.Random) -> dict:
+    prompts = [" ".join(rng.choices(WORDS, k=100)) for _ in range(2 * streams)]
+    queue = list(prompts)
+    ttfts: list[float] = []
+    generated = 0
+
+    async def worker(client):
+        nonlocal generated
+        while queue:
+            ttft, n = await one_stream(client, url, model, queue.pop(), tokens)
+            ttfts.append(ttft)
+            generated += n
+
+    started = time.perf_counter()
+    async with httpx.AsyncClient(timeout=600) as client:
+        await asyncio.gather(*(worker(client) for _ in range(streams)))
+    elapsed = time.perf_counter() - started
+    ttfts.sort()
+    return {"tok_s": generated / elapsed, "ttft_p99": ttfts[int(0.99 * (len(ttfts) - 1))]}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--streams", type=int, default=32)
+    parser.add_argument("--tokens", type=int, default=64)
+    args = parser.parse_args()
+    from tests.conftest import Server
+
+    load_before = os.getloadavg()
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp) / "models"
+        build(root)
+        server = Server(root, "--ray", "local")
+        try:
+            rng = random.Random(0)
+            for model in ("one", "two"):  # warm-up round, not counted
+                asyncio.run(round_(server.url, model, args.streams, 8, rng))
+            results: dict[str, list[dict]] = {"one": [], "two": []}
+            for i in range(args.rounds):
+                for model in ("one", "two") if i % 2 == 0 else ("two", "one"):
+                    r = asyncio.run(round_(server.url, model, args.streams, args.tokens, rng))
+                    results[model].append(r)
+                    print(
+                        f"round {i} {model}: {r['tok_s']:.1f} tok/s, TTFT p99 {r['ttft_p99']:.2f} s"
+                    )
+        finally:
+            server.stop()
+    load_after = os.getloadavg()
+    summary = {}
+    for model, rows in results.items():
+        tok = [r["tok_s"] for r in rows]
+        ttft = [r["ttft_p99"] for r in rows]
+        summary[model] = {
+            "tok_s": statistics.median(tok),
+            "tok_s_spread": [min(tok), max(tok)],
+            "ttft_p99_s": statistics.median(ttft),
+            "ttft_p99_spread": [min(ttft), max(ttft)],
+        }
+        print(
+            f"{model}: {summary[model]['tok_s']:.1f} tok/s ({min(tok):.1f}-{max(tok):.1f}), "
+            f"TTFT p99 {summary[model]['ttft_p99_s']:.2f} s ({min(ttft):.2f}-{max(ttft):.2f})"
+        )
+    speedup = summary["two"]["tok_s"] / summary["one"]["tok_s"]
+    ttft_ok = summary["two"]["ttft_p99_s"] <= summary["one"]["ttft_p99_s"]
+    print(f"two / one tok/s: {speedup:.2f}x (goal >= 1.7x); TTFT p99 no worse: {ttft_ok}")
+    print(f"load average before {load_before[0]:.1f}, after {load_after[0]:.1f} (2 cores)")
+    summary |= {"speedup": speedup, "ttft_no_worse": ttft_ok, "load": [load_before, load_after]}
+    print(json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,688 @@
+"""LLM data-parallel replicas on Ray: `isolation = "ray"` with `count = N` on an llm model.
+
+Each replica is a whole engine (an `LLMService`, with its own TP/PP workers if the
+parameters ask for them) in a Ray actor placed on any node of the cluster (spread over
+nodes when it can be). The server keeps the front door: the tokenizer, the chat
+template, the length and vocabulary checks and one admission queue for all replicas
+(`RayLLMService` is an `LLMService` whose engine is elsewhere), so every protocol
+(OpenAI, v2 generate, gRPC streams, batch jobs) reaches the replicas through the same
+`process` / `generate` it uses for one engine. A generation is a Ray streaming call:
+each engine output comes back as it is made; closing the stream (a client gone, a
+cancelled task) cancels the actor's task, which closes its generator, which aborts the
+request in that engine and frees its KV blocks.
+
+Routing (`PrefixRouter`): the server keeps an approximate map of which prompt prefixes
+each replica holds, as the engine's prefix cache keys them (the chained block hashes of
+`llm/block_manager.py`), and sends a request to the replica holding its longest cached
+prefix, unless that replica has more than `route_imbalance` requests in flight above
+the least-loaded one: then the least-loaded takes it (SGLang's cache-aware router and
+Ray Serve's PrefixCacheAffinityRouter decide the same way). A prompt with no cached
+prefix anywhere goes to the least-loaded replica. Each decision is counted by rule.
+
+A replica whose actor dies (its node lost, its process killed) is noticed by the
+streams it held and by a ping every second: its streams end with EngineDead (503,
+Retry-After), new requests go to the others, and a replacement is started, which waits
+for Ray to find room for it. The model stays ready while one replica is healthy.
+
+    backend = "llm"
+    [instance_group]
+    isolation = "ray"
+    count = 2
+    num_cpus = 1
+    [parameters]
+    route_imbalance = 8    # in-flight requests above the least-loaded before affinity yields
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import os
+import time
+from collections import OrderedDict
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from bitserve import raycluster
+from bitserve.backends.base import LoadError
+from bitserve.backends.llm import EngineRequest, Hold, LLMService
+from bitserve.config import ModelConfig
+from bitserve.inference import InvalidRequest
+from bitserve.llm.async_engine import EngineDead
+from bitserve.llm.block_manager import NO_PARENT, chain_hash
+from bitserve.llm.engine import load_tokenizer
+from bitserve.llm.outputs import RequestOutput
+from bitserve.llm.sampling_params import SamplingParams
+from bitserve.llm.scheduler import RequestTooLong
+
+if TYPE_CHECKING:
+    from prometheus_client.core import Metric
+
+log = logging.getLogger("bitserve.repository")
+
+PING_PERIOD_S = 1.0
+START_TIMEOUT_S = 300.0
+ROUTER_KEYS = {"route_imbalance", "route_policy"}
+MAX_SESSIONS = 100_000  # sticky keys remembered (least recently used forgotten)
+RULES = ("prefix", "least_loaded", "overloaded", "sticky", "round_robin")
+
+
+# ---------------------------------------------------------------- the replica (actor)
+
+
+class LLMReplicaActor:
+    """One replica: an `LLMService` on its node; its admission is the router's."""
+
+    def __init__(self, config_doc: dict, version_dir: str, threads: int):
+        if threads > 0:
+            import torch
+
+            torch.set_num_threads(threads)
+        params = {k: v for k, v in config_doc.get("parameters", {}).items() if k not in ROUTER_KEYS}
+        config_doc = {**config_doc, "parameters": params, "instance_group": {}}
+        self.service = LLMService(ModelConfig.model_validate(config_doc), Path(version_dir))
+
+    async def start(self) -> dict:
+        await self.service.start()
+        engine = self.service.engine.engine
+        import ray
+
+        return {
+            "pid": os.getpid(),
+            "node": ray.get_runtime_context().get_node_id(),
+            "warmup_seconds": self.service.warmup_seconds,
+            "num_blocks": engine.scheduler.block_manager.num_blocks,
+            "max_model_len": int(engine.config.max_model_len),
+        }
+
+    async def generate(
+        self, ids: list[int], params: SamplingParams, request_id: str | None, priority: int, stream
+    ):
+        request = self.service._reserve(ids, params)
+        first = True
+        async for out in self.service.generate(request, request_id, priority, stream):
+            if not first:  # the router has the prompt: do not ship it with every token
+                out.prompt_token_ids = []
+            first = False
+            yield out
+
+    def health(self) -> tuple[str | None, dict]:
+        """Why it is unhealthy (None when it is not), and its engine's metrics."""
+        return self.service.healthy(), self.service.engine.metrics().as_dict()
+
+    async def stop(self) -> None:
+        await self.service.stop()
+
+
+# ---------------------------------------------------------------- routing
+
+
+class PrefixRouter:
+    """Which replica a prompt goes to. `holds[r]` is the approximate set of block
+    hashes replica r has cached, in LRU order and bounded by its KV pool; `load[r]`
+    its requests in flight. `policy = "round_robin"` is the baseline it is measured
+    against."""
+
+    def __init__(self, block_size: int, imbalance: int = 8, policy: str = "prefix"):
+        if policy not in ("prefix", "round_robin"):
+            raise LoadError(f"route_policy must be 'prefix' or 'round_robin', got {policy!r}")
+        self.block_size, self.imbalance, self.policy = block_size, imbalance, policy
+        self.holds: dict[Any, OrderedDict[int, None]] = {}
+        self.capacity: dict[Any, int] = {}
+        self.load: dict[Any, int] = {}
+        self.routed: dict[Any, int] = {}  # requests sent, the tie-break between equal loads
+        self.decisions = dict.fromkeys(RULES, 0)
+        self.sticky: OrderedDict[str, Any] = OrderedDict()  # session key -> replica, LRU
+        self._next = 0
+
+    def add(self, replica: Any, num_blocks: int) -> None:
+        self.holds[replica], self.capacity[replica] = OrderedDict(), num_blocks
+        self.load[replica], self.routed[replica] = 0, 0
+
+    def remove(self, replica: Any) -> None:
+        for table in (self.holds, self.capacity, self.load, self.routed):
+            table.pop(replica, None)
+        for key in [k for k, r in self.sticky.items() if r is replica]:
+            del self.sticky[key]
+
+    def hashes(self, ids: list[int]) -> list[int]:
+        """The chained hashes of the prompt's full blocks, as the block manager makes
+        them (the rope key left out: equal for every model without long-rope switches).
+        The last prompt token is always recomputed, so it never counts as cached."""
+        out, parent, bs = [], NO_PARENT, self.block_size
+        for start in range(0, len(ids) - 1 - bs + 1, bs):
+            parent = chain_hash(parent, tuple(ids[start : start + bs]))
+            out.append(parent)
+        return out
+
+    def pick(self, ids: list[int], candidates: list[Any], key: str | None = None) -> Any:
+        """The replica for this prompt (one of `candidates`, the healthy ones); it
+        records the prompt's blocks as held there. A session `key` sticks to the replica
+        its first request went to while that one is healthy and not overloaded."""
+        if key is not None:
+            replica = self.sticky.get(key)
+            least = self.least_loaded(candidates)
+            if replica in candidates and self.load[replica] - self.load[least] <= self.imbalance:
+                self.sticky.move_to_end(key)
+                return self._take(replica, self.hashes(ids), "sticky")
+            replica = self.pick(ids, candidates)
+            self.sticky[key] = replica
+            while len(self.sticky) > MAX_SESSIONS:
+                self.sticky.popitem(last=False)
+            return replica
+        if self.policy == "round_robin":
+            self._next += 1
+            return self._take(candidates[self._next % len(candidates)], [], "round_robin")
+        hashes = self.hashes(ids)
+        least = self.least_loaded(candidates)
+        best, matched = least, 0
+        for replica in candidates:
+            held = self.holds[replica]
+            n = 0
+            while n < len(hashes) and hashes[n] in held:
+                n += 1
+            if n > matched or (n == matched and n and self.load[replica] < self.load[best]):
+                best, matched = replica, n
+        if matched == 0:
+            return self._take(least, hashes, "least_loaded")
+        if self.load[best] - self.load[least] > self.imbalance:
+            return self._take(least, hashes, "overloaded")
+        return self._take(best, hashes, "prefix")
+
+    def least_loaded(self, candidates: list[Any]) -> Any:
+        return min(candidates, key=lambda r: (self.load[r], self.routed[r]))
+
+    def _take(self, replica: Any, hashes: list[int], rule: str) -> Any:
+        self.decisions[rule] += 1
+        self.routed[replica] += 1
+        held = self.holds[replica]
+        for h in hashes:
+            held[h] = None
+            held.move_to_end(h)
+        while len(held) > self.capacity[replica]:
+            held.popitem(last=False)
+        return replica
+
+
+# ---------------------------------------------------------------- the router's service
+
+
+class Replica:
+    """The server's handle on one replica actor."""
+
+    def __init__(self, actor: Any, slot: int):
+        self.actor, self.slot = actor, slot
+        self.pid = 0
+        self.node = ""
+        self.dead: str | None = None
+        self.problem: str | None = None  # the replica's own health answer
+        self.metrics: dict = {}
+        self.served = 0  # requests routed here
+        self.draining = False  # scaled down: takes no new request, removed once idle
+
+    def usable(self) -> bool:
+        return self.dead is None and self.problem is None and not self.draining
+
+
+class RayLLMService(LLMService):
+    """An `LLMService` whose engines are Ray actors: same front door, routed generation."""
+
+    def __init__(self, config: ModelConfig, version_dir: Path):
+        params = dict(config.parameters)
+        router = {k: params.pop(k) for k in list(params) if k in ROUTER_KEYS}
+        super().__init__(config.model_copy(update={"parameters": params}), version_dir)
+        self.config = config
+        imbalance = router.get("route_imbalance", 8)
+        if not isinstance(imbalance, int) or isinstance(imbalance, bool) or imbalance < 0:
+            raise LoadError(
+                f"{version_dir.parent / 'config.toml'}: route_imbalance must be an int >= 0"
+            )
+        block_size = int(self.engine_args.get("block_size", 16))
+        self.router = PrefixRouter(block_size, imbalance, router.get("route_policy", "prefix"))
+        self.replicas: list[Replica] = []
+        self.vocab = 0
+        self.replaced = 0  # replicas started again after theirs died
+        self._watch: asyncio.Task | None = None
+        self._spawning: dict[int, asyncio.Task] = {}  # slot -> its replica starting
+        self.scaling = config.instance_group.autoscaling
+        self._since: tuple[int, float] | None = None  # (wanted count, since when)
+        self._drains: set[asyncio.Task] = set()
+
+    # ------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        raycluster.connect()
+        self.tokenizer = await asyncio.to_thread(load_tokenizer, self.folder)
+        if self.tokenizer is None:
+            raise LoadError(f"{self.folder}: no tokenizer.json / tokenizer_config.json")
+        self.vocab = int(_hf_config(self.folder).get("vocab_size") or len(self.tokenizer))
+        count = self.config.instance_group.count
+        if self.scaling is not None:  # count is the initial number, at least one to start
+            count = min(max(count, self.scaling.min_replicas, 1), self.scaling.max_replicas)
+        started = time.perf_counter()
+        self.replicas = list(await asyncio.gather(*(self._spawn(i) for i in range(count))))
+        self.warmup_seconds = max(0.0, time.perf_counter() - started)
+        self._watch = asyncio.create_task(self._watchdog())
+
+    async def _spawn(self, slot: int) -> Replica:
+        import ray
+
+        resources = self.config.instance_group.ray_resources()
+        threads = self.config.instance_group.threads or max(1, int(resources["num_cpus"]))
+        actor = (
+            ray.remote(LLMReplicaActor)
+            .options(
+                **resources,
+                max_restarts=0,  # the watchdog replaces a dead replica with a fresh actor
+                scheduling_strategy="SPREAD",
+                name=f"bitserve-llm:{self.config.name}:{slot}:{os.getpid()}:{time.monotonic_ns()}",
+            )
+            .remote(self.config.model_dump(mode="json"), str(self.version_dir), threads)
+        )
+        replica = Replica(actor, slot)
+        try:
+            info = await asyncio.wait_for(actor.start.remote(), START_TIMEOUT_S)
+        except TimeoutError:
+            ray.kill(actor)
+            raise LoadError(
+                f"{self.version_dir}: LLM replica {slot} not placed and warmed in "
+                f"{START_TIMEOUT_S:.0f} s (resources {resources})"
+            ) from None
+        except ray.exceptions.RayError as e:
+            ray.kill(actor)
+            raise LoadError(f"{self.version_dir}: LLM replica {slot} failed to start: {e}") from e
+        replica.pid, replica.node = info["pid"], info["node"]
+        self.max_model_len = info["max_model_len"]
+        self.router.add(replica, info["num_blocks"])
+        log.info(
+            "model %s LLM replica %d up: pid %d on node %s",
+            self.config.name,
+            slot,
+            replica.pid,
+            replica.node[:8],
+        )
+        return replica
+
+    async def stop(self) -> None:
+        import ray
+
+        for task in [self._watch, *self._spawning.values(), *self._drains]:
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        for replica in self.replicas:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(replica.actor.stop.remote(), 10)
+            with contextlib.suppress(Exception):
+                ray.kill(replica.actor, no_restart=True)
+
+    # ------------------------------------------------------------ health
+
+    async def _watchdog(self) -> None:
+        """Ping every replica each second (its health and metrics come back), and start
+        a replacement for one that died."""
+        while True:
+            await asyncio.sleep(PING_PERIOD_S)
+            await asyncio.gather(*(self._ping(r) for r in self.replicas if r.dead is None))
+            for replica in [r for r in self.replicas if r.dead is not None]:
+                if replica.slot not in self._spawning:
+                    self._spawning[replica.slot] = asyncio.create_task(self._replace(replica))
+            if self.scaling is not None:
+                self._autoscale()
+
+    # ------------------------------------------------------------ autoscaling
+
+    def _autoscale(self) -> None:
+        """Ray Serve's rule: ongoing requests (queued and running) over the target per
+        replica, clamped to [min, max]; a change held for its delay is made."""
+        scaling = self.scaling
+        ongoing = self.running + self.waiting
+        wanted = math.ceil(ongoing / scaling.target_ongoing_requests)
+        wanted = min(max(wanted, scaling.min_replicas), scaling.max_replicas)
+        serving = [r for r in self.replicas if not r.draining]
+        have = len(serving) + sum(1 for s in self._spawning if s not in {r.slot for r in serving})
+        now = time.monotonic()
+        if wanted == have:
+            self._since = None
+            return
+        if self._since is None or self._since[0] != wanted:
+            self._since = (wanted, now)
+        delay = scaling.upscale_delay_s if wanted > have else scaling.downscale_delay_s
+        if now - self._since[1] < delay:
+            return
+        self._since = None
+        if wanted > have:
+            for _ in range(wanted - have):
+                self._grow()
+        else:
+            alive = [r for r in serving if r.dead is None]
+            if alive:  # the least-loaded goes; a dead one is being replaced, not drained
+                self._drain(min(alive, key=lambda r: self.router.load.get(r, 0)))
+
+    def _grow(self) -> None:
+        slot = max([r.slot for r in self.replicas] + list(self._spawning) + [-1]) + 1
+        log.info("model %s: scaling up, starting replica %d", self.config.name, slot)
+
+        async def grow() -> None:
+            try:
+                replica = await self._spawn(slot)
+                self.replicas = [*self.replicas, replica]
+            except LoadError as e:
+                log.error("model %s: scaling up: %s", self.config.name, e)
+            finally:
+                self._spawning.pop(slot, None)
+
+        self._spawning[slot] = asyncio.create_task(grow())
+
+    def _drain(self, replica: Replica) -> None:
+        """Take no new request; once its streams end, stop and remove it."""
+        import ray
+
+        log.info("model %s: scaling down, draining replica %d", self.config.name, replica.slot)
+        replica.draining = True
+
+        async def drain() -> None:
+            try:
+                while self.router.load.get(replica, 0) > 0 and replica.dead is None:
+                    await asyncio.sleep(0.1)
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(replica.actor.stop.remote(), 10)
+            finally:
+                with contextlib.suppress(Exception):
+                    ray.kill(replica.actor, no_restart=True)
+                self.router.remove(replica)
+                self.replicas = [r for r in self.replicas if r is not replica]
+                self._drains.discard(task)
+
+        task = asyncio.create_task(drain())
+        self._drains.add(task)
+
+    async def _cold_start(self) -> list[Replica]:
+        """Scaled to zero: start a replica and wait for it (--lazy-load semantics)."""
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not (candidates := [r for r in self.replicas if r.usable()]):
+            if not self._spawning:
+                self._grow()
+            if time.monotonic() > deadline:
+                raise EngineDead(f"model '{self.config.name}': no replica started in time")
+            await asyncio.sleep(0.05)
+        return candidates
+
+    async def _ping(self, replica: Replica) -> None:
+        try:
+            replica.problem, replica.metrics = await asyncio.wait_for(
+                replica.actor.health.remote(), 10 * PING_PERIOD_S
+            )
+        except Exception as e:  # dead, or wedged past ten periods
+            self._lost(replica, f"ping failed: {type(e).__name__}")
+
+    def _lost(self, replica: Replica, why: str) -> None:
+        if replica.dead is None:
+            replica.dead = why
+            self.router.remove(replica)
+            log.error("model %s LLM replica %d lost: %s", self.config.name, replica.slot, why)
+
+    async def _replace(self, old: Replica) -> None:
+        """Start the slot's replacement; it waits for Ray to find room (a node coming
+        back, an autoscaler adding one), retrying a failed start."""
+        import ray
+
+        with contextlib.suppress(Exception):
+            ray.kill(old.actor, no_restart=True)
+        try:
+            while True:
+                try:
+                    new = await self._spawn(old.slot)
+                    break
+                except LoadError as e:
+                    log.error("model %s: replacing replica %d: %s", self.config.name, old.slot, e)
+                    await asyncio.sleep(PING_PERIOD_S)
+            self.replicas = [new if r is old else r for r in self.replicas]
+            self.replaced += 1
+        finally:
+            self._spawning.pop(old.slot, None)
+
+    def down(self) -> str | None:
+        if any(r.usable() for r in self.replicas):
+            return None
+        if self.scaling is not None and not any(r.dead or r.problem for r in self.replicas):
+            return None  # scaled to zero (or draining to it): the next request starts one
+        why = "; ".join(f"replica {r.slot}: {r.dead or r.problem}" for r in self.replicas)
+        return f"no healthy LLM replica ({why})"
+
+    def healthy(self) -> str | None:
+        return self.down()
+
+    @property
+    def restarting(self) -> str | None:  # the base class sets it; nothing restarts here
+        return None
+
+    @restarting.setter
+    def restarting(self, value: str | None) -> None:
+        pass
+
+    @property
+    def guided_max_string(self) -> int | None:
+        return self.engine_args.get("guided_max_string", 64)
+
+    def metrics(self) -> dict:
+        """The engines' metrics summed over the healthy replicas (the model's figures)."""
+        total: dict = {}
+        for replica in self.replicas:
+            for key, value in replica.metrics.items():
+                if isinstance(value, list):
+                    old = total.get(key, [])
+                    total[key] = [a + b for a, b in zip(old, value, strict=False)] or list(value)
+                else:
+                    total[key] = total.get(key, 0) + value
+        if total.get("kv_num_blocks"):
+            used = sum(
+                r.metrics.get("kv_cache_usage", 0) * r.metrics.get("kv_num_blocks", 0)
+                for r in self.replicas
+            )
+            total["kv_cache_usage"] = used / total["kv_num_blocks"]
+            total["kv_block_size"] = self.router.block_size
+        return total
+
+    # ------------------------------------------------------------ the front door
+
+    def process(
+        self,
+        prompts: list[str | list[int]],
+        params: list[SamplingParams],
+        queue: bool = True,
+        hold: Hold | None = None,
+    ) -> list[EngineRequest]:
+        try:
+            encoded = self._checked(prompts, params)
+        finally:
+            if hold is not None:
+                hold.release()
+        if queue:
+            self.admit(max(map(len, encoded)), count=len(encoded))
+        return [self._reserve(ids, sp) for ids, sp in zip(encoded, params, strict=True)]
+
+    def _checked(self, prompts: list[str | list[int]], params: list[SamplingParams]) -> list:
+        """The router's share of the checks (the guide compiles on the replica)."""
+        if (why := self.down()) is not None:
+            raise EngineDead(f"model '{self.config.name}': {why}")
+        encoded = [self.encode(p) for p in prompts]
+        for ids, sp in zip(encoded, params, strict=True):
+            if not ids:
+                raise InvalidRequest("prompt: the prompt is empty")
+            if any(not 0 <= t < self.vocab for t in ids):
+                raise InvalidRequest(f"prompt: token ids must be in [0, {self.vocab})")
+            sp.check_vocab(self.vocab)
+            if len(ids) + sp.max_tokens > self.max_model_len:
+                raise RequestTooLong(
+                    f"this model's maximum context length is {self.max_model_len} tokens; "
+                    f"the request has {len(ids)} prompt tokens and max_tokens {sp.max_tokens}"
+                    f" ({len(ids) + sp.max_tokens} in all), which exceeds max_model_len"
+                )
+        return encoded
+
+    async def generate(
+        self,
+        request: EngineRequest,
+        request_id: str | None = None,
+        priority: int = 0,
+        stream: bool = True,
+    ):
+        """Stream one admitted request from the replica the router picks; closing this
+        iterator cancels the replica's task (the engine aborts the request). A replica
+        lost before the request's first output hands it to another (nothing ran
+        there that the client saw); one lost after ends the stream with EngineDead."""
+        import ray
+
+        ids = request.take()
+        state = {"started": False}
+        try:
+            tried: set[int] = set()
+            while True:
+                candidates = [r for r in self.replicas if r.usable() and id(r) not in tried]
+                if not candidates and self.scaling is not None and not tried:
+                    candidates = await self._cold_start()
+                if not candidates:
+                    raise EngineDead(f"model '{self.config.name}': {self.down()}")
+                # a session key, where a front door set one (the OpenAI `user` field)
+                replica = self.router.pick(ids, candidates, getattr(request, "session", None))
+                tried.add(id(replica))
+                outputs = self._stream(replica, ids, request, request_id, priority, stream, state)
+                try:
+                    async with contextlib.aclosing(outputs):  # a closed stream cancels now
+                        async for out in outputs:
+                            yield out
+                    return
+                except ray.exceptions.RayActorError as e:
+                    self._lost(replica, "died")
+                    if state["started"]:
+                        raise EngineDead(
+                            f"model '{self.config.name}': LLM replica {replica.slot} "
+                            f"(pid {replica.pid}) was lost mid-request"
+                        ) from e
+                    log.warning(
+                        "model %s: replica %d lost before it started a request; another takes it",
+                        self.config.name,
+                        replica.slot,
+                    )
+        finally:
+            if state["started"]:
+                self.running -= 1
+            else:
+                self._unreserve(len(ids))
+
+    async def _stream(self, replica, ids, request, request_id, priority, stream, state):
+        import ray
+
+        replica.served += 1
+        self.router.load[replica] = self.router.load.get(replica, 0) + 1
+        outputs = replica.actor.generate.options(num_returns="streaming").remote(
+            ids, request.params, request_id, priority, stream
+        )
+        finished = False
+        try:
+            async for ref in outputs:
+                out: RequestOutput = await ref
+                if not out.prompt_token_ids:
+                    out.prompt_token_ids = ids
+                self.last_progress = time.monotonic()
+                if not state["started"]:
+                    state["started"] = True
+                    self._start_running(len(ids))
+                finished = out.finished
+                yield out
+        except ray.exceptions.RayTaskError as e:
+            cause = getattr(e, "cause", None)
+            raise (cause if isinstance(cause, BaseException) else RuntimeError(str(e))) from None
+        finally:
+            if not finished:
+                with contextlib.suppress(Exception):
+                    ray.cancel(outputs)
+            if replica in self.router.load:
+                self.router.load[replica] -= 1
+
+
+def _hf_config(folder: Path) -> dict:
+    import json
+
+    path = folder / "config.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+# ---------------------------------------------------------------- metrics
+
+
+def collect(models: dict) -> Iterator[Metric]:
+    """Scrape-time metrics of every Ray-replicated LLM (`models`: the repository's):
+    per replica its health, load and prefix cache, and the router's decisions by rule."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    labels = ["model", "version", "replica"]
+    families = {
+        "healthy": GaugeMetricFamily(
+            "bitserve_llm_replica_healthy",
+            "1 while the replica answers and is healthy.",
+            labels=labels,
+        ),
+        "ongoing": GaugeMetricFamily(
+            "bitserve_llm_replica_ongoing_requests",
+            "Requests in flight on the replica.",
+            labels=labels,
+        ),
+        "served": CounterMetricFamily(
+            "bitserve_llm_replica_requests",
+            "Requests the router sent to the replica.",
+            labels=labels,
+        ),
+        "waiting": GaugeMetricFamily(
+            "bitserve_llm_replica_num_requests_waiting",
+            "The replica engine's waiting queue.",
+            labels=labels,
+        ),
+        "kv": GaugeMetricFamily(
+            "bitserve_llm_replica_kv_cache_usage_perc",
+            "The replica's KV blocks in use.",
+            labels=labels,
+        ),
+        "queries": CounterMetricFamily(
+            "bitserve_llm_replica_prefix_cache_queries", "Prompt tokens looked up.", labels=labels
+        ),
+        "hits": CounterMetricFamily(
+            "bitserve_llm_replica_prefix_cache_hits", "Prompt tokens found cached.", labels=labels
+        ),
+    }
+    rules = CounterMetricFamily(
+        "bitserve_llm_route_decisions",
+        "Requests routed, by the rule that chose the replica (prefix: longest cached "
+        "prefix; least_loaded: no prefix cached anywhere; overloaded: the prefix's replica "
+        "was past route_imbalance; sticky: the session key's replica; round_robin).",
+        labels=["model", "version", "rule"],
+    )
+    replaced = CounterMetricFamily(
+        "bitserve_llm_replicas_replaced",
+        "Replicas started again after theirs was lost.",
+        labels=["model", "version"],
+    )
+    for name, entry in models.items():
+        for number, version in entry.versions.items():
+            service = getattr(version.path, "service", None)
+            if not isinstance(service, RayLLMService):
+                continue
+            where = [name, str(number)]
+            for replica in service.replicas:
+                row, m = [*where, str(replica.slot)], replica.metrics
+                families["healthy"].add_metric(row, float(replica.usable()))
+                families["ongoing"].add_metric(row, float(service.router.load.get(replica, 0)))
+                families["served"].add_metric(row, float(replica.served))
+                families["waiting"].add_metric(row, float(m.get("num_requests_waiting", 0)))
+                families["kv"].add_metric(row, float(m.get("kv_cache_usage", 0)))
+                families["queries"].add_metric(row, float(m.get("prefix_cache_queries", 0)))
+                families["hits"].add_metric(row, float(m.get("prefix_cache_hits", 0)))
+            for rule, count in service.router.decisions.items():
+                rules.add_metric([*where, rule], float(count))
+            replaced.add_metric(where, float(service.replaced))
+    yield from (*families.values(), rules, replaced)
