@@ -150,6 +150,7 @@ def test_decoder_centernet_reads_raw_heads(tmp_path):
         str(path),
         input_names=["x"],
         output_names=["heatmap", "regression"],
+        dynamic_axes={"x": {0: "batch"}, "heatmap": {0: "batch"}, "regression": {0: "batch"}},
         opset_version=17,
         dynamo=False,
     )

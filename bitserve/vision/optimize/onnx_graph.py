@@ -188,18 +188,21 @@ def sensitivity(prepared: Path, int8: Path, nodes, calibration, input_name, fold
     models = {"fp32": onnx.load(str(prepared)), "int8": onnx.load(str(int8))}
 
     def after_activation(model, name: str) -> str:
-        """The tensor after the node's Relu/Clip, through any Q/DQ pair between them."""
-        seen = name
+        """The tensor after the node's Relu/Clip. In the int8 graph the quantizer drops a
+        Relu whose QuantizeLinear clamps at zero anyway: there it is the DQ's output."""
+        seen = current = name
         for _ in range(3):
-            users = [n for n in model.graph.node if seen in n.input]
+            users = [n for n in model.graph.node if current in n.input]
             if len(users) != 1:
                 break
             if users[0].op_type in ("Relu", "Clip"):
                 return users[0].output[0]
             if users[0].op_type not in ("QuantizeLinear", "DequantizeLinear"):
                 break
-            seen = users[0].output[0]
-        return name
+            current = users[0].output[0]
+            if users[0].op_type == "DequantizeLinear":
+                seen = current
+        return seen
 
     quantized = {n.name: n for n in models["int8"].graph.node}
     pairs = []  # node, {graph: (input tensor, output tensor)}
@@ -242,7 +245,10 @@ def sensitivity(prepared: Path, int8: Path, nodes, calibration, input_name, fold
         noise = float(np.sum((ref - got) ** 2))
         return 100.0 if noise == 0 else min(100.0, 10 * math.log10(np.sum(ref**2) / noise))
 
-    table = [(n.name, n.op_type, round(sqnr(t, 0) - sqnr(t, 1), 2)) for n, t in pairs]
+    table = [
+        (n.name, n.op_type, round(sqnr(t, 0) - sqnr(t, 1), 2), round(sqnr(t, 1), 2))
+        for n, t in pairs
+    ]
     return sorted(table, key=lambda row: -row[2])
 
 
@@ -298,12 +304,12 @@ def optimize_graph(config: GraphOptimizeConfig, log=print) -> dict:
         table_sens = sensitivity(prepared, int8, nodes, calibration, detector.input, folder)
         log(
             "int8 sensitivity (dB lost per operator): "
-            + ", ".join(f"{n} {db:+.1f}" for n, _, db in table_sens[:6])
+            + ", ".join(f"{row[0]} {row[2]:+.1f}" for row in table_sens[:6])
         )
         best = variant("int8", ["int8"], int8, kept=[first])
         accuracy["int8"] = score(best.detector)
         int8_rows.append(best)
-        ranked = [n for n, _, _ in table_sens if n != first]
+        ranked = [row[0] for row in table_sens if row[0] != first]
         for keep in (1, 2, 4):
             lost = 100 * (accuracy["original"]["map"] - accuracy[best.name]["map"])
             if lost <= config.max_points_lost or keep > len(ranked):
@@ -350,7 +356,9 @@ def optimize_graph(config: GraphOptimizeConfig, log=print) -> dict:
         "calibration": str(config.calibration or f"the first {len(calibration)} images of the set"),
         "applied": sorted(chosen),
         "not_applied": NOT_APPLIED,
-        "int8_sensitivity": [{"node": n, "op": op, "db_lost": db} for n, op, db in table_sens],
+        "int8_sensitivity": [
+            {"node": n, "op": op, "db_lost": db, "sqnr_db": out} for n, op, db, out in table_sens
+        ],
         "kept_fp32": {c.name: c.kept_fp32 for c in candidates if c.kept_fp32},
     }
     if "batching" in chosen:
