@@ -354,7 +354,7 @@ def optimize_graph(config: GraphOptimizeConfig, log=print) -> dict:
         "data": str(data.file),
         "images": len(ids),
         "calibration": str(config.calibration or f"the first {len(calibration)} images of the set"),
-        "applied": sorted(chosen),
+        "applied": sorted(chosen - set(NOT_APPLIED)),
         "not_applied": NOT_APPLIED,
         "int8_sensitivity": [
             {"node": n, "op": op, "db_lost": db, "sqnr_db": out} for n, op, db, out in table_sens
