@@ -34,7 +34,7 @@ train-digits: digits-data
 serve: models
 	$(VENV)/bin/bitserve serve --repository models --host $(HOST) --port $(PORT)
 
-test: $(VENV)/.installed
+test: $(VENV)/.installed digits-data
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(PY) -m pytest

@@ -16,7 +16,8 @@ after every section (a run cut short still leaves what it measured). Sections, i
 - features: `bitserve serve` on the default repository on the device, then chat
   (greedy, seeded sampling twice, logprobs, a JSON schema, a tool call), v2 infer on every
   batched model, an image from the diffusion model, gRPC infer and the gRPC token stream;
-  each answer checked, not only its status;
+  each answer checked, not only its status; the detector's served req/s at c = 16
+  against c = 1;
 - engine: a ~1B random-weight Llama in bf16: batch-1 decode ms/step against the
   weight-read floor, batch 16/64/256 tok/s, kernel launches per decode step and the
   share of the step the GPU is busy (torch.profiler);
@@ -440,9 +441,57 @@ def features(args, work: Path) -> dict:
             check(results, "minilm_embeddings", minilm)
         check(results, "diffusion_digits", digits)
         check(results, "detector", detector)
+        check(results, "detector_c16_vs_c1", lambda: detector_concurrency(url, args.cpu))
         check(results, "grpc", lambda: grpc_checks(grpc_target))
         check(results, "model_devices", lambda: {"log": devices_in_log(log)})
     return results
+
+
+def detector_concurrency(url: str, cpu: bool) -> dict:
+    """The detector served at concurrency 16 against 1 on the device (issue 36, item 5):
+    v2 infer with a binary 128x128 canvas, requests per second over a fixed window each,
+    a fresh client per worker; the CPU box cannot show batching (models/detector/README.md)."""
+    import threading
+
+    import httpx
+    import numpy as np
+
+    image = np.random.default_rng(0).integers(0, 255, (1, 128, 128, 1), dtype=np.uint8)
+    header = json.dumps(
+        {
+            "inputs": [
+                {
+                    "name": "image",
+                    "datatype": "UINT8",
+                    "shape": [1, 128, 128, 1],
+                    "parameters": {"binary_data_size": image.size},
+                }
+            ]
+        }
+    ).encode()
+    body = header + image.tobytes()
+    headers = {"Inference-Header-Content-Length": str(len(header))}
+    seconds = 1.5 if cpu else 5.0
+    figures = {}
+    for concurrency in (1, 16):
+        counts = [0] * concurrency
+
+        def worker(slot: int, deadline: float, counts: list = counts) -> None:
+            with httpx.Client(base_url=url, timeout=30) as c:
+                while time.monotonic() < deadline:
+                    r = c.post("/v2/models/detector/infer", content=body, headers=headers)
+                    r.raise_for_status()
+                    counts[slot] += 1
+
+        deadline = time.monotonic() + seconds
+        threads = [threading.Thread(target=worker, args=(i, deadline)) for i in range(concurrency)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        figures[f"c{concurrency}_req_per_s"] = sum(counts) / seconds
+    figures["c16_over_c1"] = figures["c16_req_per_s"] / figures["c1_req_per_s"]
+    return figures
 
 
 def grpc_checks(target: str) -> dict:

@@ -2,7 +2,9 @@
 
     python tools/train_detector.py --out models/detector/teacher.safetensors
 
-One torch thread, seeded: about 15 minutes on one core. The teacher is the slow,
+One torch thread, seeded: about 15 minutes on one core. `--init` starts from earlier
+weights (the committed teacher was trained on scikit-learn's digits, then fine-tuned
+from there on both digit sources with augmentation: train_log.txt). The teacher is the slow,
 accurate model that `bitserve optimize` speeds up; tools/build_models.py exports it to
 the servable `models/detector/1/model.onnx`.
 """
@@ -11,10 +13,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this tree's bitserve
 
 from bitserve.vision import net, train, weights
 
@@ -25,10 +30,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=1000)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--init", type=Path, help="start from these weights")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    model = net.CenterNet(net.TEACHER_WIDTHS)
-    config = train.TrainConfig(steps=args.steps, batch=args.batch)
+    model = weights.load(args.init) if args.init else net.CenterNet(net.TEACHER_WIDTHS)
+    config = train.TrainConfig(steps=args.steps, batch=args.batch, lr=args.lr)
     started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     minutes = train.train(model, config, log=lambda line: print(line, flush=True))
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -10,6 +10,11 @@ The first `num_detections` rows are detections, best first; the rest (score 0, c
 
 Every variant `bitserve optimize` writes (int8, pruned, student, another resolution)
 is the same kind of graph, so each serves through this backend with the same outputs.
+A detector exported elsewhere serves here too when the config declares it
+(`[parameters.preprocess]` and `[parameters.outputs]`, bitserve/vision/graph.py): the
+backend then resizes, decodes and maps boxes back itself, and a version's
+`variant.json` (written by `bitserve optimize --data`) sets that version's input size
+and onnxruntime optimisation level.
 `validate` refuses what would fail or exhaust a batch: an empty image, one larger
 than `parameters.max_image_pixels`, a channel count other than 1 or 3, a threshold
 outside 0..1, a `max_detections` outside 1..100.
@@ -45,10 +50,22 @@ class DetectorModel(Model):
         if self.config.instance_group.threads > 0:
             options.intra_op_num_threads = self.config.instance_group.threads
             options.inter_op_num_threads = 1
+        self.graph = None
+        parameters = dict(self.config.parameters)
+        if "outputs" in parameters:
+            parameters = self._variant(parameters, options)
         try:
             self.session = open_session(path, options, self.config, self.device)
         except Exception as e:
             raise LoadError(f"{path}: onnxruntime cannot load it: {type(e).__name__}: {e}") from e
+        if "outputs" in parameters:
+            from bitserve.vision.graph import Detector, GraphError
+
+            try:
+                self.graph = Detector.from_config(path, parameters, "config.toml", self.session)
+            except GraphError as e:
+                raise LoadError(str(e)) from e
+            return
         names = [o.name for o in self.session.get_outputs()]
         if [i.name for i in self.session.get_inputs()] != ["image"] or names[:3] != [
             "boxes",
@@ -56,6 +73,30 @@ class DetectorModel(Model):
             "classes",
         ]:
             raise LoadError(f"{path}: not a detector graph (image -> boxes, scores, classes)")
+
+    def _variant(self, parameters: dict, options) -> dict:
+        """This version's variant.json: its input size and optimisation level."""
+        import json
+
+        import onnxruntime as ort
+
+        path = self.version_dir / "variant.json"
+        if not path.is_file():
+            return parameters
+        variant = json.loads(path.read_text())
+        size = variant.get("preprocess", {}).get("size")
+        if size:
+            parameters["preprocess"] = dict(parameters.get("preprocess", {}), size=size)
+        level = variant.get("session", {}).get("graph_optimization_level")
+        levels = {
+            "disabled": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
+            "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+            "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
+            "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
+        }
+        if level in levels:
+            options.graph_optimization_level = levels[level]
+        return parameters
 
     @classmethod
     def validate(cls, config: ModelConfig, inputs: dict[str, np.ndarray]) -> None:
@@ -84,7 +125,10 @@ class DetectorModel(Model):
 
     def predict(self, inputs: dict[str, np.ndarray]) -> dict[str, Any]:
         image = np.ascontiguousarray(inputs["image"])
-        boxes, scores, classes = self.session.run(None, {"image": image})[:3]
+        if self.graph is not None:
+            boxes, scores, classes = _padded(self.graph(list(image)))
+        else:
+            boxes, scores, classes = self.session.run(None, {"image": image})[:3]
         rows = image.shape[0]
         thresholds = self._per_row(inputs, "score_threshold", rows, np.float32)
         caps = self._per_row(inputs, "max_detections", rows, np.int64)
@@ -95,6 +139,17 @@ class DetectorModel(Model):
         if given is None:
             return np.full(rows, _setting(self.config, name), dtype)
         return given.reshape(rows, -1)[:, 0].astype(dtype)
+
+
+def _padded(found: list[tuple]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per-image detections (best first) as one batch padded to TOP_K (score 0)."""
+    boxes = np.zeros((len(found), TOP_K, 4), np.float32)
+    scores = np.zeros((len(found), TOP_K), np.float32)
+    classes = np.full((len(found), TOP_K), -1, np.int64)
+    for row, (b, s, c) in enumerate(found):
+        k = min(len(s), TOP_K)
+        boxes[row, :k], scores[row, :k], classes[row, :k] = b[:k], s[:k], c[:k]
+    return boxes, scores, classes
 
 
 def select(boxes, scores, classes, thresholds, caps, size) -> dict[str, np.ndarray]:

