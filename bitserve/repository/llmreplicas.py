@@ -477,6 +477,12 @@ class RayLLMService(LLMService):
                 if isinstance(value, list):
                     old = total.get(key, [])
                     total[key] = [a + b for a, b in zip(old, value, strict=False)] or list(value)
+                elif isinstance(value, dict):  # per LoRA adapter: {name: {figure: count}}
+                    adapters = total.setdefault(key, {})
+                    for name, figures in value.items():
+                        mine = adapters.setdefault(name, {})
+                        for figure, count in figures.items():
+                            mine[figure] = mine.get(figure, 0) + count
                 else:
                     total[key] = total.get(key, 0) + value
         if total.get("kv_num_blocks"):
