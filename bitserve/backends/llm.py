@@ -263,7 +263,6 @@ class LLMService:
         scheduler's own check), a guide that cannot compile (400; compiled once per
         guide and cached), a full waiting queue (Overloaded, 429). `queue=False` (batch
         jobs: nobody to answer 429, only an engine to keep full) skips the last."""
-        assert self.engine is not None
         try:
             encoded = self._checked(prompts, params)
         finally:
@@ -276,21 +275,32 @@ class LLMService:
     def _checked(self, prompts: list[str | list[int]], params: list[SamplingParams]) -> list:
         if (why := self.down()) is not None:
             raise EngineDead(f"model '{self.config.name}': {why}")
-        engine = self.engine.engine
-        vocab = int(engine.config.hf_config.get("vocab_size") or len(self.tokenizer))
+        vocab = self.vocab_size()
         encoded = [self.encode(p) for p in prompts]
         for ids, sp in zip(encoded, params, strict=True):
-            sp.lora = sp.lora or self.adapter  # an adapter version's own by default
             if not ids:
                 raise InvalidRequest("prompt: the prompt is empty")
             if any(not 0 <= t < vocab for t in ids):
                 raise InvalidRequest(f"prompt: token ids must be in [0, {vocab})")
             sp.check_vocab(vocab)
-            engine.check_lora(sp.lora)
-            engine.scheduler.check_length(len(ids), sp.max_tokens)
-            if sp.guide is not None:
-                engine.grammars().template(sp.guide)
+            self._check_fit(ids, sp)
         return encoded
+
+    def vocab_size(self) -> int:
+        assert self.engine is not None
+        hf = self.engine.engine.config.hf_config
+        return int(hf.get("vocab_size") or len(self.tokenizer))
+
+    def _check_fit(self, ids: list[int], sp: SamplingParams) -> None:
+        """The engine's own checks: the adapter, the length (the scheduler's) and the
+        guide (compiled once per guide and cached)."""
+        assert self.engine is not None
+        engine = self.engine.engine
+        sp.lora = sp.lora or self.adapter  # an adapter version's own by default
+        engine.check_lora(sp.lora)
+        engine.scheduler.check_length(len(ids), sp.max_tokens)
+        if sp.guide is not None:
+            engine.grammars().template(sp.guide)
 
     def _reserve(self, ids: list[int], params: SamplingParams) -> EngineRequest:
         self.waiting += 1

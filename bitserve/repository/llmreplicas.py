@@ -48,9 +48,8 @@ from typing import TYPE_CHECKING, Any
 
 from bitserve import raycluster
 from bitserve.backends.base import LoadError
-from bitserve.backends.llm import EngineRequest, Hold, LLMService
+from bitserve.backends.llm import EngineRequest, LLMService
 from bitserve.config import ModelConfig
-from bitserve.inference import InvalidRequest
 from bitserve.llm.async_engine import EngineDead
 from bitserve.llm.block_manager import NO_PARENT, chain_hash
 from bitserve.llm.engine import load_tokenizer
@@ -496,40 +495,17 @@ class RayLLMService(LLMService):
 
     # ------------------------------------------------------------ the front door
 
-    def process(
-        self,
-        prompts: list[str | list[int]],
-        params: list[SamplingParams],
-        queue: bool = True,
-        hold: Hold | None = None,
-    ) -> list[EngineRequest]:
-        try:
-            encoded = self._checked(prompts, params)
-        finally:
-            if hold is not None:
-                hold.release()
-        if queue:
-            self.admit(max(map(len, encoded)), count=len(encoded))
-        return [self._reserve(ids, sp) for ids, sp in zip(encoded, params, strict=True)]
+    def vocab_size(self) -> int:
+        return self.vocab
 
-    def _checked(self, prompts: list[str | list[int]], params: list[SamplingParams]) -> list:
-        """The router's share of the checks (the guide compiles on the replica)."""
-        if (why := self.down()) is not None:
-            raise EngineDead(f"model '{self.config.name}': {why}")
-        encoded = [self.encode(p) for p in prompts]
-        for ids, sp in zip(encoded, params, strict=True):
-            if not ids:
-                raise InvalidRequest("prompt: the prompt is empty")
-            if any(not 0 <= t < self.vocab for t in ids):
-                raise InvalidRequest(f"prompt: token ids must be in [0, {self.vocab})")
-            sp.check_vocab(self.vocab)
-            if len(ids) + sp.max_tokens > self.max_model_len:
-                raise RequestTooLong(
-                    f"this model's maximum context length is {self.max_model_len} tokens; "
-                    f"the request has {len(ids)} prompt tokens and max_tokens {sp.max_tokens}"
-                    f" ({len(ids) + sp.max_tokens} in all), which exceeds max_model_len"
-                )
-        return encoded
+    def _check_fit(self, ids: list[int], sp: SamplingParams) -> None:
+        """The router's share of the engine's checks (the guide compiles on the replica)."""
+        if len(ids) + sp.max_tokens > self.max_model_len:
+            raise RequestTooLong(
+                f"this model's maximum context length is {self.max_model_len} tokens; "
+                f"the request has {len(ids)} prompt tokens and max_tokens {sp.max_tokens}"
+                f" ({len(ids) + sp.max_tokens} in all), which exceeds max_model_len"
+            )
 
     async def generate(
         self,
