@@ -16,6 +16,7 @@ from torch import nn
 from bitserve.llm.config import EngineConfig
 from bitserve.llm.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from bitserve.llm.models.gpt2 import GPT2LMHeadModel
+from bitserve.llm.models.layers import store_linears
 from bitserve.llm.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
 from bitserve.llm.models.mixtral import MixtralForCausalLM
 from bitserve.llm.models.phi3 import Phi3ForCausalLM
@@ -82,6 +83,8 @@ def load_model(config: EngineConfig, parallel: Parallel = SINGLE) -> nn.Module:
         gguf.load_weights(model, config.gguf_file, config.hf_config)
     else:
         load_safetensors(model, Path(config.model))
+    if config.weight_dtype is not config.torch_dtype:  # bfloat16 on the CPU
+        store_linears(model, config.weight_dtype)
     return model.eval().requires_grad_(False)
 
 
