@@ -15,6 +15,8 @@ far). The kernel alone is held to torch on the same rounded x.
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -130,3 +132,26 @@ def test_bf16_without_kernels_widens_in_torch(llama_dir, no_kernels):
     with torch.inference_mode():
         want = hf.generate(torch.tensor([prompt]), max_new_tokens=STEPS, do_sample=False)
     assert run(engine, prompt).token_ids == want[0, len(prompt) :].tolist()
+
+
+@needs_kernels
+@pytest.mark.parametrize("mode", ["widen"], indirect=True)
+def test_a_lora_adapter_on_bf16_weights_gives_peft_tokens_and_logprobs(llama_dir, tmp_path, mode):
+    """LoRA's A and B stay fp32 beside bf16 weights; the reference is peft on the same
+    bf16-rounded base (saved as an fp32 folder: bitserve rounds it again, a no-op)."""
+    from tests.llm.test_lora import PROMPTS, engine_outputs, greedy, make_adapter, reference
+
+    base = tmp_path / "base"
+    bf16_reference(llama_dir).save_pretrained(base)
+    for f in llama_dir.glob("*token*"):
+        shutil.copy(f, base / f.name)
+    adapter = make_adapter(base, tmp_path / "a", "llama", seed=1)
+    engine = make_engine(
+        base, num_kv_blocks=64, dtype="bfloat16", max_loras=1, lora_modules={"a": str(adapter)}
+    )
+    assert engine.runner.model.layers[0].self_attn.qkv_proj.weight.dtype is torch.bfloat16
+    [out] = engine_outputs(engine, [PROMPTS[2]], [greedy("a", logprobs=0)])
+    want_tokens, want_logprobs = reference(base, adapter, PROMPTS[2])
+    assert out.token_ids == want_tokens
+    got = [step[token] for step, token in zip(out.logprobs, out.token_ids, strict=True)]
+    assert got == pytest.approx(want_logprobs, abs=LOGPROB_TOL[mode])
