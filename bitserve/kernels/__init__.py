@@ -125,8 +125,9 @@ class Kernels:
 
     def __init__(self, path: Path):
         self.lib = ffi().dlopen(str(path))
-        if (mode := os.environ.get("BITSERVE_BF16_DOT")) in ("0", "1"):
-            self.lib.bs_bf16_mode(int(mode))  # 0: widen + FMA even where vdpbf16ps exists
+        # bf16 weights: vdpbf16ps where built, unless BITSERVE_BF16_DOT=0 asks for widen +
+        # FMA (set every time: a second dlopen of the same file shares its globals)
+        self.lib.bs_bf16_mode(0 if os.environ.get("BITSERVE_BF16_DOT") == "0" else 1)
 
     def bf16_mode(self, mode: int = -1) -> int:
         """The bf16 kernels' inner loop (csrc/bf16.c): 1 vdpbf16ps, 0 widen + FMA; set it

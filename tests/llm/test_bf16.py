@@ -56,6 +56,19 @@ def test_dpbf16_is_built_where_the_cpu_has_avx512_bf16():
 
 
 @needs_kernels
+def test_bitserve_bf16_dot_0_forces_the_widen_loop(monkeypatch):
+    """The switch a CPU without avx512_bf16 takes anyway, for anyone to take."""
+    monkeypatch.setenv("BITSERVE_BF16_DOT", "0")
+    kernels.reset()
+    try:
+        assert kernels.get().bf16_mode() == 0
+    finally:
+        monkeypatch.delenv("BITSERVE_BF16_DOT")
+        kernels.reset()
+    assert kernels.get().bf16_mode() == int(has_avx512_bf16())
+
+
+@needs_kernels
 @pytest.mark.parametrize("mode", list(MODES), indirect=True)
 @pytest.mark.parametrize("m", [1, 3, 16])
 @pytest.mark.parametrize("n,k", [(64, 128), (33, 67), (100, 31), (16, 2)])
