@@ -85,6 +85,22 @@ def test_kernel_matches_torch(mode, m, n, k):
     torch.testing.assert_close(got.double(), want, rtol=2e-6, atol=2e-5 * k**0.5)
 
 
+@needs_kernels
+def test_a_build_without_avx512_bf16_runs_the_widen_loop(tmp_path, monkeypatch):
+    """What an AVX-512 CPU without bf16 (Ice Lake) builds: `-mno-avx512bf16` here."""
+    monkeypatch.setenv("BITSERVE_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setattr(kernels, "COMPILE_FLAGS", [*kernels.COMPILE_FLAGS, "-mno-avx512bf16"])
+    lib = kernels.Kernels(kernels.build(kernels.compiler()))
+    assert lib.bf16_mode(1) == 0  # vdpbf16ps asked for, not built: widen it is
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(40, 66, generator=g).to(torch.bfloat16)
+    x = torch.randn(5, 66, generator=g)
+    panels = lib.pack_bf16(w)
+    got = lib.gemv(kernels.bf16_weight(panels, 40, 66, None), x)
+    want = x.double() @ w.double().t()
+    torch.testing.assert_close(got.double(), want, rtol=2e-6, atol=2e-4)
+
+
 def bf16_reference(folder, mode="widen"):
     """transformers' model with its linear weights rounded to bf16, run in fp32 (a tied
     LM head stays fp32, as bitserve keeps it); under dpbf16 those linears' inputs are
