@@ -125,6 +125,25 @@ class Kernels:
 
     def __init__(self, path: Path):
         self.lib = ffi().dlopen(str(path))
+        # bf16 weights: vdpbf16ps where built, unless BITSERVE_BF16_DOT=0 asks for widen +
+        # FMA (set every time: a second dlopen of the same file shares its globals)
+        self.lib.bs_bf16_mode(0 if os.environ.get("BITSERVE_BF16_DOT") == "0" else 1)
+
+    def bf16_mode(self, mode: int = -1) -> int:
+        """The bf16 kernels' inner loop (csrc/bf16.c): 1 vdpbf16ps, 0 widen + FMA; set it
+        with `mode` >= 0 (1 falls back to 0 where the build has no avx512_bf16)."""
+        return self.lib.bs_bf16_mode(mode)
+
+    def pack_bf16(self, weight: torch.Tensor) -> torch.Tensor:
+        """weight [N, K] contiguous bf16 -> `bs_bf16_pack`'s panels, [N16, 2 K2] bf16 (N16:
+        N rounded up to 16, K2 = ceil(K / 2)): the shape of weight when N % 16 == 0 and K
+        is even."""
+        n, k = weight.shape
+        if weight.dtype is not torch.bfloat16 or not weight.is_contiguous():
+            raise ValueError("pack_bf16 takes a contiguous bf16 [N, K]")
+        packed = empty_huge_pages((-(-n // 16) * 16, 2 * ((k + 1) // 2)), torch.bfloat16)
+        self.lib.bs_bf16_pack(ptr(weight, "uint16_t *"), n, k, ptr(packed, "uint16_t *"))
+        return packed
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
         """x [M, K] fp32 with unit inner stride; weight [N, K] contiguous fp32."""
@@ -212,11 +231,22 @@ def fp32_weight(
     `Kernels.lora_add` takes them, added after the product."""
     n, k = weight.shape
     fields = {"kind": 3 if packed else 0, "data": ptr(weight), "bias": ptr(bias), "N": n, "K": k}
-    if lora is not None:
-        a, bt, slots = lora
-        fields |= {"lora_a": ptr(a), "lora_bt": ptr(bt), "lora_slots": ptr(slots, "int *")}
-        fields |= {"lora_S": a.shape[0], "lora_W": a.shape[1]}
-    return ffi().new("Weight *", fields)
+    return ffi().new("Weight *", fields | lora_fields(lora))
+
+
+def bf16_weight(panels: torch.Tensor, n: int, k: int, bias: torch.Tensor | None, lora=None):
+    """A `Weight` view (kind 5) of bf16 weights [n, k] packed by `Kernels.pack_bf16`."""
+    fields = {"kind": 5, "data": ptr(panels, "void *"), "bias": ptr(bias), "N": n, "K": k}
+    return ffi().new("Weight *", fields | lora_fields(lora))
+
+
+def lora_fields(lora) -> dict[str, Any]:
+    """A `Weight`'s LoRA fields for (a, bt, row slots) as `Kernels.lora_add` takes them."""
+    if lora is None:
+        return {}
+    a, bt, slots = lora
+    fields = {"lora_a": ptr(a), "lora_bt": ptr(bt), "lora_slots": ptr(slots, "int *")}
+    return fields | {"lora_S": a.shape[0], "lora_W": a.shape[1]}
 
 
 def layer_params(**fields: Any) -> Any:

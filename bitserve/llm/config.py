@@ -207,7 +207,9 @@ class EngineConfig:
     """Everything the engine needs to know; `model` may be None in unit tests."""
 
     model: str | Path | None = None
-    # "auto": float32 on the CPU; on a GPU the checkpoint's fp16/bf16, else bfloat16
+    # "auto": float32 on the CPU; on a GPU the checkpoint's fp16/bf16, else bfloat16. On
+    # the CPU "bfloat16" is the linear layers' weights only (csrc/bf16.c): activations,
+    # norms, embeddings and the KV cache stay fp32, and every product accumulates in fp32
     dtype: str = "auto"
     block_size: int = 16
     # bytes (per rank); None: on the CPU a share of available memory (at most 8 GiB), on
@@ -358,6 +360,14 @@ class EngineConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
+        """The activations' dtype (fp32 for bfloat16 on the CPU: see `weight_dtype`)."""
+        if self.on_cpu and self.dtype == "bfloat16":
+            return torch.float32
+        return DTYPES[self.dtype]
+
+    @property
+    def weight_dtype(self) -> torch.dtype:
+        """The linear layers' weights: the dtype asked for (models/layers.store_linears)."""
         return DTYPES[self.dtype]
 
     @property

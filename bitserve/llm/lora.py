@@ -133,8 +133,10 @@ class LoRALinear:
         self.sizes = sizes  # each part's outputs
         w = linear.weight
         slots, out = manager.max_loras, w.shape[0]
-        self.a = torch.zeros(slots, self.width, linear.in_features, dtype=w.dtype, device=w.device)
-        self.bt = torch.zeros(slots, self.width, out, dtype=w.dtype, device=w.device)
+        # in the activations' dtype: fp32 beside bf16 weights on the CPU (dtype bfloat16)
+        dtype = torch.float32 if w.is_cpu and w.dtype is torch.bfloat16 else w.dtype
+        self.a = torch.zeros(slots, self.width, linear.in_features, dtype=dtype, device=w.device)
+        self.bt = torch.zeros(slots, self.width, out, dtype=dtype, device=w.device)
         linear.register_forward_hook(self.hook)
         manager.by_linear[id(linear)] = self
 

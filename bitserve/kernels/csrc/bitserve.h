@@ -13,7 +13,11 @@
    kind 3: fp32 packed by bs_pack, data [N / 16][K][16] (N a multiple of 16);
    kind 1: int8 rows, data [N, K] int8, W = q * scale[n];
    kind 2: int4 groups, data the tiles of Int4Linear.tiled(), s4 their bf16 scales and
-           zeros (W = (q - 8) * s + z), K padded to Kp, `group` columns a group.
+           zeros (W = (q - 8) * s + z), K padded to Kp, `group` columns a group; with
+           `scale` set instead of s4, the same scales and zeros in fp32 (AWQ/GPTQ's fp16
+           carried exactly); `perm` or NULL: column k of the codes meets x[perm[k]]
+           (GPTQ act-order, its groups made contiguous);
+   kind 5: bf16, data the panels of bs_bf16_pack (bf16.c).
    wsum, a8_rows (int8 only): each row's sum of q, and from how many rows of x on the
    activations are quantized too (VNNI); wsum NULL: never. bias [N] or NULL.
    lora_a (fp32 kinds only) or NULL: LoRA deltas after the product, bs_lora_add's, each
@@ -30,6 +34,7 @@ typedef struct {
     const float *lora_a, *lora_bt;
     const int *lora_slots;
     long lora_S, lora_W;
+    const int32_t *perm;
 } Weight;
 
 /* One decoder layer (Llama and the families that share its shape). Norm pointers are
@@ -97,6 +102,15 @@ void bs_rope_rows(float *x, long T, long ld, long H, long D, const int64_t *posi
    (row stride ldx) whose slot s = slots[m] is >= 0; A [S, W, K], Bt [S, W, N] */
 void bs_lora_add(const float *x, long ldx, long M, long K, const int *slots, const float *A,
                  const float *Bt, long S, long W, long N, float *y, long ldy);
+
+/* bf16 weights (bf16.c): P = w [N, K] bf16 in panels of 16 output rows, column pairs
+   interleaved, [ceil(N / 16)][ceil(K / 2)][16][2], zero-padded */
+void bs_bf16_pack(const uint16_t *w, long N, long K, uint16_t *P);
+
+/* The bf16 product's inner loop: 1 vdpbf16ps (x rounded to bf16), 0 bf16 widened to fp32
+   in registers and FMA (x exact); mode < 0 only asks. Returns the mode in effect (0
+   where the build has no avx512_bf16). */
+long bs_bf16_mode(long mode);
 
 /* The compiler's layout of the structs above, for the test that holds cffi's to it:
    offsetof(type, field), or sizeof(type) for field "", or -1 if not listed. */

@@ -51,4 +51,7 @@ void bs_attend(const float *q, long ldq, float *out, long ldo, const int *rows, 
 /* y = x @ dequant(W).T + bias for int8 (kind 1) and int4 (kind 2) weights (qgemm.c) */
 void bs_qgemv(const Weight *w, const float *x, long ldx, long M, float *y);
 
+/* y = x @ W.T + bias for bf16 weights (kind 5, bf16.c) */
+void bs_bf16_gemv(const Weight *w, const float *x, long ldx, long M, float *y);
+
 #endif

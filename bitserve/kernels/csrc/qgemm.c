@@ -90,11 +90,13 @@ static void q4x_prepare(const Weight *w, const float *x, long ldx, long M, Q4X *
         for (long b = 0; b < nb; b++) {
             long k0 = 32 * b, k1 = k0 + 32 < K ? k0 + 32 : K;
             float amax = 0.f;
-            for (long k = k0; k < k1; k++) amax = fabsf(xm[k]) > amax ? fabsf(xm[k]) : amax;
+            float xv[32]; /* act-order: the gather of x rides on its quantization */
+            for (long k = k0; k < k1; k++) xv[k - k0] = xm[w->perm ? w->perm[k] : k];
+            for (long k = k0; k < k1; k++) amax = fabsf(xv[k - k0]) > amax ? fabsf(xv[k - k0]) : amax;
             float d = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
             long sum = 0;
             for (long k = k0; k < k1; k++) {
-                int v = (int)nearbyintf(xm[k] * inv);
+                int v = (int)nearbyintf(xv[k - k0] * inv);
                 v = v > 127 ? 127 : (v < -127 ? -127 : v);
                 px->xq[m * Kp + k] = (int8_t)v;
                 sum += v;
@@ -109,8 +111,9 @@ static inline float q4t_weight(const Weight *w, long n, long k) {
     long Kp = w->Kp, G = Kp / w->group, t = n / 16, l = n % 16;
     uint8_t byte = ((const uint8_t *)w->data)[((t * (Kp / 8) + k / 8) * 16 + l) * 4 + k % 4];
     int q = (k % 8) < 4 ? (byte & 15) : (byte >> 4);
-    const uint16_t *sz = w->s4 + (t * G + k / w->group) * 32;
-    return (float)(q - 8) * bf16_to_float(sz[l]) + bf16_to_float(sz[16 + l]);
+    long at = (t * G + k / w->group) * 32 + l;
+    if (w->scale) return (float)(q - 8) * w->scale[at] + w->scale[at + 16];
+    return (float)(q - 8) * bf16_to_float(w->s4[at]) + bf16_to_float(w->s4[at + 16]);
 }
 
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
@@ -119,13 +122,20 @@ static inline __m512 bf16x16_ps(const uint16_t *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
 }
 
+/* 16 scales (half 0) or zeros (half 1) of tile t, group gi: fp32 when `scale` holds them
+   (a checkpoint's fp16 carried exactly: 64 bytes a load instead of 32, ~6% more bytes
+   than the codes' at group 128), else bf16 */
+static inline __m512 q4t_sz(const Weight *w, long t, long gi, long half) {
+    long at = ((t * (w->Kp / w->group) + gi) * 2 + half) * 16;
+    return w->scale ? _mm512_loadu_ps(w->scale + at) : bf16x16_ps(w->s4 + at);
+}
+
 /* rows r < R of x (quantized) against output rows 16 t .. 16 t + 15 -> out [R][16] */
 static inline __attribute__((always_inline)) void q4t_tile(const Weight *w, const Q4X *px,
                                                            long m0, long t, float *out,
                                                            const long R) {
     long Kp = w->Kp, g = w->group, G = Kp / g, nb = Kp / 32;
     const uint8_t *codes = (const uint8_t *)w->data + t * (Kp / 8) * 64;
-    const uint16_t *sz = w->s4 + t * G * 32;
     const int8_t *xq = px->xq + m0 * Kp;
     const float *dx = px->dx + m0 * nb, *xsum = px->xsum + m0 * G;
     const __m512i nib = _mm512_set1_epi8(15);
@@ -147,14 +157,13 @@ static inline __attribute__((always_inline)) void q4t_tile(const Weight *w, cons
                 dot[r] = _mm512_dpbusd_epi32(dot[r], hi, _mm512_set1_epi32(x1));
             }
         }
-        __m512 s = bf16x16_ps(sz + (32 * b / g) * 32);
+        __m512 s = q4t_sz(w, t, 32 * b / g, 0);
         for (long r = 0; r < R; r++)
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]),
                                      _mm512_mul_ps(s, _mm512_set1_ps(dx[r * nb + b])), acc[r]);
     }
     for (long gi = 0; gi < G; gi++) { /* zero points: (z - 8 s) * sum(x^ of the group) */
-        __m512 off = _mm512_fnmadd_ps(_mm512_set1_ps(8.f), bf16x16_ps(sz + gi * 32),
-                                      bf16x16_ps(sz + gi * 32 + 16));
+        __m512 off = _mm512_fnmadd_ps(_mm512_set1_ps(8.f), q4t_sz(w, t, gi, 0), q4t_sz(w, t, gi, 1));
         for (long r = 0; r < R; r++)
             acc[r] = _mm512_fmadd_ps(off, _mm512_set1_ps(xsum[r * G + gi]), acc[r]);
     }

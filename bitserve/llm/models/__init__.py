@@ -8,6 +8,8 @@ GGUF file (`bitserve/llm/gguf.py`), never unpickled.
 from __future__ import annotations
 
 from pathlib import Path
+from types import ModuleType
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -16,6 +18,7 @@ from torch import nn
 from bitserve.llm.config import EngineConfig
 from bitserve.llm.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from bitserve.llm.models.gpt2 import GPT2LMHeadModel
+from bitserve.llm.models.layers import store_linears
 from bitserve.llm.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
 from bitserve.llm.models.mixtral import MixtralForCausalLM
 from bitserve.llm.models.phi3 import Phi3ForCausalLM
@@ -56,15 +59,14 @@ def load_model(config: EngineConfig, parallel: Parallel = SINGLE) -> nn.Module:
     """Build the model in the configured dtype and fill it from `*.safetensors`; under
     tensor/pipeline parallelism, only this rank's share (parallel.py)."""
     cls = model_class(config)
-    quant = config.hf_config.get("quantization_config")  # written by `bitserve quantize`
-    if quant is not None:
-        from bitserve.llm.quant import quantize as quantized
+    quant = config.hf_config.get("quantization_config")
+    quantized = quant_loader(quant)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(config.torch_dtype)
     try:
         with torch.device("meta"):
             model = cls(config.hf_config, config.max_model_len, parallel)
-            if quant is not None:
+            if quantized is not None:
                 quantized.prepare_modules(model, Path(config.model), quant)
         model = model.to_empty(device=config.device)
     finally:
@@ -74,7 +76,7 @@ def load_model(config: EngineConfig, parallel: Parallel = SINGLE) -> nn.Module:
             module.reset_buffers(device=config.device)
     if hasattr(model, "tie_weights"):
         model.tie_weights()  # to_empty made the tied parameters two
-    if quant is not None:
+    if quantized is not None:
         quantized.load_weights(model, Path(config.model), quant)
     elif config.gguf_file is not None:
         from bitserve.llm import gguf
@@ -82,7 +84,20 @@ def load_model(config: EngineConfig, parallel: Parallel = SINGLE) -> nn.Module:
         gguf.load_weights(model, config.gguf_file, config.hf_config)
     else:
         load_safetensors(model, Path(config.model))
+    if config.weight_dtype is not config.torch_dtype:  # bfloat16 on the CPU
+        store_linears(model, config.weight_dtype)
     return model.eval().requires_grad_(False)
+
+
+def quant_loader(quant: dict[str, Any] | None) -> ModuleType | None:
+    """The module that prepares and loads a `quantization_config`'s folder: AWQ/GPTQ
+    (quant/checkpoints.py), else bitserve's own (quant/quantize.py, which refuses what it
+    does not know by name); None for a full-precision folder."""
+    if quant is None:
+        return None
+    from bitserve.llm.quant import checkpoints, quantize
+
+    return checkpoints if checkpoints.handles(quant) else quantize
 
 
 def load_safetensors(model: nn.Module, folder: Path) -> None:

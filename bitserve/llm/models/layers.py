@@ -37,11 +37,17 @@ class Linear(nn.Linear):
 
     def pack(self) -> None:
         """Store the weight as the packed GEMM's panels (same shape, same memory): from
-        then on every call runs `bs_linear_packed`, at any row count. Needs an fp32
-        weight on the CPU with a multiple of 16 outputs; else the layer stays as it is."""
+        then on every call runs `bs_linear_packed` (fp32) or the bf16 kernel (kind 5), at
+        any row count. Needs a weight on the CPU with a multiple of 16 outputs (and an
+        even width in bf16); else the layer stays as it is."""
         w = self.weight
-        if w.dtype is torch.float32 and w.is_cpu and w.is_contiguous() and w.shape[0] % 16 == 0:
+        if not (w.is_cpu and w.is_contiguous() and w.shape[0] % 16 == 0):
+            return
+        if w.dtype is torch.float32:
             self.weight.data = self.kernels.pack(w.data)
+            self.packed = True
+        elif w.dtype is torch.bfloat16 and w.shape[1] % 2 == 0:
+            self.weight.data = self.kernels.pack_bf16(w.data)
             self.packed = True
 
     @property
@@ -54,6 +60,8 @@ class Linear(nn.Linear):
     def c_view(self, lora=None):
         """This layer as the C decode layer reads it (a `Weight`), or None; `lora`: its
         LoRA slots, added by the C layer too (llm/lora.py)."""
+        if self.packed and self.weight.dtype is torch.bfloat16:
+            return c.bf16_weight(self.weight, *self.weight.shape, self.bias, lora)
         if self.weight.dtype is not torch.float32 or not self.weight.is_contiguous():
             return None
         return c.fp32_weight(self.weight, self.bias, self.packed, lora)
@@ -72,21 +80,42 @@ class Linear(nn.Linear):
             and self.weight.is_contiguous()
         ):
             return self.kernels.linear(x, self.weight, self.bias)
-        return F.linear(x, self.weight, self.bias)
+        # bf16 weights with fp32 x and no kernels: widened, so the products stay exact
+        return F.linear(x, self.weight.to(x.dtype), self.bias)
 
     def packed_forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
         if rows.dtype is not torch.float32 or torch.is_grad_enabled():  # not serving
-            return F.linear(x, self.unpacked(), self.bias)
+            return F.linear(x, self.unpacked().to(x.dtype), self.bias)
         if rows.stride(-1) != 1:
             rows = rows.contiguous()
-        y = self.kernels.linear_packed(rows, self.weight, self.bias)
+        if self.weight.dtype is torch.bfloat16:
+            if getattr(self, "bf16_view", None) is None:  # built once (points at weight)
+                self.bf16_view = self.c_view()
+            y = self.kernels.gemv(self.bf16_view, rows)
+        else:
+            y = self.kernels.linear_packed(rows, self.weight, self.bias)
         return y.view(*x.shape[:-1], y.shape[-1])
 
     def unpacked(self) -> torch.Tensor:
-        """The [N, K] weight, rebuilt from the panels."""
+        """The [N, K] weight, rebuilt from the panels (fp32's [N/16][K][16], bf16's
+        [N/16][K/2][16][2])."""
         n, k = self.weight.shape
+        if self.weight.dtype is torch.bfloat16:
+            return self.weight.view(n // 16, k // 2, 16, 2).permute(0, 2, 1, 3).reshape(n, k)
         return self.weight.view(n // 16, k, 16).transpose(1, 2).reshape(n, k)
+
+
+def store_linears(model: nn.Module, dtype: torch.dtype) -> None:
+    """Keep every `Linear`'s weight in `dtype` (bf16 on the CPU: `dtype = "bfloat16"`),
+    activations, norms, embeddings and biases as they are. A weight another module shares
+    (a tied LM head reads the embedding) stays: the embedding would lose its precision."""
+    uses: dict[int, int] = {}
+    for _, p in model.named_parameters(remove_duplicate=False):
+        uses[id(p)] = uses.get(id(p), 0) + 1
+    for module in model.modules():
+        if isinstance(module, Linear) and uses[id(module.weight)] == 1:
+            module.weight.data = module.weight.data.to(dtype)
 
 
 class RMSNorm(nn.Module):

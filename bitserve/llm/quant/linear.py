@@ -109,7 +109,7 @@ class QuantLinear(nn.Module):
     def c_view(self, lora=None):
         """This layer as the C decode layer reads it (bias included), or None: plain int8
         and int4 with their C view built, not int8-outlier; `lora` as `c.fp32_weight`."""
-        plain = type(self) in (Int8Linear, Int4Linear)
+        plain = type(self) in (Int8Linear, Int4Linear, Int4CheckpointLinear)
         built = plain and getattr(self, "c_weight", None) is not None
         return qweight(self, lora=lora) if built else None
 
@@ -311,7 +311,7 @@ class Int4Linear(QuantLinear):
             q = q.view(-1, 16, self.padded_in // 8, 2, 4)  # tile, row, 8 columns, half, j
             codes = (q[:, :, :, 0] | (q[:, :, :, 1] << 4)).permute(0, 2, 1, 3).contiguous()
             sz = F.pad(torch.stack([self.scales, self.zeros], -1), (0, 0, 0, 0, 0, pad))
-            sz = sz.to(torch.bfloat16).view(-1, 16, sz.shape[1], 2).permute(0, 2, 3, 1)
+            sz = sz.to(self.scales.dtype).view(-1, 16, sz.shape[1], 2).permute(0, 2, 3, 1)
             self.tiled_codes, self.tiled_scales = codes, sz.contiguous()
         return self.tiled_codes, self.tiled_scales
 
@@ -370,13 +370,67 @@ class Int4Linear(QuantLinear):
         if self.use_pack or self.c_weight is not None:
             self.qweight = torch.empty(0, dtype=torch.uint8, device=self.device)
         if self.c_weight is not None:
-            self.scales = self.zeros = torch.empty(0, dtype=torch.bfloat16, device=self.device)
+            self.scales = self.zeros = torch.empty(0, dtype=self.scales.dtype, device=self.device)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.c_weight is not None:  # any row count: it beats bf16 matmul at 1-256 rows
             x = x.float() if x.stride(1) == 1 else x.float().contiguous()
             return self.c_kernels.gemv(self.c_weight, x)
         return self.pack_matmul(x) if self.use_pack else self.dequant_matmul(x)
+
+
+class Int4CheckpointLinear(Int4Linear):
+    """An AWQ or GPTQ layer (llm/quant/checkpoints.py) on the int4 kernel, its scales and
+    zeros fp32 so the checkpoint's fp16 ones are carried exactly.
+
+    A checkpoint's W = (q - zero) * s (zero an integer, s fp16) is held as Int4Linear's
+    (q - 8) * s + z with z = (8 - zero) * s: a 4-bit integer times an fp16 is exact in
+    fp32, and so is the kernel's z - 8 s = -zero * s. `perm` (GPTQ act-order), or None:
+    stored column k is input column perm[k], so that each group's columns are contiguous;
+    the C kernel gathers x by it as it quantizes x (no extra pass), and `dequantize`
+    returns the columns in the input's order. Without the C kernels: the dequantized fp32
+    weight, kept (int4pack's bf16 scales would round the checkpoint's).
+    """
+
+    method = "int4-checkpoint"
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, group_size=128):
+        super().__init__(in_features, out_features, bias, group_size)
+        self.scales, self.zeros = self.scales.float(), self.zeros.float()
+        self.register_buffer("perm", None)
+
+    def fill(self, q, zero, scale, perm=None) -> None:
+        """q [out, in] (0..15, perm's column order), zero and scale [out, groups]."""
+        pad = self.padded_in - self.in_features
+        q = F.pad(q.to(torch.uint8), (0, pad)).view(self.out_features, -1, 2, 32)
+        self.qweight = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(self.out_features, -1)
+        groups = self.padded_in // self.group_size - scale.shape[1]  # padding: W = 0
+        self.scales = F.pad(scale.float(), (0, groups))
+        self.zeros = F.pad((8 - zero.float()) * scale.float(), (0, groups))
+        self.perm = None if perm is None else perm.to(torch.int32)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        w = super().dequantize(torch.float32)
+        if self.perm is not None:
+            w[:, self.perm.long()] = w[:, : self.in_features].clone()
+        return w.to(dtype)
+
+    def prepare(self) -> None:
+        if self.qweight.numel():
+            self.tiled_codes = None
+        self.prepare_c()
+        self.packed, self.use_pack, self.dense = None, False, None
+        if self.c_weight is None:
+            self.dense = self.dequantize()
+
+    def free_unpacked(self) -> None:
+        if self.c_weight is not None:
+            super().free_unpacked()
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if self.c_weight is not None:
+            return super().matmul(x)
+        return F.linear(self.pad(x.float()), self.dense)
 
 
 def probe(layer: QuantLinear, name: str, kernel, weight: torch.Tensor, rows: int = 1) -> bool:
@@ -440,12 +494,13 @@ def qweight(layer, bias: bool = True, lora=None):
         fields["bias"] = c.ptr(layer.bias)
     if isinstance(layer, Int4Linear):
         codes, scales_zeros = layer.tiled()
-        fields |= {
-            "kind": 2,
-            "data": c.ptr(codes, "void *"),
-            "s4": c.ptr(scales_zeros, "uint16_t *"),
-        }
+        fields |= {"kind": 2, "data": c.ptr(codes, "void *")}
+        if scales_zeros.dtype is torch.float32:  # a checkpoint's (Int4CheckpointLinear)
+            fields["scale"] = c.ptr(scales_zeros)
+        else:
+            fields["s4"] = c.ptr(scales_zeros, "uint16_t *")
         fields |= {"Kp": layer.padded_in, "group": layer.group_size}
+        fields["perm"] = c.ptr(getattr(layer, "perm", None), "int32_t *")  # GPTQ act-order
     else:
         fields |= {"kind": 1, "data": c.ptr(layer.qweight, "void *"), "scale": c.ptr(layer.scales)}
         if getattr(layer, "row_sums", None) is not None:  # int8 activations above a8_rows
