@@ -104,7 +104,8 @@ MODES = {
         Arm("bitserve Q8_0", "bitserve", "Q8_0", "float32", "f32"),
         Arm("bitserve int4", "bitserve", "int4", "float32", "f32"),
         Arm("bitserve int8", "bitserve", "int8", "float32", "f32"),
-        Arm("bitserve bf16", "bitserve", "bf16", "bfloat16", "bf16"),
+        # bf16 linear weights, activations, accumulation and KV cache fp32 (csrc/bf16.c)
+        Arm("bitserve bf16", "bitserve", "bf16", "float32", "f32"),
     ),
 }
 PAIRS = {  # (bitserve arm, peer arm): a ratio column each, taken round by round
@@ -272,6 +273,18 @@ def arm_path(weights: Weights, arm: Arm) -> Path:
     return weights.path("f32-hf" if hf_served else arm.weights)
 
 
+def unsupported(arm: Arm) -> str | None:
+    """Why this bitserve cannot run `arm` as the table means it, or None. Without bf16
+    weights on the CPU (EngineConfig.weight_dtype), dtype = "bfloat16" would run bf16
+    activations through torch: a different thing under the same name."""
+    if arm.server == "bitserve" and arm.weights == "bf16":
+        from bitserve.llm.config import EngineConfig
+
+        if not hasattr(EngineConfig, "weight_dtype"):
+            return "this bitserve has no bf16-weight path on the CPU (EngineConfig.weight_dtype)"
+    return None
+
+
 def gguf_types(path: Path) -> dict[str, int]:
     """How many tensors of each type a GGUF holds, as stored (llama-quantize falls back
     to other types for rows that are not a multiple of a K-quant's 256)."""
@@ -344,8 +357,8 @@ def bitserve_repository(repo: Path, arm: Arm, path: Path, config: str = LLM_CONF
     model = repo / "llama"
     shutil.rmtree(repo, ignore_errors=True)
     (model / "1").mkdir(parents=True)
-    if arm.dtype != "float32":
-        config = config.replace("[parameters]\n", f'[parameters]\ndtype = "{arm.dtype}"\n')
+    if arm.weights == "bf16":
+        config = config.replace("[parameters]\n", '[parameters]\ndtype = "bfloat16"\n')
     (model / "config.toml").write_text(config)
     for f in [path] if path.is_file() else path.iterdir():
         (model / "1" / f.name).symlink_to(f.resolve())
@@ -413,6 +426,9 @@ def run_cell(size: str, threads: int, arms: list[Arm], cfg) -> dict:
     weights = Weights(hf, cfg.models / size, cfg.llama_bin)
     paths: dict[str, Path | str] = {}
     for arm in arms:
+        if reason := unsupported(arm):
+            paths[arm.name] = f"{arm.name}: {reason}"
+            continue
         try:
             paths[arm.name] = arm_path(weights, arm)
         except (RuntimeError, subprocess.CalledProcessError) as e:

@@ -45,6 +45,7 @@ from bench.llm_serving import (
     bitserve_repository,
     describe,
     llama_cpp,
+    unsupported,
     vllm_python,
     vllm_server,
 )
@@ -152,6 +153,8 @@ def gguf_bos(gguf: Path) -> int | None:
 
 
 def run_arm(arm: Arm, weights: Weights, tokens: list[int], cfg) -> dict:
+    if reason := unsupported(arm):
+        raise RuntimeError(reason)
     path = arm_path(weights, arm)
     row = describe(arm, path)
     if arm.server == "llamacpp":

@@ -76,6 +76,16 @@ def test_best_bitserve_arm_at_equal_or_better_perplexity():
     assert best["llama.cpp Q8_0"] is None  # nothing of bitserve's is as good as 24.9
 
 
+def test_bf16_arm_fails_by_name_where_bitserve_has_no_bf16_weights(monkeypatch):
+    from bitserve.llm.config import EngineConfig
+
+    arm = next(a for a in ls.MODES["recommended"] if a.name == "bitserve bf16")
+    monkeypatch.delattr(EngineConfig, "weight_dtype", raising=False)
+    assert "no bf16-weight path" in ls.unsupported(arm)
+    monkeypatch.setattr(EngineConfig, "weight_dtype", property(lambda self: None), raising=False)
+    assert ls.unsupported(arm) is None
+
+
 def test_matched_arms_are_fp32_throughout_and_llama_server_kv_follows_the_arm(tmp_path):
     for arm in ls.MODES["matched"]:
         assert (arm.dtype, arm.kv) == ("float32", "f32")
