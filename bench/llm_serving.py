@@ -463,7 +463,7 @@ def run_cell(size: str, threads: int, arms: list[Arm], cfg) -> dict:
         "orders": orders,
         "rounds": rounds,
         "summary": summarise(rounds, [a.name for a in arms]),
-        "ratios": ratios(rounds, PAIRS[cfg.mode]),
+        "ratios": ratios(rounds, [p for p in PAIRS[cfg.mode] if set(p) <= set(paths)]),
     }
 
 
