@@ -420,10 +420,8 @@ def serve_and_bench(server: Server, name: str, out: Path, cfg, seed: int, client
         server.stop()
 
 
-def run_cell(size: str, threads: int, arms: list[Arm], cfg) -> dict:
-    """All arms on one model size at one thread count, cfg.rounds interleaved rounds."""
-    hf = random_model(cfg.models, size)
-    weights = Weights(hf, cfg.models / size, cfg.llama_bin)
+def arm_paths(weights: Weights, arms: list[Arm]) -> dict[str, Path | str]:
+    """Each arm's weights, made before the first round; a string says why there are none."""
     paths: dict[str, Path | str] = {}
     for arm in arms:
         if reason := unsupported(arm):
@@ -433,6 +431,14 @@ def run_cell(size: str, threads: int, arms: list[Arm], cfg) -> dict:
             paths[arm.name] = arm_path(weights, arm)
         except (RuntimeError, subprocess.CalledProcessError) as e:
             paths[arm.name] = f"could not make its weights: {e}"
+    return paths
+
+
+def run_cell(size: str, threads: int, arms: list[Arm], cfg) -> dict:
+    """All arms on one model size at one thread count, cfg.rounds interleaved rounds."""
+    paths = arm_paths(
+        Weights(random_model(cfg.models, size), cfg.models / size, cfg.llama_bin), arms
+    )
     cpus = {0} if threads == 1 else set(range(threads))
     client = {1} if threads == 1 else set(range(threads))
     out = RESULTS / cfg.mode / f"{size}-{threads}t"

@@ -163,6 +163,15 @@ def run_arm(arm: Arm, weights: Weights, tokens: list[int], cfg) -> dict:
     return row | served_perplexity(arm, path, tokens, cfg)
 
 
+def same_tokens(rows: dict[str, dict]) -> dict | None:
+    """bitserve fp32 and llama.cpp f32 run the same weights: their perplexities agree to
+    fp rounding only if both scored the same tokens (tokenizer, BOS, windows)."""
+    a, b = (rows.get(n, {}).get("ppl") for n in ("bitserve fp32", "llama.cpp f32"))
+    if a is None or b is None:
+        return None
+    return {"bitserve fp32": a, "llama.cpp f32": b, "relative_difference": abs(a - b) / b}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--arms", type=lambda s: s.split(","), default=list(ARMS))
@@ -192,7 +201,7 @@ def main() -> int:
         shown = rows[name].get("ppl")
         print(f"{name}: {shown:.4f}" if shown else f"{name}: FAILED {rows[name]['error']}")
     result = {"model": str(cfg.model), "text": str(cfg.text), "ctx": cfg.ctx,
-              "tokens": len(tokens), "arms": rows}  # fmt: skip
+              "tokens": len(tokens), "arms": rows, "same_tokens": same_tokens(rows)}  # fmt: skip
     cfg.out.parent.mkdir(parents=True, exist_ok=True)
     cfg.out.write_text(json.dumps(result, indent=1))
     print("\n| arm | weights | GGUF tensor types | perplexity | scored tokens |")
@@ -202,6 +211,8 @@ def main() -> int:
         ppl = f"{row['ppl']:.4f}" if "ppl" in row else "FAILED"
         print(f"| {name} | {row.get('weights', '-')} | {types or '-'} | {ppl} "
               f"| {row.get('scored_tokens', '-')} |")  # fmt: skip
+    if check := result["same_tokens"]:
+        print(f"fp32 against f32 (same weights): {check['relative_difference']:.2e} relative")
     print(json.dumps(result, separators=(",", ":")))
     return 0
 
