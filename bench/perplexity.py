@@ -130,7 +130,7 @@ def llama_perplexity(binary: Path, gguf: Path, text: Path, ctx: int, threads: in
     done = subprocess.run([*cmd, "-t", str(threads)], capture_output=True, text=True)
     final, chunks = FINAL.search(done.stderr + done.stdout), CHUNKS.search(done.stderr)
     if done.returncode or not final:
-        raise RuntimeError(f"llama-perplexity failed:\n{done.stderr[-3000:]}")
+        raise RuntimeError(f"llama-perplexity exited {done.returncode}:\n{done.stderr[-3000:]}")
     out = {"ppl": float(final.group(1)), "ppl_stderr": float(final.group(2))}
     if chunks:
         windows_count = int(chunks.group(1))
