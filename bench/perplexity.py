@@ -118,9 +118,8 @@ def served_perplexity(arm: Arm, path: Path, tokens: list[int], cfg) -> dict:
         server = vllm_server(python, path, arm.dtype, set(range(cfg.threads)), cfg.threads)
         server.cmd[server.cmd.index("--max-model-len") + 1] = str(cfg.ctx + 1)
         logprobs = vllm_logprobs
-    bos = cfg.bos
     with server:
-        scored = [logprobs(server.url, w) for w in windows(tokens, cfg.ctx, bos)]
+        scored = [logprobs(server.url, w) for w in windows(tokens, cfg.ctx, cfg.bos)]
     return score(scored, cfg.ctx)
 
 
