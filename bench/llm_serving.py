@@ -580,10 +580,14 @@ def table(cells: dict[str, dict], ppl: dict) -> list[str]:
         named = dict(cell["ratios"])
         for peer, b in (cell.get("best_at_quality") or {}).items():
             if b is not None:
-                named[f"{b['bitserve']} / {peer}, ppl {b['ppl']:.3f} <= {b['peer_ppl']:.3f}"] = b
+                named[f"{b['bitserve']} / {peer}, ppl {b['ppl']:.3f} vs {b['peer_ppl']:.3f}"] = b
         for pair, r in named.items():
             tput, ttft = fmt(r["output_tok_s"], digits=2), fmt(r["ttft_p99_ms"], digits=2)
             lines.append(f"| {key} | {pair} | {tput} | {ttft} |")
+    lines.append(
+        "ratios taken within each round; 'ppl a vs b': bitserve's fastest arm whose tinylm"
+        " perplexity is at most the peer's + 0.1%"
+    )
     return lines
 
 
