@@ -62,7 +62,8 @@ class Server:
     """A server process, ready once `ready_path` answers 200; a context manager.
 
     `cpus` pins it (None: anywhere); `threads` sets the OpenMP/MKL thread count;
-    `env` adds variables. `url` is its base address.
+    `env` adds variables; `fails_with`, a line in its log that means it will never be
+    ready (a server that stays up, not ready). `url` is its base address.
     """
 
     def __init__(
@@ -76,9 +77,10 @@ class Server:
         threads: int = 1,
         env: dict[str, str] | None = None,
         timeout: float = 300.0,
+        fails_with: str | None = None,
     ):
         self.name, self.cmd, self.port, self.ready_path = name, cmd, port, ready_path
-        self.cpus, self.timeout = cpus, timeout
+        self.cpus, self.timeout, self.fails_with = cpus, timeout, fails_with
         self.url = f"http://127.0.0.1:{port}"
         count = str(threads)
         threads_env = {"OMP_NUM_THREADS": count, "MKL_NUM_THREADS": count}
@@ -93,6 +95,8 @@ class Server:
         """A `bitserve serve` of `repository` on a free port (not started yet)."""
         port = free_port()
         cmd = bitserve_command(repository, port, *args, threads=threads)
+        # a model that fails to load leaves bitserve up and not ready for good
+        kwargs.setdefault("fails_with", "NOT ready")
         return cls("bitserve", cmd, port, threads=threads, **kwargs)
 
     def __enter__(self) -> Server:
@@ -127,6 +131,8 @@ class Server:
                 raise RuntimeError(f"{self.name} exited with {self.proc.returncode}\n{self.tail()}")
             if http_get(self.port, self.ready_path) == 200:
                 return
+            if self.fails_with and self.fails_with in self.log.read_text(errors="replace"):
+                raise RuntimeError(f"{self.name} will not be ready\n{self.tail()}")
             time.sleep(0.25)
         raise RuntimeError(f"{self.name} not ready after {self.timeout:.0f} s\n{self.tail()}")
 

@@ -125,19 +125,23 @@ async def send(pool: Pool, request: Request, timeout: float) -> Result:
 
 
 async def closed_loop(pool: Pool, requests: list[Request], load: Load, record: Callable) -> None:
-    """`concurrency` users; each takes the next request until a bound is reached."""
+    """`concurrency` users; each takes the next request until a bound is reached.
+
+    The users share one cursor into `requests`, so no request is sent twice before all
+    have been sent once, whatever order the answers come back in: a repeated prompt
+    would hit a server's prefix cache as often as its completion order makes it."""
     end = time.perf_counter() + load.duration if load.duration else math.inf
     limit = load.num_requests if load.num_requests is not None else math.inf
     taken = 0
 
-    async def user(offset: int) -> None:
+    async def user() -> None:
         nonlocal taken
         while taken < limit and time.perf_counter() < end:
+            request = requests[taken % len(requests)]
             taken += 1
-            record(await send(pool, requests[(offset + taken) % len(requests)], load.timeout))
+            record(await send(pool, request, load.timeout))
 
-    users = [user(k * len(requests) // load.concurrency) for k in range(load.concurrency)]
-    await asyncio.gather(*users)
+    await asyncio.gather(*(user() for _ in range(load.concurrency)))
 
 
 async def open_loop(pool: Pool, requests: list[Request], load: Load, record: Callable) -> None:

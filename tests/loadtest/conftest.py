@@ -32,11 +32,8 @@ def wait_http(url: str, process: subprocess.Popen, limit: float = 60.0) -> None:
     raise RuntimeError(f"{url}: not up in {limit} s")
 
 
-@pytest.fixture(scope="session")
-def slow_server() -> Iterator[str]:
-    """URL of tests/loadtest/slow_server.py answering after DELAY_MS / PREFILL_MS / TOKEN_MS."""
+def start_slow_server(*args: float | str) -> Iterator[str]:
     port = free_port()
-    args = ["--delay-ms", DELAY_MS, "--prefill-ms", PREFILL_MS, "--token-ms", TOKEN_MS]
     command = [sys.executable, str(HERE / "slow_server.py"), "--port", str(port)]
     process = subprocess.Popen(command + [str(a) for a in args])
     url = f"http://127.0.0.1:{port}"
@@ -46,3 +43,18 @@ def slow_server() -> Iterator[str]:
     finally:
         process.terminate()
         process.wait(10)
+
+
+@pytest.fixture(scope="session")
+def slow_server() -> Iterator[str]:
+    """URL of tests/loadtest/slow_server.py answering after DELAY_MS / PREFILL_MS / TOKEN_MS."""
+    yield from start_slow_server(
+        "--delay-ms", DELAY_MS, "--prefill-ms", PREFILL_MS, "--token-ms", TOKEN_MS
+    )
+
+
+@pytest.fixture
+def jittery_server() -> Iterator[str]:
+    """A fresh slow server whose tokens take 2-12 ms, so streams finish out of order;
+    its `/prompts` lists what it received."""
+    yield from start_slow_server("--prefill-ms", 5, "--token-ms", 2, "--jitter-ms", 10)

@@ -4,7 +4,9 @@ v2: `GET /v2/models/slow` (metadata) and `POST /v2/models/slow/infer`, answered 
 `--delay-ms`. OpenAI: `/v1/completions` and `/v1/chat/completions`, streamed: the first
 token after `--prefill-ms`, then one every `--token-ms`, max_tokens in all, with usage.
 Delays are asyncio sleeps, so concurrent requests do not queue behind each other and
-every request should take what it was built to take.
+every request should take what it was built to take. `--jitter-ms J` adds a seeded
+uniform 0..J to each token's delay, so answers finish in a shuffled order, as a real
+engine's do; `GET /prompts` lists every prompt received, in order of arrival.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import random
 
 import uvicorn
 from starlette.applications import Starlette
@@ -28,7 +31,10 @@ META = {
 }
 
 
-def make_app(delay: float, prefill: float, step: float) -> Starlette:
+def make_app(delay: float, prefill: float, step: float, jitter: float = 0.0) -> Starlette:
+    prompts: list[str] = []
+    rng = random.Random(0)
+
     async def metadata(request: Request) -> JSONResponse:
         return JSONResponse(META)
 
@@ -43,12 +49,13 @@ def make_app(delay: float, prefill: float, step: float) -> Starlette:
         chat = "messages" in body
         prompt = body["messages"][-1]["content"] if chat else body["prompt"]
         n, p = body["max_tokens"], len(prompt.split())
+        prompts.append(prompt)
 
         async def events():
             await asyncio.sleep(prefill)
             for i in range(n):
                 if i:
-                    await asyncio.sleep(step)
+                    await asyncio.sleep(step + rng.uniform(0.0, jitter))
                 choice = {"delta": {"content": f"t{i} "}} if chat else {"text": f"t{i} "}
                 yield f"data: {json.dumps({'choices': [{'index': 0, **choice}]})}\n\n"
             usage = {"prompt_tokens": p, "completion_tokens": n, "total_tokens": p + n}
@@ -56,12 +63,16 @@ def make_app(delay: float, prefill: float, step: float) -> Starlette:
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
+    async def received(request: Request) -> JSONResponse:
+        return JSONResponse(prompts)
+
     return Starlette(
         routes=[
             Route("/v2/models/slow", metadata),
             Route("/v2/models/slow/infer", infer, methods=["POST"]),
             Route("/v1/completions", generate, methods=["POST"]),
             Route("/v1/chat/completions", generate, methods=["POST"]),
+            Route("/prompts", received),
             Route("/health", metadata),
         ]
     )
@@ -73,8 +84,10 @@ def main() -> None:
     parser.add_argument("--delay-ms", type=float, default=50.0)
     parser.add_argument("--prefill-ms", type=float, default=40.0)
     parser.add_argument("--token-ms", type=float, default=10.0)
+    parser.add_argument("--jitter-ms", type=float, default=0.0)
     args = parser.parse_args()
-    app = make_app(args.delay_ms / 1e3, args.prefill_ms / 1e3, args.token_ms / 1e3)
+    ms = (args.delay_ms, args.prefill_ms, args.token_ms, args.jitter_ms)
+    app = make_app(*(v / 1e3 for v in ms))
     uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning", loop="uvloop")
 
 

@@ -9,6 +9,7 @@ import signal
 import subprocess
 from pathlib import Path
 
+import httpx
 import pytest
 from click.testing import CliRunner
 
@@ -136,3 +137,18 @@ def test_only_loopback_targets_unless_allowed():
     check_target("http://10.1.2.3:8000", True)
     with pytest.raises(ValueError, match="http://"):
         check_target("https://127.0.0.1", False)
+
+
+def test_every_prompt_of_a_run_is_distinct_warmup_included(jittery_server, tmp_path):
+    """16 users on a server whose answers finish in a shuffled order: each of the 16
+    warm-up and 64 measured prompts reaches it once. A repeated prompt would be a prefix
+    cache hit, and how many there are would depend on each server's completion order."""
+    bench(
+        jittery_server, "--model", "m", "--api", "completions", "--concurrency", "16",
+        "--num-requests", "64", "--warmup", "16", "--input-len", "30", "--output-len", "6",
+        "--length-dist", "fixed", "--ignore-eos", "--report-dir", str(tmp_path),
+        "--no-plots", "--no-progress",
+    )  # fmt: skip
+    prompts = httpx.get(jittery_server + "/prompts").json()
+    assert len(prompts) == 80
+    assert len(set(prompts)) == 80
