@@ -14,10 +14,9 @@
 
    - Few rows of x (decode, M < PANEL_ROWS): a weight row is dequantized into an L1
      buffer once and dotted with every row of x (read front to back, as bs_linear does).
-   - More rows (batched decode, prefill): 32 output rows at a time are dequantized into
-     bs_pack's panel layout (32 K floats, in L2) and run through the packed fp32 tile,
-     so dequantization is paid once per weight per call, not once per row of x.
-     (bs_linear_packed called from a pool task runs on that thread: the pool does not nest.)
+   - More rows (batched decode, prefill): CHUNK output rows at a time are dequantized
+     into an L2 buffer and run through bs_linear's 4x4 register tile against every row
+     of x, so dequantization is paid once per weight per call, not once per row of x.
    Either splits the output rows over the thread pool in chunks of CHUNK rows; each
    thread keeps its own scratch (thread-local, grown once, never freed). */
 #include "internal.h"
@@ -156,6 +155,208 @@ static void deq_q6_k(const uint8_t *b, float *y) { /* ql[128], qh[64], int8 scal
     }
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+/* The same values, 16 lanes at a time: codes widened to int32, then one FMA each with
+   the block's scale and offset (d * q - m is llama.cpp's d * (q - z) for Q4_0/Q5_0/Q8_0
+   and Q6_K: exact in fp32 up to the FMA's single rounding). Each vector of 16 weights
+   goes to a `Sink`: stored (y), or straight into FMAs with R rows of x (no buffer: the
+   decode GEMV), into one of 4 accumulators a row picked by its offset in the block, so
+   consecutive FMAs do not wait on each other. Everything is inlined into the callers
+   below with R a constant, so the accumulators stay in registers. */
+#define VECTOR_BLOCKS 1
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
+#define MAX_FUSED 3 /* rows of x the fused GEMV takes: below PANEL_ROWS */
+
+typedef struct {
+    float *y;         /* store here, or (NULL) ... */
+    const float *x;   /* ... FMA with these rows of x (row stride ldx) */
+    long ldx, R;
+    __m512 (*acc)[4]; /* [R][4] */
+} Sink;
+
+ALWAYS_INLINE void emit(const Sink *s, long k, int off, __m512 w) {
+    if (s->y) {
+        _mm512_storeu_ps(s->y + k + off, w);
+        return;
+    }
+    for (long r = 0; r < s->R; r++) {
+        __m512 *a = &s->acc[r][(off >> 4) & 3];
+        *a = _mm512_fmadd_ps(w, _mm512_loadu_ps(s->x + r * s->ldx + k + off), *a);
+    }
+}
+
+ALWAYS_INLINE __m512 u8_ps(__m128i v) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(v)); }
+
+/* 4- and 5-bit codes take their value from a table of the block's 16 or 32 values
+   (d * i - m, one FMA per table), one permute a vector in place of a convert and an FMA */
+ALWAYS_INLINE __m512 iota_ps(float from) {
+    return _mm512_add_ps(_mm512_set1_ps(from), _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10,
+                                                               11, 12, 13, 14, 15));
+}
+
+ALWAYS_INLINE __m512i lo_nibbles(__m128i v) {
+    return _mm512_cvtepu8_epi32(_mm_and_si128(v, _mm_set1_epi8(15)));
+}
+
+ALWAYS_INLINE __m512i hi_nibbles(__m128i v) {
+    return _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(v, 4), _mm_set1_epi8(15)));
+}
+
+ALWAYS_INLINE void vdeq_q4_0(const uint8_t *b, const Sink *s, long k) {
+    float d = fp16(b);
+    __m512 table = _mm512_mul_ps(iota_ps(-8.f), _mm512_set1_ps(d)); /* (i - 8) d */
+    __m128i qs = _mm_loadu_si128((const __m128i *)(b + 2));
+    emit(s, k, 0, _mm512_permutexvar_ps(lo_nibbles(qs), table));
+    emit(s, k, 16, _mm512_permutexvar_ps(hi_nibbles(qs), table));
+}
+
+ALWAYS_INLINE void vdeq_q5_0(const uint8_t *b, const Sink *s, long k) {
+    float d = fp16(b);
+    uint32_t qh;
+    memcpy(&qh, b + 2, 4);
+    __m512 vd = _mm512_set1_ps(d); /* (i - 16) d for i < 16 and i >= 16 */
+    __m512 t0 = _mm512_mul_ps(iota_ps(-16.f), vd), t1 = _mm512_mul_ps(iota_ps(0.f), vd);
+    __m128i qs = _mm_loadu_si128((const __m128i *)(b + 6));
+    const __m512i sixteen = _mm512_set1_epi32(16); /* weight j's fifth bit: bit j of qh */
+    __m512i lo = lo_nibbles(qs), hi = hi_nibbles(qs);
+    lo = _mm512_mask_add_epi32(lo, (__mmask16)(qh & 0xffff), lo, sixteen);
+    hi = _mm512_mask_add_epi32(hi, (__mmask16)(qh >> 16), hi, sixteen);
+    emit(s, k, 0, _mm512_permutex2var_ps(t0, lo, t1));
+    emit(s, k, 16, _mm512_permutex2var_ps(t0, hi, t1));
+}
+
+ALWAYS_INLINE void vdeq_q8_0(const uint8_t *b, const Sink *s, long k) {
+    __m512 d = _mm512_set1_ps(fp16(b));
+    __m128i q0 = _mm_loadu_si128((const __m128i *)(b + 2));
+    __m128i q1 = _mm_loadu_si128((const __m128i *)(b + 18));
+    emit(s, k, 0, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q0)), d));
+    emit(s, k, 16, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q1)), d));
+}
+
+/* Q4_K/Q5_K: sub-blocks 2j (low nibbles) and 2j + 1 (high) of 32 weights each, at
+   q + 32 j; `hb`, for Q5_K, the fifth bits (qh), NULL for Q4_K */
+ALWAYS_INLINE void vdeq_k45(const uint8_t *b, const uint8_t *q, const uint8_t *hb,
+                            const Sink *s, long k) {
+    float d = fp16(b), dmin = fp16(b + 2), sc, m;
+    const __m512i sixteen = _mm512_set1_epi32(16);
+    for (int j = 0; j < 4; j++, q += 32) {
+        __m512 t[2][2]; /* sub-block 2j + i: d sc i - dmin m, i < 16 and i >= 16 (Q5_K) */
+        for (int i = 0; i < 2; i++) {
+            scale_min_k4(2 * j + i, b + 4, &sc, &m);
+            __m512 vd = _mm512_set1_ps(d * sc), vm = _mm512_set1_ps(dmin * m);
+            t[i][0] = _mm512_fmsub_ps(iota_ps(0.f), vd, vm);
+            t[i][1] = hb ? _mm512_fmsub_ps(iota_ps(16.f), vd, vm) : t[i][0];
+        }
+        for (int h = 0; h < 2; h++) {
+            __m128i v = _mm_loadu_si128((const __m128i *)(q + 16 * h));
+            __m512i lo = lo_nibbles(v), hi = hi_nibbles(v);
+            if (hb) {
+                __m128i bits = _mm_loadu_si128((const __m128i *)(hb + 16 * h));
+                __mmask16 b1 = _mm_test_epi8_mask(bits, _mm_set1_epi8((char)(1 << (2 * j))));
+                __mmask16 b2 = _mm_test_epi8_mask(bits, _mm_set1_epi8((char)(2 << (2 * j))));
+                lo = _mm512_mask_add_epi32(lo, b1, lo, sixteen);
+                hi = _mm512_mask_add_epi32(hi, b2, hi, sixteen);
+                emit(s, k, 64 * j + 16 * h, _mm512_permutex2var_ps(t[0][0], lo, t[0][1]));
+                emit(s, k, 64 * j + 32 + 16 * h, _mm512_permutex2var_ps(t[1][0], hi, t[1][1]));
+            } else {
+                emit(s, k, 64 * j + 16 * h, _mm512_permutexvar_ps(lo, t[0][0]));
+                emit(s, k, 64 * j + 32 + 16 * h, _mm512_permutexvar_ps(hi, t[1][0]));
+            }
+        }
+    }
+}
+
+ALWAYS_INLINE void vdeq_q4_k(const uint8_t *b, const Sink *s, long k) {
+    vdeq_k45(b, b + 16, NULL, s, k);
+}
+
+ALWAYS_INLINE void vdeq_q5_k(const uint8_t *b, const Sink *s, long k) {
+    vdeq_k45(b, b + 48, b + 16, s, k);
+}
+
+ALWAYS_INLINE void vdeq_q6_k(const uint8_t *b, const Sink *s, long k) {
+    const uint8_t *ql = b, *qh = b + 128;
+    const int8_t *sc = (const int8_t *)(b + 192);
+    float d = fp16(b + 208);
+    const __m128i nib = _mm_set1_epi8(15), three = _mm_set1_epi8(3);
+    for (int n = 0; n < 2; n++, ql += 64, qh += 32, sc += 8) {
+        for (int h = 0; h < 2; h++) { /* l = 16 h .. 16 h + 15 */
+            __m128i a = _mm_loadu_si128((const __m128i *)(ql + 16 * h));
+            __m128i c = _mm_loadu_si128((const __m128i *)(ql + 32 + 16 * h));
+            __m128i e = _mm_loadu_si128((const __m128i *)(qh + 16 * h));
+            __m128i q[4] = {/* 6-bit codes of y[l], y[l + 32], y[l + 64], y[l + 96] */
+                _mm_or_si128(_mm_and_si128(a, nib), _mm_slli_epi16(_mm_and_si128(e, three), 4)),
+                _mm_or_si128(_mm_and_si128(c, nib),
+                             _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(e, 2), three), 4)),
+                _mm_or_si128(_mm_and_si128(_mm_srli_epi16(a, 4), nib),
+                             _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(e, 4), three), 4)),
+                _mm_or_si128(_mm_and_si128(_mm_srli_epi16(c, 4), nib),
+                             _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(e, 6), three), 4)),
+            };
+            for (int i = 0; i < 4; i++) {
+                float ds = d * (float)sc[h + 2 * i];
+                __m512 w = _mm512_fmsub_ps(u8_ps(q[i]), _mm512_set1_ps(ds),
+                                           _mm512_set1_ps(32.f * ds));
+                emit(s, k, 128 * n + 32 * i + 16 * h, w);
+            }
+        }
+    }
+}
+
+/* a row's blocks through one of the vdeq_* above */
+#define EACH_BLOCK(VDEQ, ELEMS, BYTES, SINK)                                                 \
+    for (long i = 0; i < K / (ELEMS); i++) VDEQ(row + i * (BYTES), SINK, i * (ELEMS))
+
+#define STORE_ROW(VDEQ, ELEMS, BYTES)                                                        \
+    static void VDEQ##_row(const uint8_t *row, long K, float *y) {                           \
+        Sink s = {y, NULL, 0, 0, NULL};                                                       \
+        EACH_BLOCK(VDEQ, ELEMS, BYTES, &s);                                                   \
+    }
+
+/* out[r] = row . x[r] for R (<= MAX_FUSED) rows of x, the row dequantized in registers */
+#define FUSED_ROW(VDEQ, ELEMS, BYTES)                                                        \
+    ALWAYS_INLINE void VDEQ##_dot_r(const uint8_t *row, long K, const float *x, long ldx,     \
+                                    float *out, const long R) {                               \
+        __m512 acc[MAX_FUSED][4];                                                             \
+        for (long r = 0; r < R; r++)                                                          \
+            for (int j = 0; j < 4; j++) acc[r][j] = _mm512_setzero_ps();                      \
+        Sink s = {NULL, x, ldx, R, acc};                                                      \
+        EACH_BLOCK(VDEQ, ELEMS, BYTES, &s);                                                   \
+        for (long r = 0; r < R; r++)                                                          \
+            out[r] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]), \
+                                                        _mm512_add_ps(acc[r][2], acc[r][3]))); \
+    }                                                                                         \
+    static void VDEQ##_dot(const uint8_t *row, long K, const float *x, long ldx, long R,      \
+                           float *out) {                                                      \
+        if (R == 1) VDEQ##_dot_r(row, K, x, ldx, out, 1);                                     \
+        else if (R == 2) VDEQ##_dot_r(row, K, x, ldx, out, 2);                                \
+        else VDEQ##_dot_r(row, K, x, ldx, out, 3);                                            \
+    }
+
+#define VECTOR_TYPE(VDEQ, ELEMS, BYTES) STORE_ROW(VDEQ, ELEMS, BYTES) FUSED_ROW(VDEQ, ELEMS, BYTES)
+VECTOR_TYPE(vdeq_q4_0, 32, 18)
+VECTOR_TYPE(vdeq_q5_0, 32, 22)
+VECTOR_TYPE(vdeq_q8_0, 32, 34)
+VECTOR_TYPE(vdeq_q4_k, 256, 144)
+VECTOR_TYPE(vdeq_q5_k, 256, 176)
+VECTOR_TYPE(vdeq_q6_k, 256, 210)
+
+typedef void (*fused_dot)(const uint8_t *, long, const float *, long, long, float *);
+
+/* the fused GEMV of a block type, NULL for the float types (they take the buffer) */
+static fused_dot fused_of(long type) {
+    switch (type) {
+    case T_Q4_0: return vdeq_q4_0_dot;
+    case T_Q5_0: return vdeq_q5_0_dot;
+    case T_Q8_0: return vdeq_q8_0_dot;
+    case T_Q4_K: return vdeq_q4_k_dot;
+    case T_Q5_K: return vdeq_q5_k_dot;
+    case T_Q6_K: return vdeq_q6_k_dot;
+    }
+    return NULL;
+}
+#endif
+
 /* one row of K weights -> y [K] */
 static void deq_row(long type, const uint8_t *row, long K, float *y) {
     switch (type) {
@@ -171,6 +372,16 @@ static void deq_row(long type, const uint8_t *row, long K, float *y) {
         }
         return;
     }
+#ifdef VECTOR_BLOCKS
+    switch (type) {
+    case T_Q4_0: vdeq_q4_0_row(row, K, y); return;
+    case T_Q5_0: vdeq_q5_0_row(row, K, y); return;
+    case T_Q8_0: vdeq_q8_0_row(row, K, y); return;
+    case T_Q4_K: vdeq_q4_k_row(row, K, y); return;
+    case T_Q5_K: vdeq_q5_k_row(row, K, y); return;
+    case T_Q6_K: vdeq_q6_k_row(row, K, y); return;
+    }
+#endif
     void (*block)(const uint8_t *, float *) = NULL;
     switch (type) {
     case T_Q4_0: block = deq_q4_0; break;
@@ -215,6 +426,17 @@ static void part_rows(const Job *J, const GgmlPart *p, long col, long n0, long n
     long K = J->w->K, N = J->w->N, M = J->M, rb = bs_ggml_row_bytes(p->type, K);
     const uint8_t *data = (const uint8_t *)p->data;
     if (M < PANEL_ROWS) {
+#ifdef VECTOR_BLOCKS
+        fused_dot fused = fused_of(p->type);
+        if (fused) { /* dequantized in registers, no buffer */
+            float out[MAX_FUSED];
+            for (long n = n0; n < n1; n++) {
+                fused(data + n * rb, K, J->x, J->ldx, M, out);
+                for (long m = 0; m < M; m++) J->y[m * N + col + n] = out[m];
+            }
+            return;
+        }
+#endif
         float *row = scratch(K);
         for (long n = n0; n < n1; n++) {
             deq_row(p->type, data + n * rb, K, row);
@@ -222,13 +444,11 @@ static void part_rows(const Job *J, const GgmlPart *p, long col, long n0, long n
         }
         return;
     }
-    long R = n1 - n0, Rp = (R + 15) / 16 * 16;
-    float *rows = scratch(Rp * K + Rp * K + M * Rp), *panels = rows + Rp * K, *out = panels + Rp * K;
+    long R = n1 - n0;
+    float *rows = scratch(R * K + M * R), *out = rows + R * K;
     for (long n = n0; n < n1; n++) deq_row(p->type, data + n * rb, K, rows + (n - n0) * K);
-    memset(rows + R * K, 0, sizeof(float) * (Rp - R) * K);
-    bs_pack(rows, Rp, K, panels);
-    bs_linear_packed(J->x, J->ldx, M, K, panels, Rp, NULL, out);
-    for (long m = 0; m < M; m++) memcpy(J->y + m * N + col + n0, out + m * Rp, sizeof(float) * R);
+    bs_linear(J->x, J->ldx, M, K, rows, R, NULL, out);
+    for (long m = 0; m < M; m++) memcpy(J->y + m * N + col + n0, out + m * R, sizeof(float) * R);
 }
 
 static void ggml_task(void *ctx, long t) {

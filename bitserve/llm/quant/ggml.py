@@ -117,11 +117,7 @@ class GgmlLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
-        if (
-            self.c_weight is not None
-            and rows.dtype is torch.float32
-            and not torch.is_grad_enabled()
-        ):
+        if self.c_weight is not None and rows.dtype is torch.float32 and not rows.requires_grad:
             if rows.stride(-1) != 1:
                 rows = rows.contiguous()
             y = self._kernels.gemv(self.c_weight, rows)
