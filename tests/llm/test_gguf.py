@@ -21,6 +21,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -259,6 +260,31 @@ def test_an_unsupported_type_is_refused_naming_tensor_and_type(k_files, tmp_path
     writer.close()
     with pytest.raises(ValueError, match=r"blk\.1\.ffn_down\.weight: type Q2_K"):
         make_engine(file, num_kv_blocks=8)
+
+
+@needs_converter
+def test_bitserve_serve_takes_a_bare_gguf_file(llama_f32, monkeypatch):
+    """`bitserve serve FILE.gguf`, nothing else: one llm model named after the file,
+    answering completions (the app as `serve` builds it, in process, without uvicorn)."""
+    from click.testing import CliRunner
+    from starlette.testclient import TestClient
+
+    from bitserve import cli
+
+    apps = []
+    monkeypatch.setattr(cli, "_run", lambda app, *args: apps.append(app))
+    answer = CliRunner().invoke(cli.main, ["serve", str(llama_f32), "--threads", "1"])
+    assert answer.exit_code == 0, answer.output
+    with TestClient(apps[0]) as client:
+        deadline = time.monotonic() + 60  # the model loads in the background
+        while client.get("/v2/health/ready").status_code != 200:
+            assert time.monotonic() < deadline, client.get("/v2/health/ready").text
+            time.sleep(0.1)
+        assert [m["id"] for m in client.get("/v1/models").json()["data"]] == ["llama-f32"]
+        body = {"model": "llama-f32", "prompt": "the quick brown", "max_tokens": 8}
+        done = client.post("/v1/completions", json=body | {"temperature": 0})
+        assert done.status_code == 200, done.text
+        assert done.json()["usage"]["completion_tokens"] == 8
 
 
 @needs_converter
