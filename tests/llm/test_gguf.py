@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+from transformers import AutoModelForCausalLM, LlamaConfig
 
 from bitserve.llm import SamplingParams
 from bitserve.llm.gguf import hf_name, unpermute
@@ -139,12 +139,14 @@ def test_q8_0_gguf_keeps_tinylm_perplexity(tmp_path):
 # -- every type a llama.cpp user has, on a model whose rows are whole super-blocks --------
 CONVERTED = ("f32", "f16", "bf16", "q8_0")  # the converter's own outtypes
 QUANTIZED = ("Q4_K_M", "Q5_K_M", "Q6_K", "Q4_0", "Q5_0", "Q8_0")  # llama-quantize's
+# the types each file holds (llama-quantize keeps the output matrix Q6_K below Q8_0)
 BLOCK_TYPES = {"Q4_K_M": {"Q4_K", "Q6_K"}, "Q5_K_M": {"Q5_K", "Q6_K"}, "Q6_K": {"Q6_K"}}
-BLOCK_TYPES |= {"Q4_0": {"Q4_0"}, "Q5_0": {"Q5_0"}, "Q8_0": {"Q8_0"}, "q8_0": {"Q8_0"}}
+BLOCK_TYPES |= {"Q4_0": {"Q4_0", "Q6_K"}, "Q5_0": {"Q5_0", "Q6_K"}, "Q8_0": {"Q8_0"}}
+BLOCK_TYPES["q8_0"] = {"Q8_0"}
 LONG = 64  # greedy tokens compared
 
 
-def k_config() -> LlamaConfig:
+def k_config(**overrides) -> LlamaConfig:
     """K-quants need rows of whole 256-weight super-blocks: hidden 256, MLP 512."""
     return LlamaConfig(
         hidden_size=256,
@@ -152,7 +154,7 @@ def k_config() -> LlamaConfig:
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        **{**COMMON, "initializer_range": 0.05},
+        **{**COMMON, "initializer_range": 0.05, **overrides},
     )
 
 
@@ -203,9 +205,9 @@ def test_every_type_is_llama_cpps_dequantized_model(k_files, kind):
 
 @needs_quantize
 def test_a_tied_head_reads_the_quantized_embedding(tmp_path):
-    """Qwen2 ties its head: llama.cpp reads token_embd (Q4_K here) as the output matrix,
-    and so does bitserve, while the embedding itself is dequantized once."""
-    folder = build_model(tmp_path / "hf", qwen2_k_config(), seed=4)
+    """A tied head (no output.weight): llama.cpp reads token_embd (Q4_K here) as the
+    output matrix, and so does bitserve, while the embedding itself is dequantized once."""
+    folder = build_model(tmp_path / "hf", k_config(tie_word_embeddings=True), seed=4)
     f32 = convert(folder, "f32", tmp_path / "f32.gguf")
     file = quantize(f32, tmp_path / "q4_k_m.gguf", "Q4_K_M")
     engine = make_engine(file, num_kv_blocks=64)
@@ -217,18 +219,6 @@ def test_a_tied_head_reads_the_quantized_embedding(tmp_path):
         want = hf.generate(torch.tensor([prompt]), max_new_tokens=LONG, do_sample=False)
     params = SamplingParams(temperature=0, max_tokens=LONG, ignore_eos=True)
     assert generate(engine, [prompt], params)[0] == want[0, len(prompt) :].tolist()
-
-
-def qwen2_k_config() -> Qwen2Config:
-    return Qwen2Config(
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=True,
-        **{**COMMON, "initializer_range": 0.05},
-    )
 
 
 @needs_quantize
