@@ -51,6 +51,7 @@ ARCHITECTURES = {  # GGUF general.architecture / transformers model_type -> our 
     "qwen3": "Qwen3ForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",  # transformers' model_type for a gemma3 GGUF
     "phi3": "Phi3ForCausalLM",
 }
 PERMUTED = ("llama", "mistral")  # q/k rows permuted by llama.cpp's converter
@@ -156,7 +157,22 @@ def hf_config(file: Path, reader) -> dict[str, Any]:
         "vocab_size"
     )
     config["gguf"] = {"architecture": arch, "file": str(file)}
+    if arch in UNIT_OFFSET_NORMS:
+        gemma_settings(config, reader, arch)
     return config
+
+
+def gemma_settings(config: dict[str, Any], reader, arch: str) -> None:
+    """What transformers' GGUF reading leaves at Gemma's defaults: the soft-caps, from
+    the metadata, and the attention scale, 1 / sqrt(head_dim) as llama.cpp takes it (all
+    but Gemma 2 27B, whose GGUF does not say it differs)."""
+    config["query_pre_attn_scalar"] = config.get("head_dim") or (
+        config["hidden_size"] // config["num_attention_heads"]
+    )
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        value = field(reader, f"{arch}.{key}")
+        if value is not None or arch == "gemma3":  # Gemma 3 has none unless it says so
+            config[key] = value
 
 
 def save_tokenizer(file: Path, folder: Path) -> None:

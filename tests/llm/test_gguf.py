@@ -55,6 +55,10 @@ def set_vocab_sentencepiece(self, *args, **kwargs):
         raise FileNotFoundError("no tokenizer.model")
     return sentencepiece(self, *args, **kwargs)
 base.TextModel._set_vocab_sentencepiece = set_vocab_sentencepiece
+from conversion import gemma
+def gemma2_vocab(self):  # as Gemma3Model does without a tokenizer.model
+    self._set_vocab_gpt2()
+gemma.Gemma2Model.set_vocab = gemma2_vocab
 for args in json.loads(sys.argv[2]):  # several outputs, one import of torch
     sys.argv = [str(conv), *args]
     runpy.run_path(str(conv), run_name="__main__")
@@ -173,7 +177,7 @@ def k_files(tmp_path_factory) -> dict[str, Path]:
 def llama_cpp_reference(file: Path):
     """transformers on the file: llama.cpp's tensors dequantized by gguf-py."""
     return AutoModelForCausalLM.from_pretrained(
-        str(file.parent), gguf_file=file.name, torch_dtype=torch.float32
+        str(file.parent), gguf_file=file.name, dtype=torch.float32
     ).eval()
 
 
@@ -219,6 +223,58 @@ def test_a_tied_head_reads_the_quantized_embedding(tmp_path):
         want = hf.generate(torch.tensor([prompt]), max_new_tokens=LONG, do_sample=False)
     params = SamplingParams(temperature=0, max_tokens=LONG, ignore_eos=True)
     assert generate(engine, [prompt], params)[0] == want[0, len(prompt) :].tolist()
+
+
+FAMILIES = {  # random models of each family, K-quant-sized rows
+    "gemma2": ("Gemma2Config", dict(head_dim=64, query_pre_attn_scalar=64, sliding_window=16)),
+    "gemma3": ("Gemma3TextConfig", dict(head_dim=64, query_pre_attn_scalar=64, sliding_window=16)),
+    "phi3": ("Phi3Config", dict(tie_word_embeddings=False)),
+}
+
+
+def family_folder(folder: Path, family: str) -> Path:
+    import transformers
+
+    name, extra = FAMILIES[family]
+    shape = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2)
+    shape |= dict(num_attention_heads=4, num_key_value_heads=2, **extra)
+    config = getattr(transformers, name)(**shape, **{**COMMON, "initializer_range": 0.05})
+    build_model(folder, config, seed=5)
+    if family == "phi3":  # the converter reads a Phi-3 vocab by this class (or sentencepiece)
+        settings = json.loads((folder / "tokenizer_config.json").read_text())
+        settings["tokenizer_class"] = "GPT2Tokenizer"
+        (folder / "tokenizer_config.json").write_text(json.dumps(settings))
+    return folder
+
+
+@needs_quantize
+@pytest.mark.parametrize("family", FAMILIES)
+def test_gemma_and_phi3_files(family, tmp_path):
+    """F32: the HF folder's own greedy tokens (Gemma's norms stored as 1 + w, its soft-caps
+    and attention scale from the metadata; Phi-3's fused qkv and gate/up); Q4_K_M:
+    llama.cpp's dequantized model (transformers, given the attention scale llama.cpp uses)."""
+    folder = family_folder(tmp_path / "hf", family)
+    f32 = convert(folder, "f32", tmp_path / "f32.gguf")
+    prompt = MIXED[2]
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    assert generate(make_engine(f32, num_kv_blocks=64), [prompt], params) == [
+        reference(folder, prompt)
+    ]
+    file = quantize(f32, tmp_path / "q4_k_m.gguf", "Q4_K_M")
+    engine = make_engine(file, num_kv_blocks=64)
+    assert block_types(engine.runner.model) == {"Q4_K", "Q6_K"}
+    assert engine.runner.model.fuse_rows > 0
+    scale = {"query_pre_attn_scalar": 64} if family.startswith("gemma") else {}
+    hf = AutoModelForCausalLM.from_pretrained(
+        str(file.parent), gguf_file=file.name, dtype=torch.float32, **scale
+    ).eval()
+    with torch.inference_mode():
+        want = hf.generate(torch.tensor([prompt]), max_new_tokens=LONG, do_sample=False)
+        want_logits = hf(torch.tensor([prompt])).logits[0].float()
+        got = window_logits(engine.runner.model, prompt)
+    long = SamplingParams(temperature=0, max_tokens=LONG, ignore_eos=True)
+    assert generate(engine, [prompt], long)[0] == want[0, len(prompt) :].tolist()
+    assert float((got - want_logits).abs().max() / want_logits.abs().max()) < 1e-3
 
 
 @needs_quantize
