@@ -141,3 +141,38 @@ def test_ggml_part_layout_is_the_compilers():
     }
     assert lib.layout("GgmlPart") == ffi.sizeof("GgmlPart")
     assert lib.layout("Weight", "parts") == ffi.offsetof("Weight", "parts")
+
+
+@needs_kernels
+def test_the_plain_c_build_gives_the_same_values(tmp_path):
+    """Without AVX-512 (x86-64-v2) ggml.c runs its plain-C dequantizers and dot: built
+    here from ggml.c and what it calls (gemm.c, pool.c) alone, checked like the rest."""
+    import subprocess
+
+    cc = kernels.compiler()
+    flags = ["-O2", "-march=x86-64-v2", "-fPIC", f"-I{kernels.CSRC}"]
+    objects = []
+    for name in ("ggml", "gemm", "pool"):
+        obj = tmp_path / f"{name}.o"
+        source = kernels.CSRC / f"{name}.c"
+        subprocess.run([cc, *flags, "-c", str(source), "-o", str(obj)], check=True)
+        objects.append(str(obj))
+    lib_path = tmp_path / "plain.so"
+    subprocess.run([cc, "-shared", "-pthread", *objects, "-o", str(lib_path), "-lm"], check=True)
+    lib = kernels.ffi().dlopen(str(lib_path))
+    k = 512
+    for kind in QUANTS:
+        data = random_rows(kind, 9, k, seed=TYPES[kind] + 1)
+        want = reference(kind, data, k)
+        out = torch.empty(9, k)
+        lib.bs_ggml_dequantize(TYPES[kind], kernels.ptr(data, "void *"), 9, k, kernels.ptr(out))
+        torch.testing.assert_close(out.double(), want, rtol=1e-6, atol=1e-7)
+        parts = kernels.ffi().new("GgmlPart[]", [{"type": TYPES[kind], "rows": 9,
+                                                 "data": kernels.ptr(data, "void *")}])  # fmt: skip
+        weight = kernels.ffi().new("Weight *", {"kind": 4, "N": 9, "K": k, "parts": parts,
+                                                "nparts": 1})  # fmt: skip
+        for m in (1, 5):
+            x = torch.randn(m, k)
+            y = torch.empty(m, 9)
+            lib.bs_ggml_gemv(weight, kernels.ptr(x), k, m, kernels.ptr(y))
+            torch.testing.assert_close(y.double(), x.double() @ want.T, rtol=1e-4, atol=1e-3)
