@@ -148,6 +148,7 @@ BLOCK_TYPES = {"Q4_K_M": {"Q4_K", "Q6_K"}, "Q5_K_M": {"Q5_K", "Q6_K"}, "Q6_K": {
 BLOCK_TYPES |= {"Q4_0": {"Q4_0", "Q6_K"}, "Q5_0": {"Q5_0", "Q6_K"}, "Q8_0": {"Q8_0"}}
 BLOCK_TYPES["q8_0"] = {"Q8_0"}
 LONG = 64  # greedy tokens compared
+CHAT = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
 
 
 def k_config(**overrides) -> LlamaConfig:
@@ -168,6 +169,8 @@ def k_files(tmp_path_factory) -> dict[str, Path]:
     once per module: ~15 s."""
     root = tmp_path_factory.mktemp("gguf-k")
     folder = build_model(root / "hf", k_config(), seed=3)
+    settings = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps(settings | {"chat_template": CHAT}))
     files = convert_all(folder, {t: root / f"{t}.gguf" for t in CONVERTED})
     for kind in QUANTIZED:
         files[kind] = quantize(files["f32"], root / f"{kind}.gguf", kind)
@@ -194,6 +197,7 @@ def test_every_type_is_llama_cpps_dequantized_model(k_files, kind):
     # the blocks stay as the file has them (Q4_K_M mixes Q4_K and Q6_K); floats are fp32
     assert block_types(model) - {"F32", "F16"} == BLOCK_TYPES.get(kind, set())
     assert model.fuse_rows > 0  # decode runs the fused C layer over them
+    assert engine.tokenizer.chat_template == CHAT  # from tokenizer.chat_template
     hf = llama_cpp_reference(file)
     prompt = MIXED[2]
     with torch.inference_mode():

@@ -15,11 +15,16 @@
    - Few rows of x (decode, M < PANEL_ROWS): a weight row is dequantized into an L1
      buffer once and dotted with every row of x (read front to back, as bs_linear does).
    - More rows (batched decode, prefill): CHUNK output rows at a time are dequantized
-     into an L2 buffer and run through bs_linear's 4x4 register tile against every row
-     of x, so dequantization is paid once per weight per call, not once per row of x.
+     into an L2 buffer, transposed into bs_pack's panels (16 x 16 blocks in registers)
+     and run through the packed fp32 GEMM against every row of x, so dequantization is
+     paid once per weight per call, not once per row of x. (bs_linear_packed called
+     from a pool task runs on that thread: the pool does not nest.)
    Either splits the output rows over the thread pool in chunks of CHUNK rows; each
    thread keeps its own scratch (thread-local, grown once, never freed). */
 #include "internal.h"
+#ifdef __F16C__
+#include <immintrin.h>
+#endif
 
 enum {
     T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q5_0 = 6, T_Q8_0 = 8,
@@ -29,9 +34,12 @@ enum {
 #define CHUNK 32      /* output rows a task (two packed panels) */
 #define PANEL_ROWS 4  /* from this many rows of x on, the panel path */
 
-/* IEEE half -> float, exactly (normals, subnormals, inf, nan) */
+/* IEEE half -> float, exactly (normals, subnormals, inf, nan): one instruction with F16C */
 static inline float fp16(const uint8_t *p) {
     uint16_t h = (uint16_t)(p[0] | p[1] << 8);
+#ifdef __F16C__
+    return _cvtsh_ss(h);
+#endif
     uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 31, man = h & 1023;
     union { uint32_t u; float f; } c;
     if (exp == 31) {
@@ -421,6 +429,46 @@ typedef struct {
     float *y;
 } Job;
 
+#ifdef __AVX512F__
+/* out [16][16] = the 16 x 16 block at in (row stride ld), transposed in registers */
+static inline void transpose16(const float *in, long ld, float *out) {
+    __m512 r[16], t[16];
+    for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_ps(in + i * ld);
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+        r[i] = _mm512_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+        r[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+        r[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+        r[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+    }
+    for (int h = 0; h < 16; h += 8)
+        for (int i = 0; i < 4; i++) {
+            t[h + i] = _mm512_shuffle_f32x4(r[h + i], r[h + i + 4], 0x88);
+            t[h + i + 4] = _mm512_shuffle_f32x4(r[h + i], r[h + i + 4], 0xdd);
+        }
+    for (int i = 0; i < 8; i++) {
+        _mm512_storeu_ps(out + 16 * i, _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88));
+        _mm512_storeu_ps(out + 16 * (i + 8), _mm512_shuffle_f32x4(t[i], t[i + 8], 0xdd));
+    }
+}
+#endif
+
+/* bs_pack's panels of rows [N, K] (N a multiple of 16), 16 x 16 blocks at a time */
+static void pack_panels(const float *rows, long N, long K, float *P) {
+#ifdef __AVX512F__
+    if (K % 16 == 0) {
+        for (long p = 0; p < N / 16; p++)
+            for (long k = 0; k < K; k += 16)
+                transpose16(rows + p * 16 * K + k, K, P + (p * K + k) * 16);
+        return;
+    }
+#endif
+    bs_pack(rows, N, K, P);
+}
+
 /* rows n0 .. n1 - 1 of part `p` (whose first output column is col) */
 static void part_rows(const Job *J, const GgmlPart *p, long col, long n0, long n1) {
     long K = J->w->K, N = J->w->N, M = J->M, rb = bs_ggml_row_bytes(p->type, K);
@@ -444,11 +492,13 @@ static void part_rows(const Job *J, const GgmlPart *p, long col, long n0, long n
         }
         return;
     }
-    long R = n1 - n0;
-    float *rows = scratch(R * K + M * R), *out = rows + R * K;
+    long R = n1 - n0, Rp = (R + 15) / 16 * 16;
+    float *rows = scratch(2 * Rp * K + M * Rp), *panels = rows + Rp * K, *out = panels + Rp * K;
     for (long n = n0; n < n1; n++) deq_row(p->type, data + n * rb, K, rows + (n - n0) * K);
-    bs_linear(J->x, J->ldx, M, K, rows, R, NULL, out);
-    for (long m = 0; m < M; m++) memcpy(J->y + m * N + col + n0, out + m * R, sizeof(float) * R);
+    memset(rows + R * K, 0, sizeof(float) * (Rp - R) * K);
+    pack_panels(rows, Rp, K, panels);
+    bs_linear_packed(J->x, J->ldx, M, K, panels, Rp, NULL, out);
+    for (long m = 0; m < M; m++) memcpy(J->y + m * N + col + n0, out + m * Rp, sizeof(float) * R);
 }
 
 static void ggml_task(void *ctx, long t) {
