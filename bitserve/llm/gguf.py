@@ -224,9 +224,8 @@ def to_float(tensor) -> torch.Tensor:
     if kind == "F32":
         return torch.from_numpy(np.array(tensor.data, dtype=np.float32).reshape(shape))
     if kind == "F16":
-        return torch.from_numpy(np.asarray(tensor.data, dtype=np.float16).astype(np.float32)).view(
-            shape
-        )
+        array = np.asarray(tensor.data, dtype=np.float16).astype(np.float32)
+        return torch.from_numpy(array).view(shape)
     return dequantize(kind, raw_rows(tensor), shape[-1]).view(shape)
 
 
@@ -259,6 +258,8 @@ def load_weights(model: nn.Module, file: Path, hf: dict[str, Any]) -> None:
         check_type(tensor)
         name = hf_name(tensor.name, arch)
         target, shard = model.parameter_for(name)
+        if target not in params and model.elsewhere(target):
+            continue  # another pipeline stage's
         if target.endswith("_proj.weight") or target == "lm_head.weight":
             linears.setdefault(target.removesuffix(".weight"), {})[shard or 0] = (name, tensor)
         else:
@@ -273,6 +274,8 @@ def load_weights(model: nn.Module, file: Path, hf: dict[str, Any]) -> None:
             for name, t in parts:
                 model.load_weight(params, name, prepared(t, name, arch, hf))
             continue
+        if model.parallel.tp.size > 1:
+            raise ValueError(f"{file}: block formats are not served under tensor parallelism")
         set_module(model, module, ggml_linear(model.get_submodule(module), parts, arch, hf))
 
 
@@ -303,4 +306,5 @@ def ggml_linear(old: nn.Module, parts: list, arch: str, hf: dict[str, Any]) -> G
             rows = unpermute(rows, heads_of(name, hf)).contiguous()
         blocks.append((kind, rows))
     bias = getattr(old, "bias", None)
-    return GgmlLinear(int(parts[0][1].shape[0]), blocks, None if bias is None else bias.data)
+    in_features = int(parts[0][1].shape[0])  # ggml lists the innermost dimension first
+    return GgmlLinear(in_features, blocks, None if bias is None else bias.data)

@@ -252,7 +252,9 @@ def family_folder(folder: Path, family: str) -> Path:
 
 
 @needs_quantize
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize(  # ~20 s each: Gemma 3 (qk-norm, sandwich norms, two RoPEs) always
+    "family", [pytest.param(f, marks=[] if f == "gemma3" else pytest.mark.slow) for f in FAMILIES]
+)
 def test_gemma_and_phi3_files(family, tmp_path):
     """F32: the HF folder's own greedy tokens (Gemma's norms stored as 1 + w, its soft-caps
     and attention scale from the metadata; Phi-3's fused qkv and gate/up); Q4_K_M:
