@@ -12,8 +12,9 @@
    elements * block bytes); a weight's value depends only on its own block; the
    dequantization of a block is the same whichever kernel path reads it.
 
-   - Few rows of x (decode, M < PANEL_ROWS): a weight row is dequantized into an L1
-     buffer once and dotted with every row of x (read front to back, as bs_linear does).
+   - Few rows of x (decode, M < PANEL_ROWS): a weight row is dequantized in registers,
+     16 weights at a time, each vector FMA'd straight into every row of x (AVX-512;
+     without it, and for F32/F16/BF16 parts, through an L1 buffer and `dot`).
    - More rows (batched decode, prefill): CHUNK output rows at a time are dequantized
      into an L2 buffer, transposed into bs_pack's panels (16 x 16 blocks in registers)
      and run through the packed fp32 GEMM against every row of x, so dequantization is
