@@ -69,13 +69,13 @@ def test_dequantize_is_llama_cpps(kind):
 @needs_kernels
 @pytest.mark.parametrize("kind", QUANTS)
 def test_gemv_is_dequantize_then_matmul(kind):
-    """1 row (dequantized rows in L1), 3, and 16 (panels); odd row counts, 2-3 super-blocks."""
+    """1-8 rows (dequantized in registers) and 16 (panels); odd row counts, 2-3 super-blocks."""
     for n, k in [(37, 512), (70, 768)]:
         data = random_rows(kind, n, k, seed=n)
         layer = GgmlLinear(k, [(kind, data)])
         layer.kernels = kernels.get()
         w = reference(kind, data, k)
-        for m in (1, 3, 16):
+        for m in (1, 3, 8, 16):
             g = torch.Generator().manual_seed(m)
             x = torch.randn(m, k + 5, generator=g)[:, :k]  # strided rows
             want = x.double() @ w.T
