@@ -17,6 +17,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PIP) install -q $(TORCH_CPU) || echo "no $(TORCH_CPU) here; pyproject's torch range applies"
 	$(PIP) install -q -e '.[test]'
 	$(PY) tools/fetch_gguf_converter.py || echo "no llama.cpp converter: GGUF conversion tests skip"
+	tools/build_llama_quantize.sh $(PY) || echo "no llama-quantize: the GGUF K-quant tests skip"
 	touch $@
 
 models: $(VENV)/.installed

@@ -77,6 +77,9 @@ def main() -> None:
 
 
 @main.command()
+@click.argument(
+    "model_file", required=False, type=click.Path(exists=True, dir_okay=False, path_type=Path)
+)
 @click.option(
     "--repository",
     "repository_path",
@@ -147,6 +150,7 @@ def main() -> None:
 )
 @click.option("--log-level", default="info", show_default=True)
 def serve(
+    model_file: Path | None,
     repository_path: Path,
     host: str,
     port: int,
@@ -164,7 +168,8 @@ def serve(
     otlp_traces_endpoint: str | None,
     log_level: str,
 ) -> None:
-    """Serve every model in a repository on HTTP (v2 / Open Inference Protocol)."""
+    """Serve every model in a repository on HTTP (v2 / Open Inference Protocol), or the one
+    llama.cpp MODEL_FILE (.gguf) given, as an llm model named after the file."""
     from bitserve.repository.repository import Repository
     from bitserve.server.app import create_app
     from bitserve.server.state import ServerOptions
@@ -195,6 +200,8 @@ def serve(
         from bitserve import raycluster
 
         raycluster.configure(ray_address)
+    if model_file is not None:
+        repository_path = single_model_repository(model_file)
     repository = Repository(repository_path, drain_timeout=drain_timeout)
     repository.model_names()  # a missing folder fails here, before the port opens
     app = create_app(repository, options)
@@ -205,6 +212,23 @@ def serve(
         _run(app, host, port, log_level, drain_timeout)
     finally:
         tracing.shutdown()  # the spans still buffered go out
+
+
+def single_model_repository(file: Path) -> Path:
+    """A repository of one llm model for a bare .gguf file: `<name>/config.toml` and
+    version 1 linking to the file (gguf.py serves a folder holding one .gguf), in a
+    temporary folder; the model's name is the file's stem."""
+    import re
+    import tempfile
+
+    if file.suffix != ".gguf":
+        raise click.UsageError(f"{file}: a model file to serve must be a .gguf")
+    name = re.sub(r"[^A-Za-z0-9_.-]", "_", file.stem)
+    version = Path(tempfile.mkdtemp(prefix="bitserve-")) / name / "1"
+    version.mkdir(parents=True)
+    (version.parent / "config.toml").write_text(f'# bitserve serve {file}\nbackend = "llm"\n')
+    (version / file.name).symlink_to(file.resolve())
+    return version.parent.parent
 
 
 def _run(app, host: str, port: int, log_level: str, drain_timeout: float) -> None:

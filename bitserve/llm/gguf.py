@@ -1,25 +1,27 @@
-"""GGUF import: a llama.cpp model file served by the LLM engine (Llama, Mistral, Qwen2/3).
+"""GGUF import: a llama.cpp model file served by the LLM engine, in its own formats.
 
-A `.gguf` file (or a folder holding exactly one, with no config.json) is read with
-the `gguf` package, never unpickled. Its metadata becomes a companion folder, once per
-file (under `$BITSERVE_GGUF_CACHE`, default `~/.cache/bitserve/gguf`, keyed by the
-file's path, size and mtime): `config.json` as transformers reads the metadata
-(`AutoConfig(gguf_file=...)`), and the tokenizer transformers builds from
-`tokenizer.ggml.*`. The engine then reads that folder like any other, and takes its
-weights from the file:
+Families: Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3, Phi-3 (what both llama.cpp's
+converter writes and transformers reads the GGUF metadata of). A `.gguf` file (or a
+folder holding exactly one, with no config.json) is read with the `gguf` package, never
+unpickled. Its metadata becomes a companion folder, once per file (under
+`$BITSERVE_GGUF_CACHE`, default `~/.cache/bitserve/gguf`, keyed by the file's path, size
+and mtime): `config.json` as transformers reads the metadata (`AutoConfig(gguf_file=...)`),
+and the tokenizer transformers builds from `tokenizer.ggml.*`, with the file's
+`tokenizer.chat_template`. The engine then reads that folder like any other, and takes
+its weights from the file:
 
-- F32, F16, BF16 tensors: converted to fp32, exactly;
+- a linear layer with a Q4_0, Q5_0, Q8_0, Q4_K, Q5_K or Q6_K tensor (Q4_K_M, Q5_K_M,
+  Q6_K files mix these) becomes a `GgmlLinear` over the file's own bytes, one part per
+  tensor in its own type (llm/quant/ggml.py, kernels/csrc/ggml.c): nothing is
+  dequantized and re-quantized, so the model is llama.cpp's dequantized one up to fp32
+  summation order;
+- F32, F16, BF16 tensors (norms, biases, a float file's linears): fp32, exactly;
+- the token embedding, whatever its type, is dequantized to fp32 once at load (a lookup
+  reads a few rows; the LM head keeps the file's blocks, tied or not, as llama.cpp does);
 - llama.cpp stores the q and k rows of a Llama/Mistral checkpoint permuted for its
   interleaved RoPE (`convert_hf_to_gguf.py`, `LlamaModel.permute`); they are permuted
-  back, so the model is the HF one;
-- Q8_0 (int8 codes, one fp16 scale per 32 weights) and Q4_0 (4-bit codes, one fp16
-  scale per 32) have no exact bitserve form (bitserve's int8 has one scale per row, its
-  int4 an asymmetric bf16 scale and zero per 32). A file whose linear weights are Q8_0
-  is dequantized to fp32 and re-quantized with bitserve's int8 (per-row scales, the
-  `bitserve quantize --method int8` path, int8 embedding included); Q4_0 with int4,
-  group 32. That is a second rounding on top of llama.cpp's, measured in perplexity
-  by tests/llm/test_gguf.py;
-- any other tensor type (K-quants, IQ, ...) is refused by name.
+  back (whole rows, so block rows too), and Gemma's norms, stored as 1 + w, go back to w;
+- any other tensor type (Q2_K, Q3_K, IQ*, ...) is refused naming the tensor and type.
 """
 
 from __future__ import annotations
@@ -36,6 +38,10 @@ import numpy as np
 import torch
 from torch import nn
 
+from bitserve import kernels as c
+from bitserve.llm.quant.ggml import TYPES, GgmlLinear, dequantize
+from bitserve.llm.quant.quantize import set_module
+
 log = logging.getLogger("bitserve.llm")
 
 ARCHITECTURES = {  # GGUF general.architecture / transformers model_type -> our class name
@@ -43,8 +49,13 @@ ARCHITECTURES = {  # GGUF general.architecture / transformers model_type -> our 
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",  # transformers' model_type for a gemma3 GGUF
+    "phi3": "Phi3ForCausalLM",
 }
 PERMUTED = ("llama", "mistral")  # q/k rows permuted by llama.cpp's converter
+UNIT_OFFSET_NORMS = ("gemma2", "gemma3")  # the converter wrote 1 + w for every norm
 NAMES = {  # llama.cpp tensor names -> transformers' (after "model.layers.N.")
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
@@ -58,13 +69,21 @@ NAMES = {  # llama.cpp tensor names -> transformers' (after "model.layers.N.")
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+FAMILY_NAMES = {  # where a family's names depart from NAMES
+    "gemma2": {
+        "post_attention_norm": "post_attention_layernorm",
+        "ffn_norm": "pre_feedforward_layernorm",
+        "post_ffw_norm": "post_feedforward_layernorm",
+    },
+    "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},  # fused
+}
+FAMILY_NAMES["gemma3"] = FAMILY_NAMES["gemma2"]
 TOP = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",
     "output": "lm_head",
 }
 EXACT = ("F32", "F16", "BF16")
-METHODS = {"Q8_0": "int8", "Q4_0": "int4"}  # -> bitserve's quantization of the model
 
 
 def gguf_file(model: Path) -> Path | None:
@@ -130,13 +149,30 @@ def hf_config(file: Path, reader) -> dict[str, Any]:
     names = {t.name for t in reader.tensors}
     if "rope_freqs.weight" in names:
         raise ValueError(f"{file}: llama3 RoPE scaling in GGUF (rope_freqs) is not supported")
+    if "rope_factors_long.weight" in names:
+        raise ValueError(f"{file}: Phi-3 longrope scaling in GGUF is not supported")
     config["architectures"] = [ARCHITECTURES[config.get("model_type", arch)]]
     config["tie_word_embeddings"] = "output.weight" not in names
     config["vocab_size"] = len(field(reader, "tokenizer.ggml.tokens", []) or []) or config.get(
         "vocab_size"
     )
     config["gguf"] = {"architecture": arch, "file": str(file)}
+    if arch in UNIT_OFFSET_NORMS:
+        gemma_settings(config, reader, arch)
     return config
+
+
+def gemma_settings(config: dict[str, Any], reader, arch: str) -> None:
+    """What transformers' GGUF reading leaves at Gemma's defaults: the soft-caps, from
+    the metadata, and the attention scale, 1 / sqrt(head_dim) as llama.cpp takes it (all
+    but Gemma 2 27B, whose GGUF does not say it differs)."""
+    config["query_pre_attn_scalar"] = config.get("head_dim") or (
+        config["hidden_size"] // config["num_attention_heads"]
+    )
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        value = field(reader, f"{arch}.{key}")
+        if value is not None or arch == "gemma3":  # Gemma 3 has none unless it says so
+            config[key] = value
 
 
 def save_tokenizer(file: Path, folder: Path) -> None:
@@ -148,79 +184,127 @@ def save_tokenizer(file: Path, folder: Path) -> None:
     except Exception as error:  # an unsupported tokenizer model: token ids still work
         log.warning("%s: no tokenizer from the GGUF metadata (%s): pass token ids", file, error)
         return
+    template = field(open_reader(file), "tokenizer.chat_template")
+    if template:  # transformers' GGUF reader leaves it out
+        tokenizer.chat_template = template
     tokenizer.save_pretrained(str(folder))
 
 
 # -- weights -----------------------------------------------------------------------------
-def hf_name(name: str) -> str:
+def hf_name(name: str, arch: str = "llama") -> str:
     """llama.cpp's tensor name -> transformers' (e.g. blk.3.attn_q.weight)."""
     base, _, kind = name.rpartition(".")
     if base.startswith("blk."):
         _, layer, part = base.split(".", 2)
-        if part not in NAMES:
+        names = NAMES | FAMILY_NAMES.get(arch, {})
+        if part not in names:
             raise KeyError(f"GGUF tensor {name!r} has no place in the model")
-        return f"model.layers.{layer}.{NAMES[part]}.{kind}"
+        return f"model.layers.{layer}.{names[part]}.{kind}"
     if base not in TOP:
         raise KeyError(f"GGUF tensor {name!r} has no place in the model")
     return f"{TOP[base]}.{kind}"
 
 
-def to_float(tensor) -> torch.Tensor:
-    """A GGUF tensor as fp32 [rows, cols] in transformers' orientation (ggml lists dims
-    innermost first)."""
-    from gguf import GGMLQuantizationType
-    from gguf.quants import dequantize
-
+def check_type(tensor) -> str:
+    """The tensor's ggml type name; a type bitserve cannot read is refused by name."""
     kind = tensor.tensor_type.name
-    if kind not in EXACT and kind not in METHODS:
+    if kind not in TYPES:
         raise ValueError(
             f"GGUF tensor {tensor.name}: type {kind} is not supported "
-            f"(supported: {', '.join(EXACT + tuple(METHODS))})"
+            f"(supported: {', '.join(TYPES)})"
         )
+    return kind
+
+
+def to_float(tensor) -> torch.Tensor:
+    """A GGUF tensor as fp32 [rows, cols] in transformers' orientation (ggml lists dims
+    innermost first): F32/F16/BF16 exactly, a block format as llama.cpp dequantizes it."""
+    kind = check_type(tensor)
     shape = [int(d) for d in reversed(tensor.shape)]
     if kind == "F32":
-        array = np.asarray(tensor.data, dtype=np.float32)
-    elif kind == "F16":
+        return torch.from_numpy(np.array(tensor.data, dtype=np.float32).reshape(shape))
+    if kind == "F16":
         array = np.asarray(tensor.data, dtype=np.float16).astype(np.float32)
-    else:  # BF16 (stored as raw 16-bit words) and the block formats
-        array = dequantize(tensor.data, GGMLQuantizationType[kind])
-    return torch.from_numpy(np.array(array, dtype=np.float32).reshape(shape))  # a copy
+        return torch.from_numpy(array).view(shape)
+    return dequantize(kind, raw_rows(tensor), shape[-1]).view(shape)
+
+
+def raw_rows(tensor) -> torch.Tensor:
+    """The tensor's bytes as uint8 [rows, row bytes], copied off the file (huge pages:
+    the kernels stream them)."""
+    data = np.asarray(tensor.data).view(np.uint8)
+    rows = int(np.prod([int(d) for d in tensor.shape[1:]]))
+    out = c.empty_huge_pages((rows, data.size // rows), torch.uint8)
+    out.numpy()[:] = data.reshape(rows, -1)  # (torch would warn: the file is read-only)
+    return out
 
 
 def unpermute(w: torch.Tensor, heads: int) -> torch.Tensor:
-    """Undo llama.cpp's `permute` of q/k rows (pairs interleaved per head)."""
+    """Undo llama.cpp's `permute` of q/k rows (pairs interleaved per head); whole rows
+    move, so it applies as well to a block format's raw rows."""
     half = w.shape[0] // heads // 2
     return w.reshape(heads, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def quant_method(reader) -> str | None:
-    """bitserve's method for the file's quantized linear weights, None when all exact."""
-    kinds = {t.tensor_type.name for t in reader.tensors if t.name.startswith("blk.")}
-    methods = {METHODS[k] for k in kinds if k in METHODS}
-    if len(methods) > 1:
-        raise ValueError(f"GGUF mixes {sorted(kinds)}: one of Q8_0 or Q4_0 is supported")
-    return methods.pop() if methods else None
-
-
-def load_weights(model: nn.Module, file: Path, hf: dict[str, Any]) -> str | None:
-    """Fill `model` (fp32, built from the companion config) from `file`; quantize it as
-    its Q8_0/Q4_0 tensors say. Returns the bitserve method used, or None."""
+def load_weights(model: nn.Module, file: Path, hf: dict[str, Any]) -> None:
+    """Fill `model` (fp32, built from the companion config) from `file`. Linear layers
+    with a block-format tensor become `GgmlLinear`s over the file's bytes; everything
+    else (norms, biases, F32/F16/BF16 linears, the token embedding) is loaded as fp32."""
     reader = open_reader(file)
     arch = hf.get("gguf", {}).get("architecture", hf.get("model_type"))
-    heads = hf["num_attention_heads"]
-    kv_heads = hf.get("num_key_value_heads") or heads
     params = dict(model.named_parameters())
+    linears: dict[str, dict[int, tuple[str, Any]]] = {}  # module -> shard -> (name, tensor)
     for tensor in reader.tensors:
-        name = hf_name(tensor.name)
-        weight = to_float(tensor)
-        if arch in PERMUTED and name.endswith(("q_proj.weight", "k_proj.weight")):
-            weight = unpermute(weight, heads if "q_proj" in name else kv_heads)
-        model.load_weight(params, name, weight)
-    method = quant_method(reader)
-    if method is not None:
-        from bitserve.llm.quant.quantize import prepare_kernels, quantize_model
+        check_type(tensor)
+        name = hf_name(tensor.name, arch)
+        target, shard = model.parameter_for(name)
+        if target not in params and model.elsewhere(target):
+            continue  # another pipeline stage's
+        if target.endswith("_proj.weight") or target == "lm_head.weight":
+            linears.setdefault(target.removesuffix(".weight"), {})[shard or 0] = (name, tensor)
+        else:
+            model.load_weight(params, name, prepared(tensor, name, arch, hf))
+    if model.tie_word_embeddings and model.lm_head is not None:
+        # llama.cpp reads the token embedding as the output matrix, in its own type
+        token_embd = next(t for t in reader.tensors if t.name == "token_embd.weight")
+        linears["lm_head"] = {0: ("lm_head.weight", token_embd)}
+    for module, shards in linears.items():
+        parts = [shards[i] for i in sorted(shards)]
+        if all(t.tensor_type.name in EXACT for _, t in parts):  # fp32 (a tied head: skipped)
+            for name, t in parts:
+                model.load_weight(params, name, prepared(t, name, arch, hf))
+            continue
+        if model.parallel.tp.size > 1:
+            raise ValueError(f"{file}: block formats are not served under tensor parallelism")
+        set_module(model, module, ggml_linear(model.get_submodule(module), parts, arch, hf))
 
-        quantize_model(model, method, group_size=32)
-        prepare_kernels(model)
-        log.info("%s: %s blocks re-quantized as bitserve %s", file, method.upper(), method)
-    return method
+
+def prepared(tensor, name: str, arch: str, hf: dict[str, Any]) -> torch.Tensor:
+    """A tensor as fp32 in transformers' form: q/k rows permuted back, Gemma's norms
+    stored as w - 1 again."""
+    weight = to_float(tensor)
+    if arch in PERMUTED and name.endswith(("q_proj.weight", "k_proj.weight")):
+        weight = unpermute(weight, heads_of(name, hf))
+    if arch in UNIT_OFFSET_NORMS and name.endswith("norm.weight"):
+        weight = weight - 1  # the converter stored 1 + w
+    return weight
+
+
+def heads_of(name: str, hf: dict[str, Any]) -> int:
+    heads = hf["num_attention_heads"]
+    return heads if "q_proj" in name else hf.get("num_key_value_heads") or heads
+
+
+def ggml_linear(old: nn.Module, parts: list, arch: str, hf: dict[str, Any]) -> GgmlLinear:
+    """The parts (q, k, v or gate, up, or one tensor) as one GgmlLinear, in their own
+    types; the old layer's bias (loaded as fp32 already) carried over."""
+    blocks = []
+    for name, tensor in parts:
+        kind = check_type(tensor)
+        rows = raw_rows(tensor)
+        if arch in PERMUTED and name.endswith(("q_proj.weight", "k_proj.weight")):
+            rows = unpermute(rows, heads_of(name, hf)).contiguous()
+        blocks.append((kind, rows))
+    bias = getattr(old, "bias", None)
+    in_features = int(parts[0][1].shape[0])  # ggml lists the innermost dimension first
+    return GgmlLinear(in_features, blocks, None if bias is None else bias.data)

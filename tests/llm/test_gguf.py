@@ -1,7 +1,12 @@
-"""GGUF files written by llama.cpp's own converter, served by the engine.
+"""GGUF files written by llama.cpp's own converter and `llama-quantize`, served by the engine.
 
 The converter (`convert_hf_to_gguf.py`) is llama.cpp's, installed by
-tools/fetch_gguf_converter.py (make runs it); without it these tests skip. It runs
+tools/fetch_gguf_converter.py, and `llama-quantize` is built from the same llama.cpp by
+tools/build_llama_quantize.sh (make runs both); without them these tests skip. Every
+type a llama.cpp user downloads (Q4_K_M, Q5_K_M, Q6_K, Q4_0, Q5_0, Q8_0; F32, F16, BF16
+and the converter's own Q8_0) is checked against llama.cpp's dequantized tensors run
+through transformers (its GGUF loader dequantizes with gguf-py's `quants.dequantize`):
+logits within 1e-3 of the largest, and 64 greedy tokens equal. The converter runs
 unchanged on the weights; two of its checks are told about our offline tokenizers,
 which it has never seen: its table of known BPE pre-tokenizers (ours split as GPT-2
 does, "gpt-2"), and its SentencePiece attempt, which imports sentencepiece before it
@@ -16,14 +21,19 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
 
-from bitserve.llm.gguf import hf_name, quant_method, unpermute
+from bitserve.llm import SamplingParams
+from bitserve.llm.gguf import hf_name, unpermute
+from bitserve.llm.quant.ggml import GgmlLinear
 from bitserve.quantize.evaluate import evaluate_llm
-from tests.llm.conftest import make_engine
+from bitserve.quantize.scoring import window_logits
+from tests.llm.conftest import COMMON, build_model, make_engine
 from tests.llm.test_engine import MIXED, generate, reference
 from tests.quant.conftest import HELDOUT, TINYLM
 
@@ -31,8 +41,9 @@ CONVERTER = (
     Path(os.environ.get("BITSERVE_LLAMA_CPP", Path.home() / ".cache/bitserve/llama.cpp"))
     / "convert_hf_to_gguf.py"
 )
+QUANTIZE = CONVERTER.parent / "build" / "bin" / "llama-quantize"
 RUN_CONVERTER = """
-import runpy, sys
+import json, runpy, sys
 from pathlib import Path
 conv = Path(sys.argv[1])
 sys.path.insert(0, str(conv.parent))
@@ -44,8 +55,13 @@ def set_vocab_sentencepiece(self, *args, **kwargs):
         raise FileNotFoundError("no tokenizer.model")
     return sentencepiece(self, *args, **kwargs)
 base.TextModel._set_vocab_sentencepiece = set_vocab_sentencepiece
-sys.argv = sys.argv[1:]
-runpy.run_path(str(conv), run_name="__main__")
+from conversion import gemma
+def gemma2_vocab(self):  # as Gemma3Model does without a tokenizer.model
+    self._set_vocab_gpt2()
+gemma.Gemma2Model.set_vocab = gemma2_vocab
+for args in json.loads(sys.argv[2]):  # several outputs, one import of torch
+    sys.argv = [str(conv), *args]
+    runpy.run_path(str(conv), run_name="__main__")
 """
 
 needs_converter = pytest.mark.skipif(
@@ -59,10 +75,29 @@ def gguf_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("BITSERVE_GGUF_CACHE", str(tmp_path / "gguf-cache"))
 
 
+needs_quantize = pytest.mark.skipif(
+    not CONVERTER.is_file() or not QUANTIZE.is_file(),
+    reason=f"no llama.cpp converter at {CONVERTER} or no llama-quantize at {QUANTIZE}: "
+    "run tools/fetch_gguf_converter.py and tools/build_llama_quantize.sh",
+)
+
+
+def convert_all(folder: Path, outs: dict[str, Path]) -> dict[str, Path]:
+    """`folder` through the converter once per outtype ({outtype: file}), one process."""
+    runs = [[str(folder), "--outtype", t, "--outfile", str(out)] for t, out in outs.items()]
+    command = [sys.executable, "-c", RUN_CONVERTER, str(CONVERTER), json.dumps(runs)]
+    subprocess.run(command, check=True, capture_output=True)
+    return outs
+
+
 def convert(folder: Path, outtype: str, out: Path) -> Path:
-    args = [str(CONVERTER), str(folder), "--outtype", outtype, "--outfile", str(out)]
-    subprocess.run([sys.executable, "-c", RUN_CONVERTER, *args], check=True, capture_output=True)
-    return out
+    return convert_all(folder, {outtype: out})[outtype]
+
+
+def quantize(src: Path, dst: Path, kind: str) -> Path:
+    """llama-quantize, as a llama.cpp user makes a Q4_K_M from an F32 file."""
+    subprocess.run([str(QUANTIZE), str(src), str(dst), kind, "1"], check=True, capture_output=True)
+    return dst
 
 
 @pytest.fixture(scope="module")
@@ -95,57 +130,213 @@ def test_a_folder_holding_a_gguf_is_served_from_it(llama_dir, llama_f32, tmp_pat
 
 
 @needs_converter
-def test_q8_0_gguf_keeps_tinylm_perplexity_within_the_int8_limit(tmp_path):
-    """Q8_0 is re-quantized as bitserve int8: llama.cpp's rounding, then bitserve's."""
+def test_q8_0_gguf_keeps_tinylm_perplexity(tmp_path):
+    """A trained model's Q8_0 file, served in its own blocks: llama.cpp's rounding only."""
     file = convert(TINYLM / "1", "q8_0", tmp_path / "tinylm-q8_0.gguf")
     result = evaluate_llm(file, TINYLM / "1", HELDOUT.read_text(), 256, 256, 2)
     change = result["comparison"]["perplexity_change"]
-    print(f"tinylm Q8_0 GGUF as bitserve int8: perplexity change {change:+.4%}")
-    assert abs(change) < 0.01  # the int8 limit (tests/quant/test_tinylm.py)
-    assert result["comparison"]["next_token_agreement"] > 0.95
+    print(f"tinylm Q8_0 GGUF: perplexity change {change:+.4%}")
+    assert abs(change) < 0.005
+    assert result["comparison"]["next_token_agreement"] > 0.97
 
 
-def requantize(src: Path, dst: Path, kind: str) -> Path:
-    """`src` with its F32 decoder matrices quantized to `kind` by gguf-py (ggml's
-    reference quantizer, what llama-quantize applies; the converter cannot write Q4_0).
-    A matrix whose rows are not whole blocks of 32 stays F32 (llama-quantize would
-    pick a fallback type for it)."""
+# -- every type a llama.cpp user has, on a model whose rows are whole super-blocks --------
+CONVERTED = ("f32", "f16", "bf16", "q8_0")  # the converter's own outtypes
+QUANTIZED = ("Q4_K_M", "Q5_K_M", "Q6_K", "Q4_0", "Q5_0", "Q8_0")  # llama-quantize's
+# the types each file holds (llama-quantize keeps the output matrix Q6_K below Q8_0)
+BLOCK_TYPES = {"Q4_K_M": {"Q4_K", "Q6_K"}, "Q5_K_M": {"Q5_K", "Q6_K"}, "Q6_K": {"Q6_K"}}
+BLOCK_TYPES |= {"Q4_0": {"Q4_0", "Q6_K"}, "Q5_0": {"Q5_0", "Q6_K"}, "Q8_0": {"Q8_0"}}
+BLOCK_TYPES["q8_0"] = {"Q8_0"}
+LONG = 64  # greedy tokens compared
+CHAT = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+
+
+def k_config(**overrides) -> LlamaConfig:
+    """K-quants need rows of whole 256-weight super-blocks: hidden 256, MLP 512."""
+    return LlamaConfig(
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        **{**COMMON, "initializer_range": 0.05, **overrides},
+    )
+
+
+@pytest.fixture(scope="module")
+def k_files(tmp_path_factory) -> dict[str, Path]:
+    """The random Llama through the converter (4 outtypes) and llama-quantize (6 types),
+    once per module: ~15 s."""
+    root = tmp_path_factory.mktemp("gguf-k")
+    folder = build_model(root / "hf", k_config(), seed=3)
+    settings = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps(settings | {"chat_template": CHAT}))
+    files = convert_all(folder, {t: root / f"{t}.gguf" for t in CONVERTED})
+    for kind in QUANTIZED:
+        files[kind] = quantize(files["f32"], root / f"{kind}.gguf", kind)
+    return files
+
+
+def llama_cpp_reference(file: Path):
+    """transformers on the file: llama.cpp's tensors dequantized by gguf-py."""
+    return AutoModelForCausalLM.from_pretrained(
+        str(file.parent), gguf_file=file.name, dtype=torch.float32
+    ).eval()
+
+
+def block_types(model) -> set[str]:
+    return {t for m in model.modules() if isinstance(m, GgmlLinear) for t in m.types}
+
+
+@needs_quantize
+@pytest.mark.parametrize("kind", CONVERTED + QUANTIZED)
+def test_every_type_is_llama_cpps_dequantized_model(k_files, kind):
+    file = k_files[kind]
+    engine = make_engine(file, num_kv_blocks=64)
+    model = engine.runner.model
+    # the blocks stay as the file has them (Q4_K_M mixes Q4_K and Q6_K); floats are fp32
+    assert block_types(model) - {"F32", "F16"} == BLOCK_TYPES.get(kind, set())
+    assert model.fuse_rows > 0  # decode runs the fused C layer over them
+    assert engine.tokenizer.chat_template == CHAT  # from tokenizer.chat_template
+    hf = llama_cpp_reference(file)
+    prompt = MIXED[2]
+    with torch.inference_mode():
+        want = hf.generate(torch.tensor([prompt]), max_new_tokens=LONG, do_sample=False)
+        want_logits = hf(torch.tensor([prompt])).logits[0].float()
+    params = SamplingParams(temperature=0, max_tokens=LONG, ignore_eos=True)
+    assert generate(engine, [prompt], params)[0] == want[0, len(prompt) :].tolist()
+    with torch.inference_mode():
+        got = window_logits(model, prompt)
+    error = float((got - want_logits).abs().max() / want_logits.abs().max())
+    assert error < 1e-3, f"{kind}: logits off by {error:.2e} of the largest"
+
+
+@needs_quantize
+def test_a_tied_head_reads_the_quantized_embedding(tmp_path):
+    """A tied head (no output.weight): llama.cpp reads token_embd (Q4_K here) as the
+    output matrix, and so does bitserve, while the embedding itself is dequantized once."""
+    folder = build_model(tmp_path / "hf", k_config(tie_word_embeddings=True), seed=4)
+    f32 = convert(folder, "f32", tmp_path / "f32.gguf")
+    file = quantize(f32, tmp_path / "q4_k_m.gguf", "Q4_K_M")
+    engine = make_engine(file, num_kv_blocks=64)
+    head = engine.runner.model.lm_head
+    assert isinstance(head, GgmlLinear) and head.types != ["F32"]
+    hf = llama_cpp_reference(file)
+    prompt = MIXED[1]
+    with torch.inference_mode():
+        want = hf.generate(torch.tensor([prompt]), max_new_tokens=LONG, do_sample=False)
+    params = SamplingParams(temperature=0, max_tokens=LONG, ignore_eos=True)
+    assert generate(engine, [prompt], params)[0] == want[0, len(prompt) :].tolist()
+
+
+FAMILIES = {  # random models of each family, K-quant-sized rows
+    "gemma2": ("Gemma2Config", dict(head_dim=64, query_pre_attn_scalar=64, sliding_window=16)),
+    "gemma3": ("Gemma3TextConfig", dict(head_dim=64, query_pre_attn_scalar=64, sliding_window=16)),
+    "phi3": ("Phi3Config", dict(tie_word_embeddings=False)),
+}
+
+
+def family_folder(folder: Path, family: str) -> Path:
+    import transformers
+
+    name, extra = FAMILIES[family]
+    shape = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2)
+    shape |= dict(num_attention_heads=4, num_key_value_heads=2, **extra)
+    config = getattr(transformers, name)(**shape, **{**COMMON, "initializer_range": 0.05})
+    build_model(folder, config, seed=5)
+    if family == "phi3":  # the converter reads a Phi-3 vocab by this class (or sentencepiece)
+        settings = json.loads((folder / "tokenizer_config.json").read_text())
+        settings["tokenizer_class"] = "GPT2Tokenizer"
+        (folder / "tokenizer_config.json").write_text(json.dumps(settings))
+    return folder
+
+
+@needs_quantize
+@pytest.mark.parametrize(  # ~20 s each: Gemma 3 (qk-norm, sandwich norms, two RoPEs) always
+    "family", [pytest.param(f, marks=[] if f == "gemma3" else pytest.mark.slow) for f in FAMILIES]
+)
+def test_gemma_and_phi3_files(family, tmp_path):
+    """F32: the HF folder's own greedy tokens (Gemma's norms stored as 1 + w, its soft-caps
+    and attention scale from the metadata; Phi-3's fused qkv and gate/up); Q4_K_M:
+    llama.cpp's dequantized model (transformers, given the attention scale llama.cpp uses)."""
+    folder = family_folder(tmp_path / "hf", family)
+    f32 = convert(folder, "f32", tmp_path / "f32.gguf")
+    prompt = MIXED[2]
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    assert generate(make_engine(f32, num_kv_blocks=64), [prompt], params) == [
+        reference(folder, prompt)
+    ]
+    file = quantize(f32, tmp_path / "q4_k_m.gguf", "Q4_K_M")
+    engine = make_engine(file, num_kv_blocks=64)
+    assert block_types(engine.runner.model) == {"Q4_K", "Q6_K"}
+    assert engine.runner.model.fuse_rows > 0
+    scale = {"query_pre_attn_scalar": 64} if family.startswith("gemma") else {}
+    hf = AutoModelForCausalLM.from_pretrained(
+        str(file.parent), gguf_file=file.name, dtype=torch.float32, **scale
+    ).eval()
+    with torch.inference_mode():
+        want = hf.generate(torch.tensor([prompt]), max_new_tokens=LONG, do_sample=False)
+        want_logits = hf(torch.tensor([prompt])).logits[0].float()
+        got = window_logits(engine.runner.model, prompt)
+    long = SamplingParams(temperature=0, max_tokens=LONG, ignore_eos=True)
+    assert generate(engine, [prompt], long)[0] == want[0, len(prompt) :].tolist()
+    assert float((got - want_logits).abs().max() / want_logits.abs().max()) < 1e-3
+
+
+@needs_quantize
+def test_an_unsupported_type_is_refused_naming_tensor_and_type(k_files, tmp_path):
+    """Q2_K (or an IQ type) has no kernel: the load fails naming the tensor and type."""
     import gguf
     import numpy as np
-    from gguf.quants import quantize
 
-    qtype = gguf.GGMLQuantizationType[kind]
-    reader = gguf.GGUFReader(str(src))
-    writer = gguf.GGUFWriter(str(dst), reader.get_field("general.architecture").contents())
-    for name, field in reader.fields.items():
+    src = gguf.GGUFReader(str(k_files["f32"]))
+    file = tmp_path / "q2_k.gguf"
+    writer = gguf.GGUFWriter(str(file), src.get_field("general.architecture").contents())
+    for name, f in src.fields.items():
         if name.startswith("GGUF.") or name == "general.architecture":
             continue
-        sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
-        writer.add_key_value(name, field.contents(), field.types[0], sub_type=sub)
-    for t in reader.tensors:
+        sub = f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(name, f.contents(), f.types[0], sub_type=sub)
+    q2k = gguf.GGMLQuantizationType.Q2_K
+    for t in src.tensors:
         data = np.array(t.data)
-        blocks = data.ndim == 2 and data.shape[-1] % 32 == 0
-        if t.name.startswith("blk.") and blocks and t.tensor_type.name == "F32":
-            writer.add_tensor(t.name, quantize(data, qtype), raw_dtype=qtype)
+        if t.name == "blk.1.ffn_down.weight":  # [256, 512]: 2 super-blocks a row
+            size = gguf.GGML_QUANT_SIZES[q2k][1] * data.shape[1] // 256
+            data = np.random.default_rng(0).integers(0, 256, (data.shape[0], size), np.uint8)
+            writer.add_tensor(t.name, data, raw_dtype=q2k)
         else:
             writer.add_tensor(t.name, data)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    return dst
+    with pytest.raises(ValueError, match=r"blk\.1\.ffn_down\.weight: type Q2_K"):
+        make_engine(file, num_kv_blocks=8)
 
 
 @needs_converter
-@pytest.mark.slow
-def test_q4_0_gguf_keeps_tinylm_perplexity_within_the_int4_limit(tmp_path):
-    """Q4_0 is re-quantized as bitserve int4 (group 32): llama.cpp's rounding, then ours."""
-    f32 = convert(TINYLM / "1", "f32", tmp_path / "tinylm-f32.gguf")
-    file = requantize(f32, tmp_path / "tinylm-q4_0.gguf", "Q4_0")
-    result = evaluate_llm(file, TINYLM / "1", HELDOUT.read_text(), 256, 1024, 2)
-    change = result["comparison"]["perplexity_change"]
-    print(f"tinylm Q4_0 GGUF as bitserve int4: perplexity change {change:+.4%}")
-    assert abs(change) < 0.05  # the int4 limit (tests/quant/test_tinylm.py)
+def test_bitserve_serve_takes_a_bare_gguf_file(llama_f32, monkeypatch):
+    """`bitserve serve FILE.gguf`, nothing else: one llm model named after the file,
+    answering completions (the app as `serve` builds it, in process, without uvicorn)."""
+    from click.testing import CliRunner
+    from starlette.testclient import TestClient
+
+    from bitserve import cli
+
+    apps = []
+    monkeypatch.setattr(cli, "_run", lambda app, *args: apps.append(app))
+    answer = CliRunner().invoke(cli.main, ["serve", str(llama_f32), "--threads", "1"])
+    assert answer.exit_code == 0, answer.output
+    with TestClient(apps[0]) as client:
+        deadline = time.monotonic() + 60  # the model loads in the background
+        while client.get("/v2/health/ready").status_code != 200:
+            assert time.monotonic() < deadline, client.get("/v2/health/ready").text
+            time.sleep(0.1)
+        assert [m["id"] for m in client.get("/v1/models").json()["data"]] == ["llama-f32"]
+        body = {"model": "llama-f32", "prompt": "the quick brown", "max_tokens": 8}
+        done = client.post("/v1/completions", json=body | {"temperature": 0})
+        assert done.status_code == 200, done.text
+        assert done.json()["usage"]["completion_tokens"] == 8
 
 
 @needs_converter
@@ -173,19 +364,3 @@ def test_llama_cpp_names_and_rope_permutation():
     w = torch.randn(4 * 8, 5)  # 4 heads of 8
     permuted = w.reshape(4, 2, 4, 5).swapaxes(1, 2).reshape(w.shape)  # LlamaModel.permute
     assert torch.equal(unpermute(permuted, 4), w)
-
-
-def test_only_q8_0_and_q4_0_map_onto_bitserve_methods():
-    class Tensor:
-        def __init__(self, name, kind):
-            self.name = name
-            self.tensor_type = type("T", (), {"name": kind})
-
-    def reader(*kinds):
-        return type("R", (), {"tensors": [Tensor(f"blk.{i}.x", k) for i, k in enumerate(kinds)]})
-
-    assert quant_method(reader("F32", "F16")) is None
-    assert quant_method(reader("Q8_0", "F32")) == "int8"
-    assert quant_method(reader("Q4_0")) == "int4"
-    with pytest.raises(ValueError, match="mixes"):
-        quant_method(reader("Q8_0", "Q4_0"))

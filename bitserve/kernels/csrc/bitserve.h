@@ -21,7 +21,9 @@
    wsum, a8_rows (int8 only): each row's sum of q, and from how many rows of x on the
    activations are quantized too (VNNI); wsum NULL: never. bias [N] or NULL.
    lora_a (fp32 kinds only) or NULL: LoRA deltas after the product, bs_lora_add's, each
-   row m with lora_slots[m] >= 0 through lora_a [lora_S, lora_W, K], lora_bt [.., N]. */
+   row m with lora_slots[m] >= 0 through lora_a [lora_S, lora_W, K], lora_bt [.., N].
+   kind 4: llama.cpp's blocks as a GGUF file stores them (ggml.c): `parts` points to
+   `nparts` GgmlPart (below), their rows in order making the N outputs. */
 typedef struct {
     long kind;
     const void *data;
@@ -35,6 +37,8 @@ typedef struct {
     const int *lora_slots;
     long lora_S, lora_W;
     const int32_t *perm;
+    const void *parts;
+    long nparts;
 } Weight;
 
 /* One decoder layer (Llama and the families that share its shape). Norm pointers are
@@ -115,5 +119,24 @@ long bs_bf16_mode(long mode);
 /* The compiler's layout of the structs above, for the test that holds cffi's to it:
    offsetof(type, field), or sizeof(type) for field "", or -1 if not listed. */
 long bs_layout(const char *type, const char *field);
+
+/* llama.cpp's weight formats (ggml.c). A GgmlPart is `rows` consecutive output rows of one
+   ggml type (0 F32, 1 F16, 30 BF16, 2 Q4_0, 6 Q5_0, 8 Q8_0, 12 Q4_K, 13 Q5_K, 14 Q6_K),
+   `data` each row's blocks back to back, bs_ggml_row_bytes(type, K) bytes a row. One
+   Weight may hold parts of different types (a fused qkv of Q4_K q, k and Q6_K v). */
+typedef struct {
+    long type, rows;
+    const void *data;
+} GgmlPart;
+
+/* bytes of one row of K weights of `type`; -1: not a type ggml.c reads, or K not a whole
+   number of its blocks */
+long bs_ggml_row_bytes(long type, long K);
+
+/* out [rows, K] fp32 = the rows of `type` at data, dequantized as llama.cpp does */
+void bs_ggml_dequantize(long type, const void *data, long rows, long K, float *out);
+
+/* y [M, N] = x [M, K] (row stride ldx) @ W.T + bias for a kind 4 Weight */
+void bs_ggml_gemv(const Weight *w, const float *x, long ldx, long M, float *y);
 
 #endif

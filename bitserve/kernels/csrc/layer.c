@@ -11,6 +11,8 @@ void bs_gemv(const Weight *w, const float *x, long ldx, long M, float *y) {
         bs_linear_packed(x, ldx, M, w->K, (const float *)w->data, w->N, w->bias, y);
     else if (w->kind == 5)
         bs_bf16_gemv(w, x, ldx, M, y);
+    else if (w->kind == 4)
+        bs_ggml_gemv(w, x, ldx, M, y);
     else
         bs_qgemv(w, x, ldx, M, y);
     if (w->lora_a)
@@ -197,6 +199,8 @@ static const struct {
     FIELD(Weight, group),   FIELD(Weight, wsum),       FIELD(Weight, a8_rows),
     FIELD(Weight, lora_a),  FIELD(Weight, lora_bt),    FIELD(Weight, lora_slots),
     FIELD(Weight, lora_S),  FIELD(Weight, lora_W),     FIELD(Weight, perm),
+    FIELD(Weight, parts),   FIELD(Weight, nparts),     SIZE(GgmlPart),
+    FIELD(GgmlPart, type),  FIELD(GgmlPart, rows),     FIELD(GgmlPart, data),
     SIZE(LayerParams),      FIELD(LayerParams, qkv),   FIELD(LayerParams, o),
     FIELD(LayerParams, gu), FIELD(LayerParams, down),  FIELD(LayerParams, ln1),
     FIELD(LayerParams, ln2), FIELD(LayerParams, qnorm), FIELD(LayerParams, knorm),

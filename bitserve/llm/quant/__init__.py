@@ -9,6 +9,7 @@ imports neither (only `bitserve.kernels`), so the engine can load quantized mode
 
 - `linear.py`: the quantized layers and which kernel runs at which batch size (the C
   GEMVs and the decode layer that reads them live in `bitserve/kernels`);
+- `ggml.py`: a linear layer over llama.cpp's own blocks (GGUF Q4_K, Q8_0, ...; `llm/gguf.py`);
 - `quantize.py`: swapping a model's layers, saving and loading quantized folders;
 - `checkpoints.py`: AWQ and GPTQ folders (their `quantization_config`) on the int4 kernel;
 - `encoder.py`: the same for transformers encoders (the hf backend).

@@ -1,0 +1,538 @@
+/* llama.cpp's weight formats, read as the GGUF file stores them (`Weight` kind 4).
+
+   A GGUF tensor of type Q4_0, Q5_0, Q8_0 (blocks of 32 weights, an fp16 scale each) or
+   Q4_K, Q5_K, Q6_K (super-blocks of 256: an fp16 scale, for Q4_K/Q5_K an fp16 min too,
+   and 6- or 8-bit scales per 16 or 32 weights) is kept byte for byte, each row its blocks
+   back to back, and these kernels dequantize it on the fly into fp32 and meet fp32
+   activations with FMAs. So y equals x @ W.T for W as llama.cpp dequantizes it
+   (`dequantize_row_*` in ggml-quants.c, gguf-py's `gguf.quants.dequantize`) up to fp32
+   summation order; nothing is re-quantized, neither the weights nor x.
+
+   Invariants: every row of a part starts on a block boundary (row bytes = K / block
+   elements * block bytes); a weight's value depends only on its own block; the
+   dequantization of a block is the same whichever kernel path reads it.
+
+   - Up to 8 rows of x (decode, M < PANEL_ROWS): a weight row is dequantized in
+     registers, 16 weights at a time, each vector FMA'd straight into every row of x
+     (AVX-512; without it, and for F32/F16/BF16 parts, through an L1 buffer and `dot`).
+     At 4-8 rows this is 1.5-2x the panels below; at 16 rows the two are even.
+   - More rows (batched decode, prefill): CHUNK output rows at a time are dequantized
+     into an L2 buffer, transposed into bs_pack's panels (16 x 16 blocks in registers)
+     and run through the packed fp32 GEMM against every row of x, so dequantization is
+     paid once per weight per call, not once per row of x. (bs_linear_packed called
+     from a pool task runs on that thread: the pool does not nest.)
+   Either splits the output rows over the thread pool in chunks of CHUNK rows; each
+   thread keeps its own scratch (thread-local, grown once, never freed). */
+#include "internal.h"
+#ifdef __F16C__
+#include <immintrin.h>
+#endif
+
+enum {
+    T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q5_0 = 6, T_Q8_0 = 8,
+    T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_BF16 = 30,
+};
+
+#define CHUNK 32      /* output rows a task (two packed panels) */
+#define PANEL_ROWS 9  /* from this many rows of x on, the panel path */
+
+/* IEEE half -> float, exactly (normals, subnormals, inf, nan): one instruction with F16C */
+static inline float fp16(const uint8_t *p) {
+    uint16_t h = (uint16_t)(p[0] | p[1] << 8);
+#ifdef __F16C__
+    return _cvtsh_ss(h);
+#endif
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 31, man = h & 1023;
+    union { uint32_t u; float f; } c;
+    if (exp == 31) {
+        c.u = sign | 0x7f800000u | man << 13;
+    } else if (exp == 0) { /* zero or subnormal: man * 2^-24 */
+        c.f = (float)man * 5.9604644775390625e-8f;
+        c.u |= sign;
+    } else {
+        c.u = sign | (exp + 112) << 23 | man << 13;
+    }
+    return c.f;
+}
+
+/* (elements, bytes) of one block of `type`; 0 elements: not a type these kernels read */
+static void block_shape(long type, long *elems, long *bytes) {
+    *elems = 0, *bytes = 0;
+    switch (type) {
+    case T_F32: *elems = 1, *bytes = 4; break;
+    case T_F16: case T_BF16: *elems = 1, *bytes = 2; break;
+    case T_Q4_0: *elems = 32, *bytes = 18; break;
+    case T_Q5_0: *elems = 32, *bytes = 22; break;
+    case T_Q8_0: *elems = 32, *bytes = 34; break;
+    case T_Q4_K: *elems = 256, *bytes = 144; break;
+    case T_Q5_K: *elems = 256, *bytes = 176; break;
+    case T_Q6_K: *elems = 256, *bytes = 210; break;
+    }
+}
+
+long bs_ggml_row_bytes(long type, long K) {
+    long elems, bytes;
+    block_shape(type, &elems, &bytes);
+    if (elems == 0 || K % elems) return -1;
+    return K / elems * bytes;
+}
+
+/* -- one block -> fp32, as ggml-quants.c's dequantize_row_* computes each value --------- */
+static void deq_q4_0(const uint8_t *b, float *y) { /* d, qs[16]: low nibbles, then high */
+    float d = fp16(b);
+    const uint8_t *qs = b + 2;
+    for (int j = 0; j < 16; j++) {
+        y[j] = (float)((qs[j] & 15) - 8) * d;
+        y[j + 16] = (float)((qs[j] >> 4) - 8) * d;
+    }
+}
+
+static void deq_q5_0(const uint8_t *b, float *y) { /* d, qh (32 fifth bits), qs[16] */
+    float d = fp16(b);
+    uint32_t qh = (uint32_t)b[2] | (uint32_t)b[3] << 8 | (uint32_t)b[4] << 16 |
+                  (uint32_t)b[5] << 24;
+    const uint8_t *qs = b + 6;
+    for (int j = 0; j < 16; j++) {
+        int h0 = ((qh >> j) << 4) & 0x10, h1 = (qh >> (j + 12)) & 0x10;
+        y[j] = (float)(((qs[j] & 15) | h0) - 16) * d;
+        y[j + 16] = (float)(((qs[j] >> 4) | h1) - 16) * d;
+    }
+}
+
+static void deq_q8_0(const uint8_t *b, float *y) { /* d, int8 qs[32] */
+    float d = fp16(b);
+    const int8_t *qs = (const int8_t *)(b + 2);
+    for (int j = 0; j < 32; j++) y[j] = (float)qs[j] * d;
+}
+
+/* Q4_K/Q5_K: 8 sub-blocks of 32, each a 6-bit scale and min packed in scales[12] */
+static inline void scale_min_k4(int j, const uint8_t *q, float *sc, float *m) {
+    if (j < 4) {
+        *sc = (float)(q[j] & 63), *m = (float)(q[j + 4] & 63);
+    } else {
+        *sc = (float)((q[j + 4] & 15) | ((q[j - 4] >> 6) << 4));
+        *m = (float)((q[j + 4] >> 4) | ((q[j] >> 6) << 4));
+    }
+}
+
+static void deq_q4_k(const uint8_t *b, float *y) { /* d, dmin, scales[12], qs[128] */
+    float d = fp16(b), dmin = fp16(b + 2), sc, m;
+    const uint8_t *scales = b + 4, *q = b + 16;
+    for (int j = 0; j < 4; j++, q += 32, y += 64) {
+        scale_min_k4(2 * j, scales, &sc, &m);
+        float d1 = d * sc, m1 = dmin * m;
+        scale_min_k4(2 * j + 1, scales, &sc, &m);
+        float d2 = d * sc, m2 = dmin * m;
+        for (int l = 0; l < 32; l++) {
+            y[l] = d1 * (float)(q[l] & 15) - m1;
+            y[l + 32] = d2 * (float)(q[l] >> 4) - m2;
+        }
+    }
+}
+
+static void deq_q5_k(const uint8_t *b, float *y) { /* d, dmin, scales[12], qh[32], qs[128] */
+    float d = fp16(b), dmin = fp16(b + 2), sc, m;
+    const uint8_t *scales = b + 4, *qh = b + 16, *q = b + 48;
+    for (int j = 0; j < 4; j++, q += 32, y += 64) {
+        scale_min_k4(2 * j, scales, &sc, &m);
+        float d1 = d * sc, m1 = dmin * m;
+        scale_min_k4(2 * j + 1, scales, &sc, &m);
+        float d2 = d * sc, m2 = dmin * m;
+        int u1 = 1 << (2 * j), u2 = 2 << (2 * j);
+        for (int l = 0; l < 32; l++) {
+            y[l] = d1 * (float)((q[l] & 15) + (qh[l] & u1 ? 16 : 0)) - m1;
+            y[l + 32] = d2 * (float)((q[l] >> 4) + (qh[l] & u2 ? 16 : 0)) - m2;
+        }
+    }
+}
+
+static void deq_q6_k(const uint8_t *b, float *y) { /* ql[128], qh[64], int8 scales[16], d */
+    const uint8_t *ql = b, *qh = b + 128;
+    const int8_t *sc = (const int8_t *)(b + 192);
+    float d = fp16(b + 208);
+    for (int n = 0; n < 2; n++, y += 128, ql += 64, qh += 32, sc += 8) {
+        for (int l = 0; l < 32; l++) {
+            int is = l / 16;
+            int q1 = ((ql[l] & 15) | ((qh[l] & 3) << 4)) - 32;
+            int q2 = ((ql[l + 32] & 15) | (((qh[l] >> 2) & 3) << 4)) - 32;
+            int q3 = ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32;
+            int q4 = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32;
+            y[l] = d * (float)sc[is] * (float)q1;
+            y[l + 32] = d * (float)sc[is + 2] * (float)q2;
+            y[l + 64] = d * (float)sc[is + 4] * (float)q3;
+            y[l + 96] = d * (float)sc[is + 6] * (float)q4;
+        }
+    }
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+/* The same values, 16 lanes at a time: codes widened to int32, then one FMA each with
+   the block's scale and offset (d * q - m is llama.cpp's d * (q - z) for Q4_0/Q5_0/Q8_0
+   and Q6_K: exact in fp32 up to the FMA's single rounding). Each vector of 16 weights
+   goes to a `Sink`: stored (y), or straight into FMAs with R rows of x (no buffer: the
+   decode GEMV), into one of 4 accumulators a row picked by its offset in the block, so
+   consecutive FMAs do not wait on each other. Everything is inlined into the callers
+   below with R a constant, so the accumulators stay in registers. */
+#define VECTOR_BLOCKS 1
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
+#define MAX_FUSED 8 /* rows of x a fused pass takes: all below PANEL_ROWS */
+
+typedef struct {
+    float *y;         /* store here, or (NULL) ... */
+    const float *x;   /* ... FMA with these rows of x (row stride ldx) */
+    long ldx, R;
+    __m512 (*acc)[4]; /* [R][4] */
+} Sink;
+
+ALWAYS_INLINE void emit(const Sink *s, long k, int off, __m512 w) {
+    if (s->y) {
+        _mm512_storeu_ps(s->y + k + off, w);
+        return;
+    }
+    for (long r = 0; r < s->R; r++) {
+        /* 4 chains a row for few rows; from 4 rows on the rows are the chains */
+        __m512 *a = &s->acc[r][s->R < 4 ? (off >> 4) & 3 : 0];
+        *a = _mm512_fmadd_ps(w, _mm512_loadu_ps(s->x + r * s->ldx + k + off), *a);
+    }
+}
+
+ALWAYS_INLINE __m512 u8_ps(__m128i v) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(v)); }
+
+/* 4- and 5-bit codes take their value from a table of the block's 16 or 32 values
+   (d * i - m, one FMA per table), one permute a vector in place of a convert and an FMA */
+ALWAYS_INLINE __m512 iota_ps(float from) {
+    return _mm512_add_ps(_mm512_set1_ps(from), _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10,
+                                                               11, 12, 13, 14, 15));
+}
+
+ALWAYS_INLINE __m512i lo_nibbles(__m128i v) {
+    return _mm512_cvtepu8_epi32(_mm_and_si128(v, _mm_set1_epi8(15)));
+}
+
+ALWAYS_INLINE __m512i hi_nibbles(__m128i v) {
+    return _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(v, 4), _mm_set1_epi8(15)));
+}
+
+ALWAYS_INLINE void vdeq_q4_0(const uint8_t *b, const Sink *s, long k) {
+    float d = fp16(b);
+    __m512 table = _mm512_mul_ps(iota_ps(-8.f), _mm512_set1_ps(d)); /* (i - 8) d */
+    __m128i qs = _mm_loadu_si128((const __m128i *)(b + 2));
+    emit(s, k, 0, _mm512_permutexvar_ps(lo_nibbles(qs), table));
+    emit(s, k, 16, _mm512_permutexvar_ps(hi_nibbles(qs), table));
+}
+
+ALWAYS_INLINE void vdeq_q5_0(const uint8_t *b, const Sink *s, long k) {
+    float d = fp16(b);
+    uint32_t qh;
+    memcpy(&qh, b + 2, 4);
+    __m512 vd = _mm512_set1_ps(d); /* (i - 16) d for i < 16 and i >= 16 */
+    __m512 t0 = _mm512_mul_ps(iota_ps(-16.f), vd), t1 = _mm512_mul_ps(iota_ps(0.f), vd);
+    __m128i qs = _mm_loadu_si128((const __m128i *)(b + 6));
+    const __m512i sixteen = _mm512_set1_epi32(16); /* weight j's fifth bit: bit j of qh */
+    __m512i lo = lo_nibbles(qs), hi = hi_nibbles(qs);
+    lo = _mm512_mask_add_epi32(lo, (__mmask16)(qh & 0xffff), lo, sixteen);
+    hi = _mm512_mask_add_epi32(hi, (__mmask16)(qh >> 16), hi, sixteen);
+    emit(s, k, 0, _mm512_permutex2var_ps(t0, lo, t1));
+    emit(s, k, 16, _mm512_permutex2var_ps(t0, hi, t1));
+}
+
+ALWAYS_INLINE void vdeq_q8_0(const uint8_t *b, const Sink *s, long k) {
+    __m512 d = _mm512_set1_ps(fp16(b));
+    __m128i q0 = _mm_loadu_si128((const __m128i *)(b + 2));
+    __m128i q1 = _mm_loadu_si128((const __m128i *)(b + 18));
+    emit(s, k, 0, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q0)), d));
+    emit(s, k, 16, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q1)), d));
+}
+
+/* Q4_K/Q5_K: sub-blocks 2j (low nibbles) and 2j + 1 (high) of 32 weights each, at
+   q + 32 j; `hb`, for Q5_K, the fifth bits (qh), NULL for Q4_K */
+ALWAYS_INLINE void vdeq_k45(const uint8_t *b, const uint8_t *q, const uint8_t *hb,
+                            const Sink *s, long k) {
+    float d = fp16(b), dmin = fp16(b + 2), sc, m;
+    const __m512i sixteen = _mm512_set1_epi32(16);
+    for (int j = 0; j < 4; j++, q += 32) {
+        __m512 t[2][2]; /* sub-block 2j + i: d sc i - dmin m, i < 16 and i >= 16 (Q5_K) */
+        for (int i = 0; i < 2; i++) {
+            scale_min_k4(2 * j + i, b + 4, &sc, &m);
+            __m512 vd = _mm512_set1_ps(d * sc), vm = _mm512_set1_ps(dmin * m);
+            t[i][0] = _mm512_fmsub_ps(iota_ps(0.f), vd, vm);
+            t[i][1] = hb ? _mm512_fmsub_ps(iota_ps(16.f), vd, vm) : t[i][0];
+        }
+        for (int h = 0; h < 2; h++) {
+            __m128i v = _mm_loadu_si128((const __m128i *)(q + 16 * h));
+            __m512i lo = lo_nibbles(v), hi = hi_nibbles(v);
+            if (hb) {
+                __m128i bits = _mm_loadu_si128((const __m128i *)(hb + 16 * h));
+                __mmask16 b1 = _mm_test_epi8_mask(bits, _mm_set1_epi8((char)(1 << (2 * j))));
+                __mmask16 b2 = _mm_test_epi8_mask(bits, _mm_set1_epi8((char)(2 << (2 * j))));
+                lo = _mm512_mask_add_epi32(lo, b1, lo, sixteen);
+                hi = _mm512_mask_add_epi32(hi, b2, hi, sixteen);
+                emit(s, k, 64 * j + 16 * h, _mm512_permutex2var_ps(t[0][0], lo, t[0][1]));
+                emit(s, k, 64 * j + 32 + 16 * h, _mm512_permutex2var_ps(t[1][0], hi, t[1][1]));
+            } else {
+                emit(s, k, 64 * j + 16 * h, _mm512_permutexvar_ps(lo, t[0][0]));
+                emit(s, k, 64 * j + 32 + 16 * h, _mm512_permutexvar_ps(hi, t[1][0]));
+            }
+        }
+    }
+}
+
+ALWAYS_INLINE void vdeq_q4_k(const uint8_t *b, const Sink *s, long k) {
+    vdeq_k45(b, b + 16, NULL, s, k);
+}
+
+ALWAYS_INLINE void vdeq_q5_k(const uint8_t *b, const Sink *s, long k) {
+    vdeq_k45(b, b + 48, b + 16, s, k);
+}
+
+ALWAYS_INLINE void vdeq_q6_k(const uint8_t *b, const Sink *s, long k) {
+    const uint8_t *ql = b, *qh = b + 128;
+    const int8_t *sc = (const int8_t *)(b + 192);
+    float d = fp16(b + 208);
+    const __m128i nib = _mm_set1_epi8(15), three = _mm_set1_epi8(3);
+    for (int n = 0; n < 2; n++, ql += 64, qh += 32, sc += 8) {
+        for (int h = 0; h < 2; h++) { /* l = 16 h .. 16 h + 15 */
+            __m128i a = _mm_loadu_si128((const __m128i *)(ql + 16 * h));
+            __m128i c = _mm_loadu_si128((const __m128i *)(ql + 32 + 16 * h));
+            __m128i e = _mm_loadu_si128((const __m128i *)(qh + 16 * h));
+            __m128i q[4] = {/* 6-bit codes of y[l], y[l + 32], y[l + 64], y[l + 96] */
+                _mm_or_si128(_mm_and_si128(a, nib), _mm_slli_epi16(_mm_and_si128(e, three), 4)),
+                _mm_or_si128(_mm_and_si128(c, nib),
+                             _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(e, 2), three), 4)),
+                _mm_or_si128(_mm_and_si128(_mm_srli_epi16(a, 4), nib),
+                             _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(e, 4), three), 4)),
+                _mm_or_si128(_mm_and_si128(_mm_srli_epi16(c, 4), nib),
+                             _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(e, 6), three), 4)),
+            };
+            for (int i = 0; i < 4; i++) {
+                float ds = d * (float)sc[h + 2 * i];
+                __m512 w = _mm512_fmsub_ps(u8_ps(q[i]), _mm512_set1_ps(ds),
+                                           _mm512_set1_ps(32.f * ds));
+                emit(s, k, 128 * n + 32 * i + 16 * h, w);
+            }
+        }
+    }
+}
+
+/* a row's blocks through one of the vdeq_* above */
+#define EACH_BLOCK(VDEQ, ELEMS, BYTES, SINK)                                                 \
+    for (long i = 0; i < K / (ELEMS); i++) VDEQ(row + i * (BYTES), SINK, i * (ELEMS))
+
+#define STORE_ROW(VDEQ, ELEMS, BYTES)                                                        \
+    static void VDEQ##_row(const uint8_t *row, long K, float *y) {                           \
+        Sink s = {y, NULL, 0, 0, NULL};                                                       \
+        EACH_BLOCK(VDEQ, ELEMS, BYTES, &s);                                                   \
+    }
+
+/* out[r] = row . x[r] for R (<= MAX_FUSED) rows of x, the row dequantized in registers */
+#define FUSED_ROW(VDEQ, ELEMS, BYTES)                                                        \
+    ALWAYS_INLINE void VDEQ##_dot_r(const uint8_t *row, long K, const float *x, long ldx,     \
+                                    float *out, const long R) {                               \
+        __m512 acc[MAX_FUSED][4];                                                             \
+        for (long r = 0; r < R; r++)                                                          \
+            for (int j = 0; j < 4; j++) acc[r][j] = _mm512_setzero_ps();                      \
+        Sink s = {NULL, x, ldx, R, acc};                                                      \
+        EACH_BLOCK(VDEQ, ELEMS, BYTES, &s);                                                   \
+        for (long r = 0; r < R; r++)                                                          \
+            out[r] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]), \
+                                                        _mm512_add_ps(acc[r][2], acc[r][3]))); \
+    }                                                                                         \
+    static void VDEQ##_dot(const uint8_t *row, long K, const float *x, long ldx, long R,      \
+                           float *out) {                                                      \
+        switch (R) {                                                                          \
+        case 1: VDEQ##_dot_r(row, K, x, ldx, out, 1); break;                                  \
+        case 2: VDEQ##_dot_r(row, K, x, ldx, out, 2); break;                                  \
+        case 3: VDEQ##_dot_r(row, K, x, ldx, out, 3); break;                                  \
+        case 4: VDEQ##_dot_r(row, K, x, ldx, out, 4); break;                                  \
+        case 5: VDEQ##_dot_r(row, K, x, ldx, out, 5); break;                                  \
+        case 6: VDEQ##_dot_r(row, K, x, ldx, out, 6); break;                                  \
+        case 7: VDEQ##_dot_r(row, K, x, ldx, out, 7); break;                                  \
+        default: VDEQ##_dot_r(row, K, x, ldx, out, 8); break;                                 \
+        }                                                                                     \
+    }
+
+#define VECTOR_TYPE(VDEQ, ELEMS, BYTES) STORE_ROW(VDEQ, ELEMS, BYTES) FUSED_ROW(VDEQ, ELEMS, BYTES)
+VECTOR_TYPE(vdeq_q4_0, 32, 18)
+VECTOR_TYPE(vdeq_q5_0, 32, 22)
+VECTOR_TYPE(vdeq_q8_0, 32, 34)
+VECTOR_TYPE(vdeq_q4_k, 256, 144)
+VECTOR_TYPE(vdeq_q5_k, 256, 176)
+VECTOR_TYPE(vdeq_q6_k, 256, 210)
+
+typedef void (*fused_dot)(const uint8_t *, long, const float *, long, long, float *);
+
+/* the fused GEMV of a block type, NULL for the float types (they take the buffer) */
+static fused_dot fused_of(long type) {
+    switch (type) {
+    case T_Q4_0: return vdeq_q4_0_dot;
+    case T_Q5_0: return vdeq_q5_0_dot;
+    case T_Q8_0: return vdeq_q8_0_dot;
+    case T_Q4_K: return vdeq_q4_k_dot;
+    case T_Q5_K: return vdeq_q5_k_dot;
+    case T_Q6_K: return vdeq_q6_k_dot;
+    }
+    return NULL;
+}
+#endif
+
+/* one row of K weights -> y [K] */
+static void deq_row(long type, const uint8_t *row, long K, float *y) {
+    switch (type) {
+    case T_F32: memcpy(y, row, sizeof(float) * K); return;
+    case T_F16:
+        for (long k = 0; k < K; k++) y[k] = fp16(row + 2 * k);
+        return;
+    case T_BF16:
+        for (long k = 0; k < K; k++) {
+            union { uint32_t u; float f; } c = {.u = (uint32_t)(row[2 * k] | row[2 * k + 1] << 8)
+                                                     << 16};
+            y[k] = c.f;
+        }
+        return;
+    }
+#ifdef VECTOR_BLOCKS
+    switch (type) {
+    case T_Q4_0: vdeq_q4_0_row(row, K, y); return;
+    case T_Q5_0: vdeq_q5_0_row(row, K, y); return;
+    case T_Q8_0: vdeq_q8_0_row(row, K, y); return;
+    case T_Q4_K: vdeq_q4_k_row(row, K, y); return;
+    case T_Q5_K: vdeq_q5_k_row(row, K, y); return;
+    case T_Q6_K: vdeq_q6_k_row(row, K, y); return;
+    }
+#endif
+    void (*block)(const uint8_t *, float *) = NULL;
+    switch (type) {
+    case T_Q4_0: block = deq_q4_0; break;
+    case T_Q5_0: block = deq_q5_0; break;
+    case T_Q8_0: block = deq_q8_0; break;
+    case T_Q4_K: block = deq_q4_k; break;
+    case T_Q5_K: block = deq_q5_k; break;
+    case T_Q6_K: block = deq_q6_k; break;
+    }
+    long elems, bytes;
+    block_shape(type, &elems, &bytes);
+    for (long i = 0; i < K / elems; i++) block(row + i * bytes, y + i * elems);
+}
+
+void bs_ggml_dequantize(long type, const void *data, long rows, long K, float *out) {
+    long rb = bs_ggml_row_bytes(type, K);
+    for (long r = 0; r < rows; r++) deq_row(type, (const uint8_t *)data + r * rb, K, out + r * K);
+}
+
+/* -- y = x @ W.T ------------------------------------------------------------------------ */
+static __thread float *scratch_buf;
+static __thread long scratch_len;
+
+static float *scratch(long n) { /* this thread's scratch of at least n floats */
+    if (scratch_len < n) {
+        free(scratch_buf);
+        scratch_buf = (float *)aligned_alloc(64, (size_t)((n + 15) / 16 * 16) * sizeof(float));
+        scratch_len = scratch_buf ? n : 0;
+    }
+    return scratch_buf;
+}
+
+typedef struct {
+    const Weight *w;
+    const float *x;
+    long ldx, M;
+    float *y;
+} Job;
+
+#ifdef __AVX512F__
+/* out [16][16] = the 16 x 16 block at in (row stride ld), transposed in registers */
+static inline void transpose16(const float *in, long ld, float *out) {
+    __m512 r[16], t[16];
+    for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_ps(in + i * ld);
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+        r[i] = _mm512_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+        r[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+        r[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+        r[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+    }
+    for (int h = 0; h < 16; h += 8)
+        for (int i = 0; i < 4; i++) {
+            t[h + i] = _mm512_shuffle_f32x4(r[h + i], r[h + i + 4], 0x88);
+            t[h + i + 4] = _mm512_shuffle_f32x4(r[h + i], r[h + i + 4], 0xdd);
+        }
+    for (int i = 0; i < 8; i++) {
+        _mm512_storeu_ps(out + 16 * i, _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88));
+        _mm512_storeu_ps(out + 16 * (i + 8), _mm512_shuffle_f32x4(t[i], t[i + 8], 0xdd));
+    }
+}
+#endif
+
+/* bs_pack's panels of rows [N, K] (N a multiple of 16), 16 x 16 blocks at a time */
+static void pack_panels(const float *rows, long N, long K, float *P) {
+#ifdef __AVX512F__
+    if (K % 16 == 0) {
+        for (long p = 0; p < N / 16; p++)
+            for (long k = 0; k < K; k += 16)
+                transpose16(rows + p * 16 * K + k, K, P + (p * K + k) * 16);
+        return;
+    }
+#endif
+    bs_pack(rows, N, K, P);
+}
+
+/* rows n0 .. n1 - 1 of part `p` (whose first output column is col) */
+static void part_rows(const Job *J, const GgmlPart *p, long col, long n0, long n1) {
+    long K = J->w->K, N = J->w->N, M = J->M, rb = bs_ggml_row_bytes(p->type, K);
+    const uint8_t *data = (const uint8_t *)p->data;
+    if (M < PANEL_ROWS) {
+#ifdef VECTOR_BLOCKS
+        fused_dot fused = fused_of(p->type);
+        if (fused) { /* dequantized in registers, no buffer */
+            float out[MAX_FUSED];
+            for (long n = n0; n < n1; n++) {
+                fused(data + n * rb, K, J->x, J->ldx, M, out);
+                for (long m = 0; m < M; m++) J->y[m * N + col + n] = out[m];
+            }
+            return;
+        }
+#endif
+        float *row = scratch(K);
+        for (long n = n0; n < n1; n++) {
+            deq_row(p->type, data + n * rb, K, row);
+            for (long m = 0; m < M; m++) J->y[m * N + col + n] = dot(row, J->x + m * J->ldx, K);
+        }
+        return;
+    }
+    long R = n1 - n0, Rp = (R + 15) / 16 * 16;
+    float *rows = scratch(2 * Rp * K + M * Rp), *panels = rows + Rp * K, *out = panels + Rp * K;
+    for (long n = n0; n < n1; n++) deq_row(p->type, data + n * rb, K, rows + (n - n0) * K);
+    memset(rows + R * K, 0, sizeof(float) * (Rp - R) * K);
+    pack_panels(rows, Rp, K, panels);
+    bs_linear_packed(J->x, J->ldx, M, K, panels, Rp, NULL, out);
+    for (long m = 0; m < M; m++) memcpy(J->y + m * N + col + n0, out + m * Rp, sizeof(float) * R);
+}
+
+static void ggml_task(void *ctx, long t) {
+    const Job *J = ctx;
+    const GgmlPart *parts = (const GgmlPart *)J->w->parts;
+    long col = 0;
+    for (long i = 0; i < J->w->nparts; i++) {
+        long chunks = (parts[i].rows + CHUNK - 1) / CHUNK;
+        if (t < chunks) {
+            long n0 = t * CHUNK, n1 = n0 + CHUNK < parts[i].rows ? n0 + CHUNK : parts[i].rows;
+            part_rows(J, &parts[i], col, n0, n1);
+            return;
+        }
+        t -= chunks, col += parts[i].rows;
+    }
+}
+
+void bs_ggml_gemv(const Weight *w, const float *x, long ldx, long M, float *y) {
+    const GgmlPart *parts = (const GgmlPart *)w->parts;
+    long tasks = 0;
+    for (long i = 0; i < w->nparts; i++) tasks += (parts[i].rows + CHUNK - 1) / CHUNK;
+    Job job = {w, x, ldx, M, y};
+    bs_parallel(ggml_task, &job, tasks);
+    if (w->bias)
+        for (long m = 0; m < M; m++)
+            for (long n = 0; n < w->N; n++) y[m * w->N + n] += w->bias[n];
+}

@@ -1,0 +1,144 @@
+"""A linear layer over llama.cpp's blocks: GGUF weights served in their own format.
+
+`GgmlLinear` holds the bytes a GGUF file stores for a weight matrix (Q4_0, Q5_0, Q8_0,
+Q4_K, Q5_K, Q6_K blocks; F32/F16/BF16 rows too), one `part` per source tensor, its rows
+in output order: a fused qkv_proj of a Q4_K_M file is a Q4_K q, a Q4_K k and a Q6_K v.
+The C kernels (bitserve/kernels/csrc/ggml.c, `Weight` kind 4) dequantize blocks on the
+fly and meet fp32 activations, so the layer computes x @ W.T for W exactly as llama.cpp
+dequantizes it, up to fp32 summation order. Nothing is re-quantized.
+
+Invariants: each part is uint8 [rows, row_bytes], row_bytes = `bs_ggml_row_bytes(type,
+in_features)`; the parts' rows add up to out_features; the parts never change after
+load (the C view points into them). Without the C kernels (no compiler, a GPU) the layer
+dequantizes once, with gguf-py's own dequantizer, and runs fp32 `F.linear`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from bitserve import kernels as c
+
+TYPES = {  # ggml type ids (gguf.GGMLQuantizationType) the kernels read
+    "F32": 0,
+    "F16": 1,
+    "Q4_0": 2,
+    "Q5_0": 6,
+    "Q8_0": 8,
+    "Q4_K": 12,
+    "Q5_K": 13,
+    "Q6_K": 14,
+    "BF16": 30,
+}
+BLOCKS = {"F32": (1, 4), "F16": (1, 2), "BF16": (1, 2), "Q4_0": (32, 18), "Q5_0": (32, 22)}
+BLOCKS |= {"Q8_0": (32, 34), "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210)}
+FUSE_ROWS = 256  # the C decode layer takes up to this many rows (panels above 4 rows)
+
+
+def row_bytes(kind: str, k: int) -> int:
+    """Bytes of one row of k weights of type `kind` (k a whole number of its blocks)."""
+    elems, size = BLOCKS[kind]
+    if k % elems:
+        raise ValueError(f"{kind} rows of {k} weights are not whole blocks of {elems}")
+    return k // elems * size
+
+
+class GgmlLinear(nn.Module):
+    """y = x @ W.T + bias, W the concatenation of `parts` (type name, raw uint8 rows)."""
+
+    fuse_rows = FUSE_ROWS
+
+    def __init__(self, in_features: int, parts: list[tuple[str, torch.Tensor]], bias=None):
+        super().__init__()
+        self.in_features = in_features
+        self.types = [kind for kind, _ in parts]
+        for i, (kind, data) in enumerate(parts):
+            if data.dtype is not torch.uint8 or data.shape[1] != row_bytes(kind, in_features):
+                raise ValueError(
+                    f"part {i}: {kind} rows of {in_features} weights, got {data.shape}"
+                )
+            self.register_buffer(f"part{i}", data.contiguous(), persistent=False)
+        self.out_features = sum(data.shape[0] for _, data in parts)
+        self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
+        self.c_weight = self.fallback_weight = None
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, types={'+'.join(self.types)}"
+
+    def parts(self) -> list[tuple[str, torch.Tensor]]:
+        return [(kind, getattr(self, f"part{i}")) for i, kind in enumerate(self.types)]
+
+    _kernels: c.Kernels | None = None
+
+    @property
+    def kernels(self) -> c.Kernels | None:
+        return self._kernels
+
+    @kernels.setter
+    def kernels(self, kernels: c.Kernels | None) -> None:
+        """Set once at load (kernels.attach): the C view, or the torch fallback's weight."""
+        self._kernels = kernels
+        self.c_weight = self.c_view(bias=True) if kernels is not None else None
+
+    def c_view(self, lora=None, bias: bool = True):
+        """The `Weight` (kind 4) the C kernels read; None without the kernels. Its parts
+        array is kept on the module, as long as the view may be read."""
+        if c.get() is None or not self.part0.is_cpu:
+            return None
+        ffi = c.ffi()
+        if getattr(self, "_c_parts", None) is None:  # once: every view points to it
+            self._c_parts = ffi.new(
+                "GgmlPart[]",
+                [
+                    {"type": TYPES[kind], "rows": data.shape[0], "data": c.ptr(data, "void *")}
+                    for kind, data in self.parts()
+                ],
+            )
+        fields = {"kind": 4, "N": self.out_features, "K": self.in_features}
+        fields |= {"parts": self._c_parts, "nparts": len(self.types)}
+        fields["bias"] = c.ptr(self.bias if bias else None)
+        if lora is not None:
+            a, bt, slots = lora
+            fields |= {
+                "lora_a": c.ptr(a),
+                "lora_bt": c.ptr(bt),
+                "lora_slots": c.ptr(slots, "int *"),
+            }
+            fields |= {"lora_S": a.shape[0], "lora_W": a.shape[1]}
+        return ffi.new("Weight *", fields)
+
+    def dequantize(self) -> torch.Tensor:
+        """W as fp32 [out, in], as llama.cpp dequantizes it (the C dequantizer, or
+        gguf-py's without the kernels)."""
+        return torch.cat([dequantize(kind, data, self.in_features) for kind, data in self.parts()])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        if self.c_weight is not None and rows.dtype is torch.float32 and not rows.requires_grad:
+            if rows.stride(-1) != 1:
+                rows = rows.contiguous()
+            y = self._kernels.gemv(self.c_weight, rows)
+        else:  # no kernels: dequantized once, then fp32 matmuls
+            if self.fallback_weight is None:
+                self.fallback_weight = self.dequantize().to(x.device)
+            y = F.linear(rows.float(), self.fallback_weight, self.bias)
+        return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
+
+
+def dequantize(kind: str, data: torch.Tensor, k: int) -> torch.Tensor:
+    """fp32 [rows, k] of raw rows of `kind` (C, or gguf-py's `quants.dequantize`)."""
+    kernels = c.get()
+    rows = data.shape[0]
+    if kernels is not None and data.is_cpu:
+        out = torch.empty(rows, k, dtype=torch.float32)
+        data = data.contiguous()
+        kernels.lib.bs_ggml_dequantize(TYPES[kind], c.ptr(data, "void *"), rows, k, c.ptr(out))
+        return out
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize as gguf_dequantize
+
+    array = gguf_dequantize(data.cpu().numpy(), GGMLQuantizationType[kind])
+    return torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32)).view(rows, k)

@@ -1,0 +1,178 @@
+"""bitserve/kernels/csrc/ggml.c against llama.cpp's own Python dequantizer.
+
+Each block format is filled with random bytes (every bit pattern is a valid block once
+its fp16 scales are finite), so the nibble, high-bit and 6-bit-scale unpacking is
+checked on all of its cases, not only on what a quantizer happens to write. The
+reference is gguf-py's `gguf.quants.dequantize` (llama.cpp's, not ours) @ x in fp64.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from bitserve import kernels
+from bitserve.llm.quant.ggml import TYPES, GgmlLinear, dequantize, row_bytes
+
+gguf = pytest.importorskip("gguf")
+needs_kernels = pytest.mark.skipif(kernels.get() is None, reason="no C compiler here")
+
+SCALES = {  # byte offsets of each block's fp16 scales (d, dmin), and the block size
+    "Q4_0": ([0], 18),
+    "Q5_0": ([0], 22),
+    "Q8_0": ([0], 34),
+    "Q4_K": ([0, 2], 144),
+    "Q5_K": ([0, 2], 176),
+    "Q6_K": ([208], 210),
+}
+
+
+def random_rows(kind: str, rows: int, k: int, seed: int) -> torch.Tensor:
+    """rows of `kind` with random codes and finite random fp16 scales (uint8 [rows, bytes])."""
+    rng = np.random.default_rng(seed)
+    if kind in ("F32", "F16", "BF16"):
+        w = torch.from_numpy(rng.standard_normal((rows, k)).astype(np.float32))
+        w = w.to({"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}[kind])
+        return w.contiguous().view(torch.uint8).view(rows, -1)
+    data = rng.integers(0, 256, (rows, row_bytes(kind, k)), dtype=np.uint8)
+    offsets, size = SCALES[kind]
+    blocks = data.reshape(rows, -1, size)
+    for off in offsets:
+        scale = (rng.random(blocks.shape[:2]) * 0.02).astype(np.float16)
+        blocks[:, :, off : off + 2] = scale.view(np.uint8).reshape(*scale.shape, 2)
+    return torch.from_numpy(data)
+
+
+def reference(kind: str, data: torch.Tensor, k: int) -> torch.Tensor:
+    """gguf-py's dequantization, fp64 [rows, k]."""
+    raw = data.numpy()
+    if kind in ("F16", "BF16", "F32"):
+        dtype = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32}[kind]
+        return data.view(dtype).view(data.shape[0], k).double()
+    array = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[kind])
+    return torch.from_numpy(np.asarray(array, dtype=np.float64)).view(data.shape[0], k)
+
+
+QUANTS = ["Q4_0", "Q5_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
+
+
+@needs_kernels
+@pytest.mark.parametrize("kind", [*QUANTS, "F16", "BF16", "F32"])
+def test_dequantize_is_llama_cpps(kind):
+    k = 512
+    data = random_rows(kind, 5, k, seed=TYPES[kind])
+    got = dequantize(kind, data, k)
+    torch.testing.assert_close(got.double(), reference(kind, data, k), rtol=1e-6, atol=1e-7)
+
+
+@needs_kernels
+@pytest.mark.parametrize("kind", QUANTS)
+def test_gemv_is_dequantize_then_matmul(kind):
+    """1-8 rows (dequantized in registers) and 16 (panels); odd row counts, 2-3 super-blocks."""
+    for n, k in [(37, 512), (70, 768)]:
+        data = random_rows(kind, n, k, seed=n)
+        layer = GgmlLinear(k, [(kind, data)])
+        layer.kernels = kernels.get()
+        w = reference(kind, data, k)
+        for m in (1, 3, 8, 16):
+            g = torch.Generator().manual_seed(m)
+            x = torch.randn(m, k + 5, generator=g)[:, :k]  # strided rows
+            want = x.double() @ w.T
+            tol = 1e-4 * want.abs().max()
+            torch.testing.assert_close(layer(x).double(), want, rtol=1e-4, atol=tol)
+
+
+@needs_kernels
+@pytest.mark.parametrize("kind", ["Q4_0", "Q5_0", "Q8_0"])
+def test_blocks_of_32_take_any_whole_number_of_blocks(kind):
+    k, n = 96, 19  # three blocks a row: no multiple of 64 or 256
+    data = random_rows(kind, n, k, seed=7)
+    for m in (1, 5):
+        x = torch.randn(m, k)
+        layer = GgmlLinear(k, [(kind, data)])
+        layer.kernels = kernels.get()
+        want = x.double() @ reference(kind, data, k).T
+        torch.testing.assert_close(layer(x).double(), want, rtol=1e-4, atol=1e-4)
+
+
+@needs_kernels
+@pytest.mark.parametrize("m", [1, 3, 16])
+def test_mixed_parts_with_bias_on_the_pool(m):
+    """A fused qkv of a Q4_K_M file: Q4_K q and k, Q6_K v; plus an F16 part and a bias."""
+    k = 256
+    parts = [("Q4_K", random_rows("Q4_K", 64, k, 1)), ("Q4_K", random_rows("Q4_K", 33, k, 2))]
+    parts += [("Q6_K", random_rows("Q6_K", 40, k, 3)), ("F16", random_rows("F16", 5, k, 4))]
+    bias = torch.randn(142)
+    layer = GgmlLinear(k, parts, bias)
+    layer.kernels = kernels.get()
+    w = torch.cat([reference(kind, data, k) for kind, data in parts])
+    x = torch.randn(m, k)
+    want = x.double() @ w.T + bias.double()
+    lib = kernels.get().lib
+    for threads in (1, 2):
+        lib.bs_set_threads(threads)
+        try:
+            got = layer(x)
+        finally:
+            lib.bs_set_threads(1)
+        torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4 * want.abs().max())
+    # and the torch fallback (no kernels) agrees
+    plain = GgmlLinear(k, parts, bias)
+    torch.testing.assert_close(plain(x).double(), want, rtol=1e-4, atol=1e-4 * want.abs().max())
+
+
+@needs_kernels
+def test_row_bytes_refuses_what_the_kernels_do_not_read():
+    lib = kernels.get().lib
+    assert lib.bs_ggml_row_bytes(TYPES["Q4_K"], 512) == 288
+    assert lib.bs_ggml_row_bytes(TYPES["Q4_K"], 100) == -1  # not whole super-blocks
+    assert lib.bs_ggml_row_bytes(10, 256) == -1  # Q2_K
+    with pytest.raises(ValueError, match="whole blocks"):
+        GgmlLinear(100, [("Q4_K", torch.zeros(1, 144, dtype=torch.uint8))])
+
+
+@needs_kernels
+def test_ggml_part_layout_is_the_compilers():
+    ffi, lib = kernels.ffi(), kernels.get()
+    fields = [name for name, _ in ffi.typeof("GgmlPart").fields]
+    assert {f: lib.layout("GgmlPart", f) for f in fields} == {
+        f: ffi.offsetof("GgmlPart", f) for f in fields
+    }
+    assert lib.layout("GgmlPart") == ffi.sizeof("GgmlPart")
+    assert lib.layout("Weight", "parts") == ffi.offsetof("Weight", "parts")
+
+
+@needs_kernels
+def test_the_plain_c_build_gives_the_same_values(tmp_path):
+    """Without AVX-512 (x86-64-v2) ggml.c runs its plain-C dequantizers and dot: built
+    here from ggml.c and what it calls (gemm.c, pool.c) alone, checked like the rest."""
+    import subprocess
+
+    cc = kernels.compiler()
+    flags = ["-O2", "-march=x86-64-v2", "-fPIC", f"-I{kernels.CSRC}"]
+    objects = []
+    for name in ("ggml", "gemm", "pool"):
+        obj = tmp_path / f"{name}.o"
+        source = kernels.CSRC / f"{name}.c"
+        subprocess.run([cc, *flags, "-c", str(source), "-o", str(obj)], check=True)
+        objects.append(str(obj))
+    lib_path = tmp_path / "plain.so"
+    subprocess.run([cc, "-shared", "-pthread", *objects, "-o", str(lib_path), "-lm"], check=True)
+    lib = kernels.ffi().dlopen(str(lib_path))
+    k = 512
+    for kind in QUANTS:
+        data = random_rows(kind, 9, k, seed=TYPES[kind] + 1)
+        want = reference(kind, data, k)
+        out = torch.empty(9, k)
+        lib.bs_ggml_dequantize(TYPES[kind], kernels.ptr(data, "void *"), 9, k, kernels.ptr(out))
+        torch.testing.assert_close(out.double(), want, rtol=1e-6, atol=1e-7)
+        parts = kernels.ffi().new("GgmlPart[]", [{"type": TYPES[kind], "rows": 9,
+                                                 "data": kernels.ptr(data, "void *")}])  # fmt: skip
+        weight = kernels.ffi().new("Weight *", {"kind": 4, "N": 9, "K": k, "parts": parts,
+                                                "nparts": 1})  # fmt: skip
+        for m in (1, 5):
+            x = torch.randn(m, k)
+            y = torch.empty(m, 9)
+            lib.bs_ggml_gemv(weight, kernels.ptr(x), k, m, kernels.ptr(y))
+            torch.testing.assert_close(y.double(), x.double() @ want.T, rtol=1e-4, atol=1e-3)
