@@ -51,7 +51,7 @@ from bitserve.vision.optimize.run import TECHNIQUES
 @click.option("--max-points-lost", default=None, type=float, help="mAP points a variant may lose")
 @click.option("--prune-ratio", default=0.5, show_default=True)
 @click.option("--prune-steps", default=600, show_default=True)
-@click.option("--distill-steps", default=2000, show_default=True)
+@click.option("--distill-steps", default=3500, show_default=True)
 @click.option("--heldout", default=500, show_default=True, help="held-out canvases for mAP")
 @click.option("--rounds", default=200, show_default=True, help="interleaved timing rounds")
 def optimize_command(

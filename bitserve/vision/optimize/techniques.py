@@ -23,6 +23,11 @@ import torch
 
 from bitserve.vision import data, net, train
 
+# The student trains on batches of 16 (twice the updates of the teacher's 32 for the same
+# CPU) and three in four of them at 128 px, the resolution its checked variants serve.
+STUDENT_BATCH = 16
+STUDENT_RESOLUTIONS = (128, 128, 128, 96)
+
 
 def quantize_int8(fp32: Path, out: Path, calibration: np.ndarray) -> Path:
     """onnxruntime QDQ static quantization: int8 per-channel weights, uint8 activations
@@ -96,7 +101,7 @@ def prune(
     pruner.step()
     minutes = (time.perf_counter() - start) / 60
     config = train.TrainConfig(steps=steps, lr=1e-3, seed=11)
-    loss = train.distillation_loss(teacher)
+    loss = train.Distillation(teacher, model.widths[3])
     return model, minutes + train.train(model, config, loss, log=log)
 
 
@@ -107,6 +112,8 @@ def distill(
     heatmaps (soft targets) and regressions; returns the student and the minutes."""
     torch.manual_seed(3)
     student = net.CenterNet(widths)
-    config = train.TrainConfig(steps=steps, lr=3e-3, seed=13)
-    minutes = train.train(student, config, train.distillation_loss(teacher), log=log)
-    return student, minutes
+    config = train.TrainConfig(
+        steps=steps, batch=STUDENT_BATCH, lr=3e-3, seed=13, resolutions=STUDENT_RESOLUTIONS
+    )
+    loss = train.Distillation(teacher, student.widths[3])
+    return student, train.train(student, config, loss, log=log)
