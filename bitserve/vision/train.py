@@ -139,7 +139,7 @@ def _teacher_session(teacher: net.CenterNet) -> Callable:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the TorchScript exporter's deprecation notice
         torch.onnx.export(
-            _TeacherOutputs(teacher.eval()),
+            _TeacherOutputs(teacher).eval(),  # the export restores this mode: eval
             (torch.zeros(1, 1, 128, 128),),
             graph,
             input_names=["x"],
