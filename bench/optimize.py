@@ -302,7 +302,7 @@ def main() -> None:
     parser.add_argument("--report", type=Path, default=ROOT / "bench/results/optimize")
     parser.add_argument("--work", type=Path, default=ROOT / "build/optimize-bench")
     parser.add_argument("--prune-steps", type=int, default=600)
-    parser.add_argument("--distill-steps", type=int, default=2000)
+    parser.add_argument("--distill-steps", type=int, default=3500)
     parser.add_argument(
         "--served-only",
         action="store_true",

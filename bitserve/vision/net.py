@@ -50,10 +50,17 @@ class CenterNet(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: float [N, 1, H, W] in 0..1 -> heatmap logits [N, C, H/4, W/4] and
         regression [N, 4, H/4, W/4] (width, height in cells; x, y offset in a cell)."""
+        return self.heads(self.features(x))
+
+    def features(self, x: torch.Tensor) -> torch.Tensor:
+        """The neck's output [N, widths[3], H/4, W/4]: what both heads read, and what a
+        distilled student imitates."""
         c2 = self.stage2(self.stem(x))
         c3 = self.stage3(c2)
         up = F.interpolate(self.top(c3), size=c2.shape[-2:], mode="nearest")
-        feature = self.neck(self.lateral(c2) + up)
+        return self.neck(self.lateral(c2) + up)
+
+    def heads(self, feature: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.heatmap(feature), self.regress(feature)
 
     @property

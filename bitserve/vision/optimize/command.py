@@ -51,7 +51,7 @@ from bitserve.vision.optimize.run import TECHNIQUES
 @click.option("--max-points-lost", default=None, type=float, help="mAP points a variant may lose")
 @click.option("--prune-ratio", default=0.5, show_default=True)
 @click.option("--prune-steps", default=600, show_default=True)
-@click.option("--distill-steps", default=2000, show_default=True)
+@click.option("--distill-steps", default=3500, show_default=True)
 @click.option("--heldout", default=500, show_default=True, help="held-out canvases for mAP")
 @click.option("--rounds", default=200, show_default=True, help="interleaved timing rounds")
 def optimize_command(
@@ -72,31 +72,16 @@ def optimize_command(
     from bitserve.vision.optimize import report
 
     torch.set_num_threads(1)
-    if data is not None:
-        result = _onnx_graph(
-            model_dir,
-            data,
-            techniques,
-            report_dir,
-            no_versions,
-            calibration,
-            calibration_count,
-            max_points_lost,
-            knobs["rounds"],
-        )
+    common = {"report_dir": report_dir, "write_versions": not no_versions}
+    if max_points_lost is not None:  # else each config's own default: 3 bundled, 1 a graph
+        common["max_points_lost"] = max_points_lost
+    if data is None:
+        result = _bundled(model_dir, techniques, common | knobs)
     else:
-        from bitserve.vision.optimize.run import OptimizeConfig, optimize
-
-        chosen = TECHNIQUES if techniques == "all" else tuple(techniques.split(","))
-        if max_points_lost is not None:
-            knobs["max_points_lost"] = max_points_lost
-        try:
-            config = OptimizeConfig(
-                model_dir, chosen, report_dir, write_versions=not no_versions, **knobs
-            )
-        except ValueError as e:
-            raise click.UsageError(str(e)) from None
-        result = optimize(config, log=lambda line: click.echo(line, err=True))
+        inputs = {"calibration": calibration, "calibration_count": calibration_count}
+        result = _onnx_graph(
+            model_dir, data, techniques, common | inputs | {"rounds": knobs["rounds"]}
+        )
     click.echo(report.markdown(result["variants"]))
     click.echo(f"best combination: {result['best']}")
     for name, number in result.get("versions", {}).items():
@@ -104,37 +89,35 @@ def optimize_command(
     click.echo(json.dumps(result["files"]))
 
 
-def _onnx_graph(
-    model_dir,
-    data,
-    techniques,
-    report_dir,
-    no_versions,
-    calibration,
-    count,
-    max_points_lost,
-    rounds,
-) -> dict:
+def _log(line: str) -> None:
+    click.echo(line, err=True)
+
+
+def _bundled(model_dir: Path, techniques: str, settings: dict) -> dict:
+    """The bundled detector, from its teacher.safetensors and training code."""
+    from bitserve.vision.optimize.run import OptimizeConfig, optimize
+
+    chosen = TECHNIQUES if techniques == "all" else tuple(techniques.split(","))
+    try:
+        config = OptimizeConfig(model_dir, chosen, **settings)
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
+    return optimize(config, log=_log)
+
+
+def _onnx_graph(model_dir: Path, data: Path, techniques: str, settings: dict) -> dict:
+    """Any declared ONNX graph, on the user's COCO folder: a config, a COCO file or a
+    graph it cannot use is the caller's mistake, named as such."""
     from bitserve.config import ConfigError
     from bitserve.vision import coco, graph
     from bitserve.vision.optimize import onnx_graph
 
     chosen = onnx_graph.TECHNIQUES if techniques == "all" else tuple(techniques.split(","))
     try:
-        config = onnx_graph.GraphOptimizeConfig(
-            model_dir,
-            data,
-            chosen,
-            report_dir,
-            write_versions=not no_versions,
-            calibration=calibration,
-            calibration_count=count,
-            rounds=rounds,
-            max_points_lost=1.0 if max_points_lost is None else max_points_lost,
-        )
+        config = onnx_graph.GraphOptimizeConfig(model_dir, data, chosen, **settings)
     except ValueError as e:
         raise click.UsageError(str(e)) from None
     try:
-        return onnx_graph.optimize_graph(config, log=lambda line: click.echo(line, err=True))
+        return onnx_graph.optimize_graph(config, log=_log)
     except (ConfigError, coco.CocoError, graph.GraphError) as e:
         raise click.UsageError(str(e)) from None

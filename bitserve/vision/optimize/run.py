@@ -30,7 +30,7 @@ class OptimizeConfig:
     write_versions: bool = True
     prune_ratio: float = 0.5
     prune_steps: int = 600
-    distill_steps: int = 2000
+    distill_steps: int = 3500  # batches of techniques.STUDENT_BATCH
     heldout: int = 500
     rounds: int = 200
     max_points_lost: float = 3.0
