@@ -38,6 +38,7 @@ from bitserve.server import (
     v2,
 )
 from bitserve.server import metrics as server_metrics
+from bitserve.server.admission import Admission
 from bitserve.server.http import error, traced
 from bitserve.server.state import ServerOptions, ServerState
 
@@ -65,8 +66,13 @@ class App:
     def __init__(self, server: ServerState, router: Router):
         self.server = server
         self.router = router
+        self.admission = Admission(server)
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":  # an LLM with a full queue refuses before the router
+            receive = await self.admission.screen(scope, receive, send)
+            if receive is None:
+                return
         if tracing.enabled() and scope["type"] == "http":
             return await traced(self.router, scope, receive, send)
         await self.router(scope, receive, send)

@@ -1,0 +1,243 @@
+"""Time to a refusal under overload, per protocol (issue 35, item 5).
+
+    .venv/bin/python -m bench.overload [--burst 400] [--rounds 3] [--streams 96]
+        [--tree PATH ...]
+
+One `bitserve serve` of models/tinylm alone (max_queued_requests 64). A child process
+keeps `--streams` streamed chats of 200 tokens going (the engine saturated, its waiting
+queue full, the event loop busy sending tokens); meanwhile bursts of `--burst` requests
+arrive at once on each protocol: OpenAI chat over HTTP, v2 infer over HTTP (text_input),
+v2 ModelInfer over gRPC. A refusal's time is from its request's write to its status
+line (gRPC: to the call's end), on connections opened beforehand: a refusal, not a
+handshake, is timed. `live` is polled all along.
+
+`--tree` runs the same measurement against the server code of another checkout (e.g.
+`--tree . --tree /work/main`: after and before, in one run, on one box). Prints a table
+and a JSON line. A benchmark, not a test: it asserts nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from bench.server import Server, bitserve_command, free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+CHAT = {"model": "tinylm", "messages": [{"role": "user", "content": "Who is my shepherd?"}]}
+
+
+def chat_body(max_tokens: int, stream: bool) -> bytes:
+    return json.dumps(CHAT | {"max_tokens": max_tokens, "ignore_eos": True, "stream": stream})
+
+
+def v2_body(max_tokens: int) -> bytes:
+    params = json.dumps({"max_tokens": max_tokens, "ignore_eos": True})
+    inputs = [
+        {"name": "text_input", "datatype": "BYTES", "shape": [1], "data": ["Who is my shepherd?"]},
+        {"name": "sampling_parameters", "datatype": "BYTES", "shape": [1], "data": [params]},
+    ]
+    return json.dumps({"inputs": inputs})
+
+
+def http_request(path: str, body: bytes | str, close: bool = False) -> bytes:
+    body = body.encode() if isinstance(body, str) else body
+    head = f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+    head += f"Content-Length: {len(body)}\r\n" + ("Connection: close\r\n" if close else "")
+    return head.encode() + b"\r\n" + body
+
+
+def head_of(raw: bytes) -> tuple[int, dict[str, str]]:
+    lines = raw.decode("latin-1").split("\r\n")
+    headers = dict(line.split(": ", 1) for line in lines[1:] if ": " in line)
+    return int(lines[0].split()[1]), {k.lower(): v for k, v in headers.items()}
+
+
+# -- the saturating streams, in a process of their own ---------------------------------
+def saturate(port: int, streams: int, seconds: float) -> None:
+    """`streams` streamed chats, each started again when it ends (or 0.2 s after a 429)."""
+    request = http_request("/v1/chat/completions", chat_body(200, True), close=True)
+
+    async def one() -> None:
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            try:
+                reader, writer = await asyncio.open_connection("127.0.0.1", port)
+                writer.write(request)
+                status, _ = head_of(await reader.readuntil(b"\r\n\r\n"))
+                if status == 200:
+                    await asyncio.wait_for(reader.read(-1), end - time.monotonic())
+                writer.close()
+                if status != 200:
+                    await asyncio.sleep(0.2)
+            except (OSError, TimeoutError, asyncio.IncompleteReadError):
+                await asyncio.sleep(0.2)
+
+    async def main() -> None:
+        await asyncio.gather(*(one() for _ in range(streams)))
+
+    asyncio.run(main())
+
+
+# -- the bursts ------------------------------------------------------------------------
+async def burst_http(port: int, request: bytes, n: int) -> list[tuple[int, float, bool]]:
+    """`n` requests written at once on `n` open connections: (status, ms, Retry-After)."""
+    conns = [await asyncio.open_connection("127.0.0.1", port) for _ in range(n)]
+
+    async def one(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> tuple:
+        t0 = time.perf_counter()
+        writer.write(request)
+        try:
+            raw = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 60)
+        except (OSError, TimeoutError, asyncio.IncompleteReadError):
+            return 0, (time.perf_counter() - t0) * 1e3, False
+        ms = (time.perf_counter() - t0) * 1e3
+        status, headers = head_of(raw)
+        return status, ms, "retry-after" in headers
+
+    try:
+        return await asyncio.gather(*(one(r, w) for r, w in conns))
+    finally:
+        for _, w in conns:
+            w.close()
+
+
+async def burst_grpc(target: str, n: int) -> list[tuple[int, float, bool]]:
+    import grpc
+
+    from bitserve.api.proto import grpc_service_pb2 as pb
+
+    request = pb.ModelInferRequest(model_name="tinylm")
+    for name, value in (
+        ("text_input", b"Who is my shepherd?"),
+        ("sampling_parameters", json.dumps({"max_tokens": 200, "ignore_eos": True}).encode()),
+    ):
+        tensor = request.inputs.add(name=name, datatype="BYTES", shape=[1])
+        tensor.contents.bytes_contents.append(value)
+    data = request.SerializeToString()
+    async with grpc.aio.insecure_channel(target) as channel:
+        infer = channel.unary_unary(
+            "/inference.GRPCInferenceService/ModelInfer",
+            request_serializer=None,
+            response_deserializer=None,
+        )
+        await channel.channel_ready()
+
+        async def one() -> tuple:
+            t0 = time.perf_counter()
+            call = infer(data, timeout=60)
+            try:
+                await call
+                code = 200
+            except grpc.aio.AioRpcError as e:
+                code = {"RESOURCE_EXHAUSTED": 429, "UNAVAILABLE": 503}.get(e.code().name, 500)
+            ms = (time.perf_counter() - t0) * 1e3
+            trailing = await call.trailing_metadata() or ()
+            return code, ms, any(k == "retry-after" for k, _ in trailing)
+
+        return await asyncio.gather(*(one() for _ in range(n)))
+
+
+async def poll_live(port: int, stop: asyncio.Event) -> list[int]:
+    codes = []
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    request = b"GET /v2/health/live HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+    while not stop.is_set():
+        writer.write(request)
+        status, headers = head_of(await reader.readuntil(b"\r\n\r\n"))
+        await reader.readexactly(int(headers.get("content-length", 0)))
+        codes.append(status)
+        await asyncio.sleep(0.05)
+    writer.close()
+    return codes
+
+
+async def measure(port: int, grpc_target: str, burst: int, rounds: int) -> dict:
+    protocols = {
+        "openai-http": lambda: burst_http(
+            port, http_request("/v1/chat/completions", chat_body(200, False)), burst
+        ),
+        "v2-http": lambda: burst_http(
+            port, http_request("/v2/models/tinylm/infer", v2_body(200)), burst
+        ),
+        "v2-grpc": lambda: burst_grpc(grpc_target, burst),
+    }
+    stop = asyncio.Event()
+    live = asyncio.create_task(poll_live(port, stop))
+    rows = {}
+    for name, run in protocols.items():
+        answers = []
+        for _ in range(rounds):
+            answers += await run()
+            await asyncio.sleep(0.5)
+        refused = [ms for status, ms, retry in answers if status in (429, 503) and retry]
+        rows[name] = {
+            "requests": len(answers),
+            "refused": len(refused),
+            "statuses": {str(s): sum(a[0] == s for a in answers) for s in {a[0] for a in answers}},
+            "p50_ms": float(np.percentile(refused, 50)) if refused else None,
+            "p99_ms": float(np.percentile(refused, 99)) if refused else None,
+        }
+    stop.set()
+    codes = await live
+    return {"protocols": rows, "live_probes": len(codes), "live_all_200": set(codes) == {200}}
+
+
+def run_tree(tree: Path, repo: Path, args: argparse.Namespace) -> dict:
+    grpc_port = free_port()
+    port = free_port()
+    cmd = bitserve_command(repo, port, "--grpc-port", str(grpc_port))
+    env = {"PYTHONPATH": str(tree.resolve())}
+    with Server("bitserve", cmd, port, env=env):
+        seconds = 8 + args.rounds * 3 * 4
+        ctx = multiprocessing.get_context("spawn")
+        saturator = ctx.Process(target=saturate, args=(port, args.streams, seconds))
+        saturator.start()
+        time.sleep(3.0)  # the streams are running and the queue is full
+        try:
+            result = asyncio.run(measure(port, f"127.0.0.1:{grpc_port}", args.burst, args.rounds))
+        finally:
+            saturator.terminate()
+            saturator.join(10)
+    return {"tree": str(tree)} | result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--burst", type=int, default=400, help="requests at once")
+    parser.add_argument("--rounds", type=int, default=3, help="bursts per protocol")
+    parser.add_argument("--streams", type=int, default=96, help="saturating streamed chats")
+    parser.add_argument("--tree", type=Path, action="append", help="server code (default .)")
+    args = parser.parse_args(argv)
+    work = Path(tempfile.mkdtemp(prefix="bitserve-overload-"))
+    repo = work / "models"
+    shutil.copytree(ROOT / "models" / "tinylm", repo / "tinylm")
+    results = [run_tree(tree, repo, args) for tree in args.tree or [ROOT]]
+    shutil.rmtree(work, ignore_errors=True)
+    print(f"load average: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
+    print(f"{'tree':30s} {'protocol':12s} {'refused':>9s} {'p50 ms':>8s} {'p99 ms':>8s}")
+    for r in results:
+        for name, row in r["protocols"].items():
+            p50, p99 = (_ms(row[k]) for k in ("p50_ms", "p99_ms"))
+            refused = f"{row['refused']}/{row['requests']}"
+            print(f"{r['tree'][-30:]:30s} {name:12s} {refused:>9s} {p50} {p99}")
+        print(f"{'':30s} live: {r['live_probes']} probes, all 200: {r['live_all_200']}")
+    print(json.dumps({"bench": "overload", "results": results}))
+    return 0
+
+
+def _ms(value: float | None) -> str:
+    return f"{value:8.1f}" if value is not None else "     n/a"
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
