@@ -16,6 +16,11 @@ It only refuses what the normal path would refuse (the same `admit` call, with n
 taken): a request it lets through is admitted as before, its place held before the chat
 template (openai.py's `_held`). Models with a traffic policy (canary or shadow) are left
 to the normal path, which routes them. gRPC's servicer calls `check` before parsing.
+
+Request bodies are admitted here too, on every route: one past `max_body` gets 413 before
+it is read (a chunked one as soon as it grows past it), and the bytes of the bodies being
+served at once are bounded by `body_memory` (503 with Retry-After past it): many large
+bodies at once are refused, not an out-of-memory.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ import orjson
 from bitserve.inference import Overloaded
 from bitserve.repository.version import ModelVersion
 from bitserve.rollout.policy import VERSION_HEADER
-from bitserve.server.errors import openai_body, v2_body
+from bitserve.server.errors import APIError, BodyTooLarge, openai_body, v2_body
 from bitserve.server.record import Record
 from bitserve.server.state import ServerState
 
@@ -45,10 +50,55 @@ def check(version: ModelVersion) -> None:
 
 
 class Admission:
-    """`screen` one HTTP request: refuse it now, or hand back how to read its body."""
+    """Serve one HTTP request through the app unless it is refused here."""
 
     def __init__(self, state: ServerState):
         self.state = state
+        self.max_body = state.options.max_body
+        self.body_memory = state.options.body_memory or 4 * self.max_body
+        self.bodies = 0  # bytes of the bodies admitted and not yet done
+
+    async def __call__(self, app: Any, scope: dict, receive: Any, send: Any) -> None:
+        length = _content_length(scope)
+        if length is None:  # chunked: counted as it arrives
+            size = [0]
+            receive = self._counted(receive, size)
+        else:
+            size = [length]
+            if (refusal := self._body_refusal(length)) is not None:
+                await _shaped(scope, refusal)(scope, receive, send)
+                return
+            self.bodies += length
+        try:
+            receive = await self.screen(scope, receive, send)
+            if receive is not None:
+                await app(scope, receive, send)
+        finally:
+            self.bodies -= size[0]
+
+    def _body_refusal(self, length: int) -> Exception | None:
+        if length > self.max_body:
+            return BodyTooLarge(f"request body of {length} bytes exceeds {self.max_body}")
+        if length and self.bodies + length > self.body_memory:
+            message = (
+                f"{self.bodies} bytes of request bodies are being served; "
+                f"{length} more would pass {self.body_memory} (--max-body-memory)"
+            )
+            return APIError(503, message, "service_unavailable", headers={"Retry-After": "1"})
+        return None
+
+    def _counted(self, receive: Any, size: list[int]) -> Any:
+        async def counted() -> dict:
+            message = await receive()
+            more = len(message.get("body", b""))
+            if more:
+                if (refusal := self._body_refusal(size[0] + more)) is not None:
+                    raise refusal
+                size[0] += more
+                self.bodies += more
+            return message
+
+        return counted
 
     async def screen(self, scope: dict, receive: Any, send: Any) -> Any:
         """None when the request was refused here (its response sent), else the
@@ -103,6 +153,21 @@ def _refusal(version: ModelVersion) -> Overloaded | None:
     except Overloaded as refusal:
         return refusal
     return None
+
+
+def _shaped(scope: dict, refusal: Exception) -> Any:
+    """The refusal as a response in the protocol's shape: OpenAI's under /v1/, else v2's."""
+    return openai_body(refusal) if scope["path"].startswith("/v1/") else v2_body(refusal)
+
+
+def _content_length(scope: dict) -> int | None:
+    """The declared body length; 0 for none, None for a chunked body."""
+    for name, value in scope["headers"]:
+        if name == b"content-length":
+            return int(value) if value.isdigit() else 0
+        if name == b"transfer-encoding":
+            return None
+    return 0
 
 
 def _header(scope: dict, key: bytes) -> str | None:

@@ -69,13 +69,11 @@ class App:
         self.admission = Admission(server)
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] == "http":  # an LLM with a full queue refuses before the router
-            receive = await self.admission.screen(scope, receive, send)
-            if receive is None:
-                return
-        if tracing.enabled() and scope["type"] == "http":
-            return await traced(self.router, scope, receive, send)
-        await self.router(scope, receive, send)
+        if scope["type"] != "http":
+            return await self.router(scope, receive, send)
+        # bodies past their limits and LLMs with a full queue refuse before the router
+        app = functools.partial(traced, self.router) if tracing.enabled() else self.router
+        await self.admission(app, scope, receive, send)
 
 
 def create_app(
