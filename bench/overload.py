@@ -11,6 +11,12 @@ v2 ModelInfer over gRPC. A refusal's time is from its request's write to its sta
 line (gRPC: to the call's end), on connections opened beforehand: a refusal, not a
 handshake, is timed. `live` is polled all along.
 
+`--hostile` measures item 4 instead: the p50/p99 of normal chats (a closed loop of 4
+users, 16 tokens each) next to 100 streams of 200 tokens that read (clean), then next to
+the same 100 streams never read plus 1,000 connections sending their headers or body a
+byte a second (hostile); each hostile connection opens again once the server closes it.
+The ratio of the two p99s is the figure (issue 35: at most 1.2).
+
 `--tree` runs the same measurement against the server code of another checkout (e.g.
 `--tree . --tree /work/main`: after and before, in one run, on one box). Prints a table
 and a JSON line. A benchmark, not a test: it asserts nothing.
@@ -24,6 +30,7 @@ import json
 import multiprocessing
 import os
 import shutil
+import socket
 import tempfile
 import time
 from pathlib import Path
@@ -192,6 +199,123 @@ async def measure(port: int, grpc_target: str, burst: int, rounds: int) -> dict:
     return {"protocols": rows, "live_probes": len(codes), "live_all_200": set(codes) == {200}}
 
 
+# -- slow and hostile clients (item 4) ----------------------------------------------
+def streams(port: int, count: int, read: bool, seconds: float) -> None:
+    """`count` streamed chats of 200 tokens with 20 logprobs a token (~300 KB each),
+    read or never read; each opens again once it ends or the server cuts it."""
+    body = CHAT | {"max_tokens": 200, "ignore_eos": True, "stream": True}
+    body |= {"logprobs": True, "top_logprobs": 20}
+    request = http_request("/v1/chat/completions", json.dumps(body), close=True)
+
+    async def one() -> None:
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            try:
+                sock = socket.socket()
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+                sock.setblocking(False)
+                await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", port))
+                reader, writer = await asyncio.open_connection(sock=sock)
+                writer.write(request)
+                if read:
+                    await asyncio.wait_for(reader.read(-1), end - time.monotonic())
+                else:  # held, never read, to the end (or until the server cuts it)
+                    await asyncio.sleep(max(0.0, end - time.monotonic()))
+                writer.close()
+            except (OSError, TimeoutError):
+                await asyncio.sleep(0.5)
+
+    async def main() -> None:
+        await asyncio.gather(*(one() for _ in range(count)))
+
+    asyncio.run(main())
+
+
+def slowloris(port: int, count: int, seconds: float) -> None:
+    """`count` connections sending a request a byte a second (half the headers, half
+    the body), each opened again when the server closes it."""
+    body = json.dumps(CHAT | {"max_tokens": 16}).encode()
+    head = f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n"
+
+    async def one(i: int) -> None:
+        end = time.monotonic() + seconds
+        if i % 2:  # the headers a byte a second
+            fast, slow = b"", head.encode() + b"X-Pad: " + b"a" * 100
+        else:  # the headers at once, the body a byte a second
+            fast, slow = head.encode() + b"\r\n", body
+        while time.monotonic() < end:
+            try:
+                reader, writer = await asyncio.open_connection("127.0.0.1", port)
+                writer.write(fast)
+                for byte in slow:
+                    writer.write(bytes([byte]))
+                    try:
+                        await asyncio.wait_for(reader.read(4096), 1.0)
+                        break  # answered (408) or closed: the server is done with it
+                    except TimeoutError:
+                        pass
+                writer.close()
+            except OSError:
+                await asyncio.sleep(1.0)
+
+    async def main() -> None:
+        await asyncio.gather(*(one(i) for i in range(count)))
+
+    asyncio.run(main())
+
+
+async def normal_chats(port: int, seconds: float, users: int = 4) -> list[float]:
+    request = http_request("/v1/chat/completions", chat_body(16, False))
+    times: list[float] = []
+
+    async def user() -> None:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            t0 = time.perf_counter()
+            writer.write(request)
+            status, headers = head_of(await reader.readuntil(b"\r\n\r\n"))
+            await reader.readexactly(int(headers["content-length"]))
+            if status == 200:
+                times.append((time.perf_counter() - t0) * 1e3)
+        writer.close()
+
+    await asyncio.gather(*(user() for _ in range(users)))
+    return times
+
+
+def run_hostile(tree: Path, repo: Path, args: argparse.Namespace) -> dict:
+    port = free_port()
+    env = {"PYTHONPATH": str(tree.resolve())}
+    ctx = multiprocessing.get_context("spawn")
+    rows = {}
+    with Server("bitserve", bitserve_command(repo, port), port, env=env):
+        for name, hostile in (("clean", False), ("hostile", True)):
+            seconds = args.seconds + 5
+            kids = [ctx.Process(target=streams, args=(port, 100, not hostile, seconds))]
+            if hostile:
+                kids.append(ctx.Process(target=slowloris, args=(port, 1000, seconds)))
+            for kid in kids:
+                kid.start()
+            time.sleep(4.0)
+            try:
+                times = asyncio.run(normal_chats(port, args.seconds))
+            finally:
+                for kid in kids:
+                    kid.terminate()
+                    kid.join(10)
+            rows[name] = {
+                "chats": len(times),
+                "p50_ms": float(np.percentile(times, 50)) if times else None,
+                "p99_ms": float(np.percentile(times, 99)) if times else None,
+            }
+            time.sleep(3.0)
+    ratio = None
+    if rows["clean"]["p99_ms"] and rows["hostile"]["p99_ms"]:
+        ratio = rows["hostile"]["p99_ms"] / rows["clean"]["p99_ms"]
+    return {"tree": str(tree), "hostile": rows, "p99_ratio": ratio}
+
+
 def run_tree(tree: Path, repo: Path, args: argparse.Namespace) -> dict:
     grpc_port = free_port()
     port = free_port()
@@ -217,13 +341,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3, help="bursts per protocol")
     parser.add_argument("--streams", type=int, default=96, help="saturating streamed chats")
     parser.add_argument("--tree", type=Path, action="append", help="server code (default .)")
+    parser.add_argument("--hostile", action="store_true", help="slow and hostile clients")
+    parser.add_argument("--seconds", type=float, default=20.0, help="--hostile: per phase")
     args = parser.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="bitserve-overload-"))
     repo = work / "models"
     shutil.copytree(ROOT / "models" / "tinylm", repo / "tinylm")
-    results = [run_tree(tree, repo, args) for tree in args.tree or [ROOT]]
+    run = run_hostile if args.hostile else run_tree
+    results = [run(tree, repo, args) for tree in args.tree or [ROOT]]
     shutil.rmtree(work, ignore_errors=True)
     print(f"load average: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
+    if args.hostile:
+        for r in results:
+            for name, row in r["hostile"].items():
+                print(
+                    f"{r['tree'][-30:]:30s} {name:8s} {row['chats']:5d} chats "
+                    f"p50 {_ms(row['p50_ms'])} p99 {_ms(row['p99_ms'])} ms"
+                )
+            print(f"{r['tree'][-30:]:30s} p99 hostile/clean: {r['p99_ratio']}")
+        print(json.dumps({"bench": "overload-hostile", "results": results}))
+        return 0
     print(f"{'tree':30s} {'protocol':12s} {'refused':>9s} {'p50 ms':>8s} {'p99 ms':>8s}")
     for r in results:
         for name, row in r["protocols"].items():
