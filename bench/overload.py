@@ -43,8 +43,9 @@ ROOT = Path(__file__).resolve().parent.parent
 CHAT = {"model": "tinylm", "messages": [{"role": "user", "content": "Who is my shepherd?"}]}
 
 
-def chat_body(max_tokens: int, stream: bool) -> bytes:
-    return json.dumps(CHAT | {"max_tokens": max_tokens, "ignore_eos": True, "stream": stream})
+def chat_body(max_tokens: int, stream: bool, model: str = "tinylm") -> bytes:
+    body = CHAT | {"model": model, "max_tokens": max_tokens, "ignore_eos": True}
+    return json.dumps(body | {"stream": stream})
 
 
 def v2_body(max_tokens: int) -> bytes:
@@ -118,12 +119,12 @@ async def burst_http(port: int, request: bytes, n: int) -> list[tuple[int, float
             w.close()
 
 
-async def burst_grpc(target: str, n: int) -> list[tuple[int, float, bool]]:
+async def burst_grpc(target: str, n: int, model: str) -> list[tuple[int, float, bool]]:
     import grpc
 
     from bitserve.api.proto import grpc_service_pb2 as pb
 
-    request = pb.ModelInferRequest(model_name="tinylm")
+    request = pb.ModelInferRequest(model_name=model)
     for name, value in (
         ("text_input", b"Who is my shepherd?"),
         ("sampling_parameters", json.dumps({"max_tokens": 200, "ignore_eos": True}).encode()),
@@ -168,24 +169,32 @@ async def poll_live(port: int, stop: asyncio.Event) -> list[int]:
     return codes
 
 
-async def measure(port: int, grpc_target: str, burst: int, rounds: int) -> dict:
+def loop_cpu(pid: int) -> float:
+    """Seconds of CPU the server's main thread (its event loop) has used."""
+    fields = Path(f"/proc/{pid}/task/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def measure(
+    port: int, grpc_target: str, burst: int, rounds: int, model: str, pid: int
+) -> dict:
+    chat = http_request("/v1/chat/completions", chat_body(200, False, model))
+    v2 = http_request(f"/v2/models/{model}/infer", v2_body(200))
     protocols = {
-        "openai-http": lambda: burst_http(
-            port, http_request("/v1/chat/completions", chat_body(200, False)), burst
-        ),
-        "v2-http": lambda: burst_http(
-            port, http_request("/v2/models/tinylm/infer", v2_body(200)), burst
-        ),
-        "v2-grpc": lambda: burst_grpc(grpc_target, burst),
+        "openai-http": lambda: burst_http(port, chat, burst),
+        "v2-http": lambda: burst_http(port, v2, burst),
+        "v2-grpc": lambda: burst_grpc(grpc_target, burst, model),
     }
     stop = asyncio.Event()
     live = asyncio.create_task(poll_live(port, stop))
     rows = {}
     for name, run in protocols.items():
         answers = []
+        cpu = loop_cpu(pid)
         for _ in range(rounds):
             answers += await run()
             await asyncio.sleep(0.5)
+        cpu = loop_cpu(pid) - cpu
         refused = [ms for status, ms, retry in answers if status in (429, 503) and retry]
         rows[name] = {
             "requests": len(answers),
@@ -193,6 +202,7 @@ async def measure(port: int, grpc_target: str, burst: int, rounds: int) -> dict:
             "statuses": {str(s): sum(a[0] == s for a in answers) for s in {a[0] for a in answers}},
             "p50_ms": float(np.percentile(refused, 50)) if refused else None,
             "p99_ms": float(np.percentile(refused, 99)) if refused else None,
+            "loop_cpu_us_per_request": cpu / len(answers) * 1e6,
         }
     stop.set()
     codes = await live
@@ -321,17 +331,21 @@ def run_tree(tree: Path, repo: Path, args: argparse.Namespace) -> dict:
     port = free_port()
     cmd = bitserve_command(repo, port, "--grpc-port", str(grpc_port))
     env = {"PYTHONPATH": str(tree.resolve())}
-    with Server("bitserve", cmd, port, env=env):
+    with Server("bitserve", cmd, port, env=env) as server:
+        target, pid = f"127.0.0.1:{grpc_port}", server.proc.pid
+        # refusals alone: `full` has no place in its queue, the engine is idle
+        idle = asyncio.run(measure(port, target, args.burst, args.rounds, "full", pid))
         seconds = 8 + args.rounds * 3 * 4
         ctx = multiprocessing.get_context("spawn")
         saturator = ctx.Process(target=saturate, args=(port, args.streams, seconds))
         saturator.start()
         time.sleep(3.0)  # the streams are running and the queue is full
         try:
-            result = asyncio.run(measure(port, f"127.0.0.1:{grpc_port}", args.burst, args.rounds))
+            result = asyncio.run(measure(port, target, args.burst, args.rounds, "tinylm", pid))
         finally:
             saturator.terminate()
             saturator.join(10)
+    result["refusals_alone"] = idle["protocols"]
     return {"tree": str(tree)} | result
 
 
@@ -347,6 +361,11 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(tempfile.mkdtemp(prefix="bitserve-overload-"))
     repo = work / "models"
     shutil.copytree(ROOT / "models" / "tinylm", repo / "tinylm")
+    if not args.hostile:  # a twin that refuses everything (no place in its queue)
+        shutil.copytree(ROOT / "models" / "tinylm" / "1", repo / "full" / "1")
+        config = (ROOT / "models" / "tinylm" / "config.toml").read_text()
+        config = config.replace("max_queued_requests = 64", "max_queued_requests = 0")
+        (repo / "full" / "config.toml").write_text(config.replace("268435456", "16777216"))
     run = run_hostile if args.hostile else run_tree
     results = [run(tree, repo, args) for tree in args.tree or [ROOT]]
     shutil.rmtree(work, ignore_errors=True)
@@ -361,12 +380,19 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{r['tree'][-30:]:30s} p99 hostile/clean: {r['p99_ratio']}")
         print(json.dumps({"bench": "overload-hostile", "results": results}))
         return 0
-    print(f"{'tree':30s} {'protocol':12s} {'refused':>9s} {'p50 ms':>8s} {'p99 ms':>8s}")
+    print(
+        f"{'tree':30s} {'protocol':12s} {'refused':>9s} {'p50 ms':>8s} {'p99 ms':>8s} loop us/req"
+    )
     for r in results:
-        for name, row in r["protocols"].items():
-            p50, p99 = (_ms(row[k]) for k in ("p50_ms", "p99_ms"))
-            refused = f"{row['refused']}/{row['requests']}"
-            print(f"{r['tree'][-30:]:30s} {name:12s} {refused:>9s} {p50} {p99}")
+        for phase, rows in (("saturated", r["protocols"]), ("alone", r["refusals_alone"])):
+            for name, row in rows.items():
+                p50, p99 = (_ms(row[k]) for k in ("p50_ms", "p99_ms"))
+                refused = f"{row['refused']}/{row['requests']}"
+                cpu = row["loop_cpu_us_per_request"]
+                print(
+                    f"{r['tree'][-20:]:20s} {phase:9s} {name:12s} {refused:>9s} {p50} {p99}"
+                    f" {cpu:8.0f}"
+                )
         print(f"{'':30s} live: {r['live_probes']} probes, all 200: {r['live_all_200']}")
     print(json.dumps({"bench": "overload", "results": results}))
     return 0
