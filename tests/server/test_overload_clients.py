@@ -99,9 +99,9 @@ def test_slow_headers_and_bodies_get_408_and_others_are_served(server):
 
 
 def test_a_stream_nobody_reads_is_cut_and_its_kv_freed(server):
-    body = {"model": "tinylm", "messages": [{"role": "user", "content": "Who?"}], "n": 32}
+    body = {"model": "tinylm", "messages": [{"role": "user", "content": "Who?"}], "n": 16}
     body |= {"max_tokens": 200, "ignore_eos": True, "stream": True}
-    body |= {"logprobs": True, "top_logprobs": 20}  # ~1.5 KB a token: ~10 MB in all
+    body |= {"logprobs": True, "top_logprobs": 20}  # ~1.5 KB a token: ~5 MB in all
     data = json.dumps(body).encode()
     request = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
     request += f"Content-Length: {len(data)}\r\n\r\n".encode() + data
@@ -124,9 +124,9 @@ def test_a_stream_nobody_reads_is_cut_and_its_kv_freed(server):
             pass
         except TimeoutError:
             closed = False
-    assert closed, "the server kept a stream nobody read"  # else: finished, kept alive
-    assert received < 32 * 200 * 1000, received  # cut: far from the whole stream
-    # (its choices may have finished before the socket filled: the kernel takes megabytes)
+    # a finished stream would stay open (keep-alive): closed means cut, after `received`
+    # bytes (its choices may have finished first: the kernel buffers megabytes)
+    assert closed, f"the server kept a stream nobody read ({received} bytes)"
     assert metric(server, "bitserve_llm_num_requests_running") == 0
     assert metric(server, "bitserve_llm_kv_cache_usage_perc") == 0.0
 
