@@ -99,6 +99,12 @@ def main() -> None:
     show_default=True,
     help="Bigger request bodies get 413, bigger gRPC messages RESOURCE_EXHAUSTED.",
 )
+@click.option("--max-body-memory", default=None, help="Bodies in memory at once (default 4x max).")
+@click.option("--header-timeout", default=10.0, show_default=True, help="Seconds to send headers.")
+@click.option("--body-timeout", default=60.0, show_default=True, help="Seconds to send a body.")
+@click.option(
+    "--write-timeout", default=30.0, show_default=True, help="Seconds a client may stall."
+)
 @click.option("--threads", default=0, type=int, help="torch intra-op threads (0: default).")
 @click.option(
     "--model-control",
@@ -156,6 +162,10 @@ def serve(
     port: int,
     grpc_port: int,
     max_body_size: str,
+    max_body_memory: str | None,
+    header_timeout: float,
+    body_timeout: float,
+    write_timeout: float,
     threads: int,
     model_control: str,
     load_model: tuple[str, ...],
@@ -172,6 +182,7 @@ def serve(
     llama.cpp MODEL_FILE (.gguf) given, as an llm model named after the file."""
     from bitserve.repository.repository import Repository
     from bitserve.server.app import create_app
+    from bitserve.server.connections import ClientLimits
     from bitserve.server.state import ServerOptions
 
     logging.basicConfig(
@@ -188,6 +199,8 @@ def serve(
         log_file = open(access_log, "a", buffering=1)  # noqa: SIM115 - lives as long as serve
     options = ServerOptions(
         max_body=_size(max_body_size),
+        body_memory=_size(max_body_memory) if max_body_memory else None,
+        clients=ClientLimits(header_timeout, body_timeout, write_timeout),
         grpc_address=f"{host}:{grpc_port}" if grpc_port else None,
         admin_token=admin_token or None,
         model_control=model_control,
@@ -235,6 +248,8 @@ def _run(app, host: str, port: int, log_level: str, drain_timeout: float) -> Non
     """uvicorn, with SIGTERM turned into a graceful drain."""
     import uvicorn
 
+    from bitserve.server import connections
+
     class DrainingServer(uvicorn.Server):
         """First SIGTERM/SIGINT: unready, 503 to new requests, wait for in-flight ones
         (at most --drain-timeout), then exit 0. A second signal exits at once."""
@@ -256,7 +271,7 @@ def _run(app, host: str, port: int, log_level: str, drain_timeout: float) -> Non
         host=host,
         port=port,
         loop="uvloop",
-        http="httptools",
+        http=connections.protocol(app.server.options.clients),  # timeouts uvicorn lacks
         log_level="warning" if log_level == "info" else log_level,
         access_log=False,
         backlog=4096,

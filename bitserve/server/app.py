@@ -38,6 +38,7 @@ from bitserve.server import (
     v2,
 )
 from bitserve.server import metrics as server_metrics
+from bitserve.server.admission import Admission
 from bitserve.server.http import error, traced
 from bitserve.server.state import ServerOptions, ServerState
 
@@ -65,11 +66,14 @@ class App:
     def __init__(self, server: ServerState, router: Router):
         self.server = server
         self.router = router
+        self.admission = Admission(server)
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if tracing.enabled() and scope["type"] == "http":
-            return await traced(self.router, scope, receive, send)
-        await self.router(scope, receive, send)
+        if scope["type"] != "http":
+            return await self.router(scope, receive, send)
+        # bodies past their limits and LLMs with a full queue refuse before the router
+        app = functools.partial(traced, self.router) if tracing.enabled() else self.router
+        await self.admission(app, scope, receive, send)
 
 
 def create_app(

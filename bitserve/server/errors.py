@@ -14,7 +14,7 @@ import functools
 import logging
 from collections.abc import Awaitable, Callable
 
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
 from bitserve.api.errors import (
@@ -30,6 +30,7 @@ from bitserve.api.errors import (
     status_of,
     to_openai,
 )
+from bitserve.inference import ClientGone
 from bitserve.server.http import error, json_response
 
 __all__ = [
@@ -76,6 +77,8 @@ def handle(
         try:
             return await handler(request)
         except Exception as exc:
+            if isinstance(exc, ClientDisconnect):  # it left mid-body (or timed out: connections.py)
+                exc = ClientGone("the client left while sending its body")
             if is_bug(exc):
                 log.exception("internal error on %s", request.url.path, exc_info=exc)
             return body(exc)

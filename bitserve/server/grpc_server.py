@@ -61,7 +61,7 @@ from bitserve.api.v2 import (
 from bitserve.inference import ClientGone, InvalidRequest, text_inputs
 from bitserve.repository.repository import ModelNotFound, ModelUnavailable
 from bitserve.repository.version import ModelVersion, Ticket
-from bitserve.server import shm
+from bitserve.server import admission, shm
 from bitserve.server.errors import EXPECTED, headers_of, status_of
 from bitserve.server.generate import text_stream
 from bitserve.server.record import Record
@@ -428,6 +428,7 @@ class Service(pb_grpc.GRPCInferenceServiceServicer):
         it fails to start, else by `_answer` or by whoever gives up on its result."""
         record = Record(self.state, version, route)
         try:
+            admission.check(version)  # a full LLM queue refuses before the parse
             remaining = context.time_remaining()
             record.parsed = parse_grpc_infer(version.config, request, remaining, self.state.shm)
             ticket = version.start(record.parsed)

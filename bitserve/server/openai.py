@@ -66,6 +66,7 @@ def routes(state: ServerState) -> list[Route]:
 class OpenAI:
     def __init__(self, state: ServerState):
         self.state = state
+        self._turn = asyncio.Lock()  # whose template renders now (_held)
 
     # ---------------------------------------------------------- lookups
 
@@ -96,61 +97,61 @@ class OpenAI:
 
     async def completions(self, request: Request) -> Response:
         req: CompletionRequest = parse(CompletionRequest, await request.body())
-        model, adapter = lora.resolve(self.state, req.model)
-        version, llm, hold = await self._held(model)
-        try:
-            jobs = lora.with_adapter(completion_jobs(req), adapter)
-        except BaseException:  # a 4xx before the front door: the place goes back now
-            if hold is not None:
-                hold.release()
-            raise
-        return await self._generate(request, version, llm, req, jobs, chat=False, hold=hold)
+        return await self._generate(request, req, lambda llm: completion_jobs(req), chat=False)
 
     async def chat(self, request: Request) -> Response:
         req: ChatRequest = parse(ChatRequest, await request.body())
+        return await self._generate(request, req, lambda llm: chat_jobs(req, llm), chat=True)
+
+    async def _generate(self, http: Request, req: Any, make_jobs: Any, chat: bool) -> Response:
         model, adapter = lora.resolve(self.state, req.model)
         version, llm, hold = await self._held(model)
-        try:
-            jobs = lora.with_adapter(chat_jobs(req, llm), adapter)
-        except BaseException:  # a 4xx before the front door: the place goes back now
-            if hold is not None:
-                hold.release()
-            raise
-        return await self._generate(request, version, llm, req, jobs, chat=True, hold=hold)
+        try:  # this request's turn to render (_held): no await until it is admitted
+            try:
+                jobs = lora.with_adapter(make_jobs(llm), adapter)
+            except BaseException:  # a 4xx before the front door: the place goes back now
+                if hold is not None:
+                    hold.release()
+                raise
+            # the front door: encoded, checked against the one set of limits, admitted once
+            prompts, params = [p for p, _, _ in jobs], [sp for _, _, sp in jobs]
+            admitted = llm.process(prompts, params, hold=hold)
+            # held now, with no await since the lookup: a drain cannot miss it
+            stream = _Streams(self.state, version, llm, req, jobs, admitted, chat)
+        finally:
+            self._turn.release()
+        if req.stream:
+            return StreamingResponse(stream.sse(), media_type="text/event-stream")
+        return _json(await until_disconnect(http, stream.complete()))
 
     async def _held(self, model: str) -> tuple[ModelVersion, LLMService, Hold | None]:
         """The model's LLM with a place held in its waiting queue (or a 429 now), then
         one turn of the event loop: in a burst every request is held or refused before
         any of them renders a template, so a refusal costs microseconds, not the
-        encoding of all the requests ahead of it. Looked up again after that turn: no
-        await may come between the lookup and the lease (a drain must not miss it)."""
+        encoding of all the requests ahead of it. Then the turn to render (`_turn`, the
+        caller releases it): one template per pass of the event loop, so requests that
+        arrive meanwhile are read, and refused, between two templates rather than after
+        all of them. Looked up again after these awaits: no await may come between the
+        lookup and the lease (a drain must not miss it)."""
         await self.state.repository.ensure_loaded(model)
         _, llm = self._llm(model)
         hold = llm.hold()
-        await asyncio.sleep(0)
-        version, now = self._llm(model)
+        try:
+            await asyncio.sleep(0)
+            await self._turn.acquire()
+        except BaseException:
+            hold.release()
+            raise
+        try:
+            version, now = self._llm(model)
+        except BaseException:
+            hold.release()
+            self._turn.release()
+            raise
         if now is not llm:  # reloaded meanwhile: the new service admits it in process
             hold.release()
             return version, now, None
         return version, llm, hold
-
-    async def _generate(
-        self,
-        http: Request,
-        version: ModelVersion,
-        llm: LLMService,
-        req: Any,
-        jobs: list,
-        chat: bool,
-        hold: Hold | None = None,
-    ) -> Response:
-        # the front door: encoded, checked against the one set of limits, admitted once
-        admitted = llm.process([p for p, _, _ in jobs], [sp for _, _, sp in jobs], hold=hold)
-        # held now, with no await since the lookup: a drain cannot miss it
-        stream = _Streams(self.state, version, llm, req, jobs, admitted, chat)
-        if req.stream:
-            return StreamingResponse(stream.sse(), media_type="text/event-stream")
-        return _json(await until_disconnect(http, stream.complete()))
 
     # ---------------------------------------------------------- embeddings
 

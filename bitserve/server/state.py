@@ -17,6 +17,7 @@ from bitserve.repository.repository import Repository
 from bitserve.repository.version import ModelVersion
 from bitserve.rollout.state import Rollouts
 from bitserve.rollout.state import Route as RolloutRoute
+from bitserve.server.connections import ClientLimits
 from bitserve.server.errors import Draining, Forbidden, Unauthorized
 from bitserve.server.shm import SharedMemory
 
@@ -28,6 +29,8 @@ DEFAULT_MAX_BODY = 64 * 1024 * 1024  # Triton's --http-max-input-size
 @dataclass
 class ServerOptions:
     max_body: int = DEFAULT_MAX_BODY  # HTTP bodies and gRPC messages alike
+    body_memory: int | None = None  # bytes of HTTP bodies served at once (None: 4 max_body)
+    clients: ClientLimits = field(default_factory=ClientLimits)  # read and write timeouts
     grpc_address: str | None = None  # HOST:PORT of the v2 gRPC service (grpc_server.py)
     admin_token: str | None = None  # repository management is off without one
     model_control: str = "none"  # none | explicit | poll

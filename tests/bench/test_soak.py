@@ -70,14 +70,33 @@ def test_a_5xx_outside_a_chaos_event_fails_and_one_inside_is_owed_to_it():
     assert not inside["checks"]["requests"]["ok"]  # a 500 is never owed to chaos
 
 
-@pytest.mark.slow
-def test_a_planted_leak_fails_the_bounded_soak(tmp_path):
-    args = ["--minutes", "2", "--clients", "2", "--concurrency", "4", "--rss-bound", "1024"]
+# The bounded soak: 2 minutes (1.5 in the default suite: ~2.3 min of wall with start
+# and drain), 2 client processes x 4 loops, every chaos event. RSS may grow 4 GiB/h: a
+# clean run on a busy 2-core box still warms up at ~0.6 GiB/h (95% interval up to 0.8)
+# in its last 80 s; the planted leak (1 MiB on ~14% of requests) grows ~15-20 GiB/h. The
+# 400-chat overload probe is left to bench/overload.py and tests/server/test_overload.py:
+# its 50 ms bound is a figure for a quiet box, not a check a loaded one can keep.
+BOUNDED = ["--minutes", "2", "--clients", "2", "--concurrency", "4", "--rss-bound", "4096"]
+BOUNDED += ["--overload", "0"]
+
+
+def run_soak(tmp_path, *extra: str) -> tuple[int, dict]:
     run = subprocess.run(
-        [sys.executable, "-m", "bench.soak", *args, "--plant-leak", "--report", str(tmp_path)],
+        [sys.executable, "-m", "bench.soak", *BOUNDED, *extra, "--report", str(tmp_path)],
         cwd=ROOT,
         env=dict(os.environ, OMP_NUM_THREADS="1"),
         timeout=900,
     )
-    result = json.loads((tmp_path / "soak.json").read_text())
-    assert run.returncode == 1 and not result["checks"]["rss"]["ok"], result["checks"]["rss"]
+    return run.returncode, json.loads((tmp_path / "soak.json").read_text())
+
+
+def test_the_bounded_soak_passes(tmp_path):
+    code, result = run_soak(tmp_path, "--minutes", "1.5")  # ~2.3 min with start and drain
+    failed = {k: c for k, c in result["checks"].items() if not c.get("ok")}
+    assert code == 0 and result["ok"], failed
+
+
+@pytest.mark.slow
+def test_a_planted_leak_fails_the_bounded_soak(tmp_path):
+    code, result = run_soak(tmp_path, "--plant-leak")
+    assert code == 1 and not result["checks"]["rss"]["ok"], result["checks"]["rss"]

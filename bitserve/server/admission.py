@@ -1,0 +1,187 @@
+"""Refusing a request under overload before it costs anything (issue 35).
+
+An LLM whose waiting queue is full refuses a request with 429 and Retry-After
+(`LLMService.admit`). On the normal path that check comes after the route has read,
+parsed and validated the body (v2: and tokenized the prompt); under a burst of hundreds
+of requests the last refusal waited behind the parsing of all the requests ahead of it
+(p99 near a second). Here the same check runs first, in the ASGI app ahead of the router:
+
+- v2 infer (`/v2/models/{model}[/versions/{v}]/infer`): the model is in the path, so a
+  refusal goes out before the body is read at all;
+- OpenAI generation (`/v1/chat/completions`, `/v1/completions`): the model is in the
+  body, read from its first chunk (already in the server's buffer) by a lookup of one
+  key, without validation; a body in several chunks goes the normal way.
+
+It only refuses what the normal path would refuse (the same `admit` call, with no place
+taken): a request it lets through is admitted as before, its place held before the chat
+template (openai.py's `_held`). Models with a traffic policy (canary or shadow) are left
+to the normal path, which routes them. gRPC's servicer calls `check` before parsing.
+
+Request bodies are admitted here too, on every route: one past `max_body` gets 413 before
+it is read (a chunked one as soon as it grows past it), and the bytes of the bodies being
+served at once are bounded by `body_memory` (503 with Retry-After past it): many large
+bodies at once are refused, not an out-of-memory.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import orjson
+
+from bitserve.inference import Overloaded
+from bitserve.repository.version import ModelVersion
+from bitserve.rollout.policy import VERSION_HEADER
+from bitserve.server.errors import APIError, BodyTooLarge, openai_body, v2_body
+from bitserve.server.record import Record
+from bitserve.server.state import ServerState
+
+V2_INFER = re.compile(r"/v2/models/([^/]+)(?:/versions/([^/]+))?/infer")
+OPENAI_GENERATE = frozenset({"/v1/chat/completions", "/v1/completions"})
+FIRST_CHUNK_LIMIT = 64 * 1024  # larger bodies are not worth a second parse
+VERSION_KEY = VERSION_HEADER.lower().encode("latin-1")
+
+
+def check(version: ModelVersion) -> None:
+    """Raise Overloaded when `version` is an LLM whose waiting queue is full."""
+    if version.serves("generate"):
+        version.serving("generate").admit(0)
+
+
+class Admission:
+    """Serve one HTTP request through the app unless it is refused here."""
+
+    def __init__(self, state: ServerState):
+        self.state = state
+        self.max_body = state.options.max_body
+        self.body_memory = state.options.body_memory or 4 * self.max_body
+        self.bodies = 0  # bytes of the bodies admitted and not yet done
+
+    async def __call__(self, app: Any, scope: dict, receive: Any, send: Any) -> None:
+        length = _content_length(scope)
+        if length is None:  # chunked: counted as it arrives
+            size = [0]
+            receive = self._counted(receive, size)
+        else:
+            size = [length]
+            if (refusal := self._body_refusal(length)) is not None:
+                await _shaped(scope, refusal)(scope, receive, send)
+                return
+            self.bodies += length
+        try:
+            receive = await self.screen(scope, receive, send)
+            if receive is not None:
+                await app(scope, receive, send)
+        finally:
+            self.bodies -= size[0]
+
+    def _body_refusal(self, length: int) -> Exception | None:
+        if length > self.max_body:
+            return BodyTooLarge(f"request body of {length} bytes exceeds {self.max_body}")
+        if length and self.bodies + length > self.body_memory:
+            message = (
+                f"{self.bodies} bytes of request bodies are being served; "
+                f"{length} more would pass {self.body_memory} (--max-body-memory)"
+            )
+            return APIError(503, message, "service_unavailable", headers={"Retry-After": "1"})
+        return None
+
+    def _counted(self, receive: Any, size: list[int]) -> Any:
+        async def counted() -> dict:
+            message = await receive()
+            more = len(message.get("body", b""))
+            if more:
+                if (refusal := self._body_refusal(size[0] + more)) is not None:
+                    raise refusal
+                size[0] += more
+                self.bodies += more
+            return message
+
+        return counted
+
+    async def screen(self, scope: dict, receive: Any, send: Any) -> Any:
+        """None when the request was refused here (its response sent), else the
+        `receive` the app reads the request through."""
+        if scope["method"] != "POST" or self.state.draining:
+            return receive
+        path = scope["path"]
+        if path in OPENAI_GENERATE:
+            return await self._openai(scope, receive, send)
+        if (m := V2_INFER.fullmatch(path)) is not None:
+            pinned = m[2] or _header(scope, VERSION_KEY)
+            version = self._version(m[1], pinned)
+            if version is not None and (refusal := _refusal(version)) is not None:
+                Record(self.state, version, None).close(refusal)  # counted as the v2 path does
+                await v2_body(refusal)(scope, receive, send)
+                return None
+        return receive
+
+    async def _openai(self, scope: dict, receive: Any, send: Any) -> Any:
+        first = await receive()
+        body = first.get("body", b"")
+        replay = _replay(first, receive)
+        if first.get("more_body") or len(body) > FIRST_CHUNK_LIMIT:
+            return replay
+        try:
+            model = orjson.loads(body).get("model")
+        except (orjson.JSONDecodeError, AttributeError):
+            return replay  # the route says what is wrong with it
+        version = self._version(model, None) if isinstance(model, str) else None
+        if version is not None and (refusal := _refusal(version)) is not None:
+            await openai_body(refusal)(scope, replay, send)
+            return None
+        return replay
+
+    def _version(self, model: str, pinned: str | None) -> ModelVersion | None:
+        """The version a request for `model` reaches, when it is found without routing
+        (None: unknown, not loaded, or under a traffic policy: the route decides)."""
+        entry = self.state.repository.models.get(model)
+        if entry is None or entry.lazy():
+            return None
+        if pinned is None and self.state.rollout.get(entry) is not None:
+            return None
+        try:
+            return self.state.repository.get(model, pinned)
+        except Exception:  # not found, unavailable: the route answers it
+            return None
+
+
+def _refusal(version: ModelVersion) -> Overloaded | None:
+    try:
+        check(version)
+    except Overloaded as refusal:
+        return refusal
+    return None
+
+
+def _shaped(scope: dict, refusal: Exception) -> Any:
+    """The refusal as a response in the protocol's shape: OpenAI's under /v1/, else v2's."""
+    return openai_body(refusal) if scope["path"].startswith("/v1/") else v2_body(refusal)
+
+
+def _content_length(scope: dict) -> int | None:
+    """The declared body length; 0 for none, None for a chunked body."""
+    for name, value in scope["headers"]:
+        if name == b"content-length":
+            return int(value) if value.isdigit() else 0
+        if name == b"transfer-encoding":
+            return None
+    return 0
+
+
+def _header(scope: dict, key: bytes) -> str | None:
+    for name, value in scope["headers"]:
+        if name == key:
+            return value.decode("latin-1")
+    return None
+
+
+def _replay(first: dict, receive: Any) -> Any:
+    """`receive` that hands out `first` again before reading on."""
+    pending = [first]
+
+    async def replayed() -> dict:
+        return pending.pop() if pending else await receive()
+
+    return replayed

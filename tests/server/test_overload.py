@@ -1,0 +1,117 @@
+"""Refusals under overload are decided before the request costs anything
+(bitserve/server/admission.py, issue 35): a full LLM queue answers 429 with Retry-After
+before the body is read (v2), before the body is validated (OpenAI), before the message is
+parsed (gRPC). `full` is tinylm with a queue of 0 places, so it is always full; `tinylm`
+beside it has room, and gets what the normal path says."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+
+import grpc
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from bitserve.api.proto import grpc_service_pb2 as pb
+from tests.conftest import ROOT, Server, free_port
+
+CONFIG = """
+backend = "llm"
+[parameters]
+max_model_len = 256
+kv_cache_memory = 16777216
+max_queued_requests = {queued}
+"""
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    root = tmp_path_factory.mktemp("overload") / "models"
+    for name, queued in (("tinylm", 64), ("full", 0)):
+        shutil.copytree(ROOT / "models" / "tinylm" / "1", root / name / "1")
+        (root / name / "config.toml").write_text(CONFIG.format(queued=queued))
+    grpc_port = free_port()
+    server = Server(root, "--grpc-port", str(grpc_port))
+    server.grpc = f"127.0.0.1:{grpc_port}"
+    yield server
+    server.stop()
+
+
+def head(port: int, request: bytes) -> tuple[int, dict[str, str]]:
+    """Send `request` and read the response's status line and headers (10 s at most)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(request)
+        raw = b""
+        while b"\r\n\r\n" not in raw:
+            chunk = s.recv(4096)
+            assert chunk, f"closed without an answer: {raw!r}"
+            raw += chunk
+    lines = raw.split(b"\r\n\r\n")[0].decode("latin-1").split("\r\n")
+    headers = dict(line.lower().split(": ", 1) for line in lines[1:])
+    return int(lines[0].split()[1]), headers
+
+
+def metric(server, name: str, **labels: str) -> float:
+    samples = (
+        s
+        for f in text_string_to_metric_families(httpx.get(server.url + "/metrics").text)
+        for s in f.samples
+    )
+    return sum(s.value for s in samples if s.name == name and labels.items() <= s.labels.items())
+
+
+def test_a_full_v2_queue_refuses_before_the_body_arrives(server):
+    # the headers promise a body that never comes: the normal path would wait for it
+    request = (
+        b"POST /v2/models/full/infer HTTP/1.1\r\nHost: x\r\n"
+        b"Content-Type: application/json\r\nContent-Length: 100000\r\n\r\n"
+    )
+    status, headers = head(server.port, request)
+    assert status == 429 and int(headers["retry-after"]) >= 1
+    failures = metric(server, "bitserve_request_failure_total", model="full", reason="rejected")
+    assert failures >= 1  # counted as the v2 path counts a refusal
+    assert httpx.get(server.url + "/v2/health/live").status_code == 200
+
+
+def test_a_full_openai_queue_refuses_before_the_body_is_validated(server):
+    bad = {"model": "full", "messages": "not a list of messages"}
+    refused = httpx.post(server.url + "/v1/chat/completions", json=bad)
+    assert refused.status_code == 429, refused.text
+    assert int(refused.headers["retry-after"]) >= 1
+    assert refused.json()["error"]["type"] == "rate_limit_error"
+    # a model with room: the route validates it
+    room = httpx.post(server.url + "/v1/chat/completions", json=bad | {"model": "tinylm"})
+    assert room.status_code == 400, room.text
+
+
+def test_a_body_in_several_chunks_takes_the_normal_way(server):
+    body = json.dumps({"model": "full", "prompt": "x", "max_tokens": 4}).encode()
+
+    def chunks():
+        yield body[:10]
+        yield body[10:]
+
+    refused = httpx.post(server.url + "/v1/completions", content=chunks())
+    assert refused.status_code == 429 and refused.json()["error"]["type"] == "rate_limit_error"
+    room = httpx.post(server.url + "/v1/completions", json={**json.loads(body), "model": "tinylm"})
+    assert room.status_code == 200, room.text
+
+
+def test_a_full_grpc_queue_refuses_before_the_message_is_parsed(server):
+    empty = pb.ModelInferRequest(model_name="full")  # no text_input: a parse would say 400
+    with grpc.insecure_channel(server.grpc) as channel:
+        infer = channel.unary_unary(
+            "/inference.GRPCInferenceService/ModelInfer",
+            request_serializer=pb.ModelInferRequest.SerializeToString,
+            response_deserializer=pb.ModelInferResponse.FromString,
+        )
+        with pytest.raises(grpc.RpcError) as refused:
+            infer(empty, timeout=10)
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert any(k == "retry-after" for k, _ in refused.value.trailing_metadata())
+        with pytest.raises(grpc.RpcError) as invalid:
+            infer(pb.ModelInferRequest(model_name="tinylm"), timeout=10)
+        assert invalid.value.code() == grpc.StatusCode.INVALID_ARGUMENT
