@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from bench.quant import load_engine, make_variants, measure, print_table, read_gb_s
+from bench.quant import against_fp32, load_engine, make_variants, measure, print_table
 from tests.llm.conftest import build_tokenizer
 from tests.llm.test_gguf import CONVERTER, QUANTIZE, convert, quantize
 
@@ -101,14 +101,7 @@ def main() -> None:
         engines = {name: load_engine(*files[name], max(batches)) for name in variants}
         print("measuring (the variants take turns) ...", file=sys.stderr)
         results = measure(engines, batches, args.tokens, args.repeats)
-    base = results["fp32"]
-    for r in results.values():
-        r["memory_x"] = r["weight_bytes"] / base["weight_bytes"]
-        for b in batches:
-            r[f"b{b}_x"] = r[f"decode_b{b}_tok_s"] / base[f"decode_b{b}_tok_s"]
-        r["b1_GB_s"] = r["step_bytes"] * r["decode_b1_tok_s"] / 1e9
-        r["read_GB_s"] = read_gb_s(r["step_bytes"])
-        r["b1_x_read"] = r["b1_GB_s"] / r["read_GB_s"]
+    against_fp32(results, batches)
     where = cpu()
     print(f"{args.size}, {args.threads} thread(s), {where['model']} ({' '.join(where['avx512'])})")
     print_table(results, batches)

@@ -244,6 +244,20 @@ def timed(fn) -> float:
     return time.perf_counter() - start
 
 
+def against_fp32(results: dict, batches: list[int]) -> dict:
+    """Each variant's memory and decode speed as multiples of fp32's, and its batch-1
+    weight-read rate against a plain read of the same bytes; returns fp32's row."""
+    base = results["fp32"]
+    for r in results.values():
+        r["memory_x"] = r["weight_bytes"] / base["weight_bytes"]
+        for b in batches:
+            r[f"b{b}_x"] = r[f"decode_b{b}_tok_s"] / base[f"decode_b{b}_tok_s"]
+        r["b1_GB_s"] = r["step_bytes"] * r["decode_b1_tok_s"] / 1e9
+        r["read_GB_s"] = read_gb_s(r["step_bytes"])
+        r["b1_x_read"] = r["b1_GB_s"] / r["read_GB_s"]
+    return base
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--threads", type=int, default=1)
@@ -275,14 +289,7 @@ def main() -> None:
         engines = {name: load_engine(*folders[name], max(batches)) for name in variants}
         print("measuring (the variants take turns) ...", file=sys.stderr)
         results = measure(engines, batches, tokens, repeats)
-    base = results["fp32"]
-    for r in results.values():
-        r["memory_x"] = r["weight_bytes"] / base["weight_bytes"]
-        for b in batches:
-            r[f"b{b}_x"] = r[f"decode_b{b}_tok_s"] / base[f"decode_b{b}_tok_s"]
-        r["b1_GB_s"] = r["step_bytes"] * r["decode_b1_tok_s"] / 1e9
-        r["read_GB_s"] = read_gb_s(r["step_bytes"])
-        r["b1_x_read"] = r["b1_GB_s"] / r["read_GB_s"]
+    base = against_fp32(results, batches)
     print_table(results, batches)
     goals = {"fp32_b1_ge_0.9_read": base["b1_x_read"] >= 0.9}
     if "int8" in results:
