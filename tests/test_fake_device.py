@@ -272,7 +272,11 @@ def test_diffusion_backend_forward_on_cuda():
 
     with FakeCuda():
         on_gpu = images("cuda")
-    np.testing.assert_array_equal(on_gpu, images("cpu"))
+    # the same float arithmetic up to its last bits (the step thread's reductions may
+    # split differently between runs), quantized to uint8: a pixel that lands on a .5
+    # boundary may move by one level; a wrong seed, label or schedule moves hundreds
+    diff = np.abs(on_gpu.astype(np.int16) - images("cpu").astype(np.int16))
+    assert diff.max() <= 1 and (diff > 0).mean() < 0.01, (diff.max(), (diff > 0).mean())
 
 
 def test_llm_backend_serves_on_cuda(llama_dir, no_kernels):
