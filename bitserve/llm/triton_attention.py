@@ -81,6 +81,61 @@ def _tanh(x):
 
 
 @_jit
+def _kv_tile(
+    table,
+    k_head,
+    v_head,
+    j,
+    j_ok,
+    d,
+    stride_kb,
+    stride_ks,
+    stride_vb,
+    stride_vs,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+):
+    """The K and V tiles of keys j (j_ok: those in range), read in place through the
+    sequence's block table."""
+    block = tl.load(table + j // BLOCK_SIZE, mask=j_ok, other=0).to(tl.int64)
+    slot = j % BLOCK_SIZE
+    kv_mask = j_ok[:, None] & (d < HEAD_DIM)[None, :]
+    k = tl.load(
+        k_head + (block * stride_kb + slot * stride_ks)[:, None] + d[None, :],
+        mask=kv_mask,
+        other=0.0,
+    )
+    v = tl.load(
+        v_head + (block * stride_vb + slot * stride_vs)[:, None] + d[None, :],
+        mask=kv_mask,
+        other=0.0,
+    )
+    return k, v
+
+
+@_jit
+def _scores(
+    q, k, scale, softcap, SOFTCAP: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr
+):
+    """q K^T * scale, soft-capped (cap * tanh(s / cap)) when the model asks."""
+    if UPCAST:
+        s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)))
+    else:
+        s = tl.dot(q.to(k.dtype), tl.trans(k), input_precision=PRECISION)
+    s = s * scale
+    if SOFTCAP:
+        s = softcap * _tanh(s / softcap)
+    return s
+
+
+@_jit
+def _pv(p, v, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    if UPCAST:
+        return tl.dot(p, v.to(tl.float32))
+    return tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+
+
+@_jit
 def _attention_kernel(
     q_ptr,
     out_ptr,
@@ -145,36 +200,27 @@ def _attention_kernel(
     for t0 in range(lo // TILE * TILE, hi, TILE):
         j = t0 + tl.arange(0, TILE)
         j_ok = (j >= lo) & (j < hi)
-        block = tl.load(table + j // BLOCK_SIZE, mask=j_ok, other=0).to(tl.int64)
-        slot = j % BLOCK_SIZE
-        kv_mask = j_ok[:, None] & (d < HEAD_DIM)[None, :]
-        k = tl.load(
-            k_head + (block * stride_kb + slot * stride_ks)[:, None] + d[None, :],
-            mask=kv_mask,
-            other=0.0,
+        k, v = _kv_tile(
+            table,
+            k_head,
+            v_head,
+            j,
+            j_ok,
+            d,
+            stride_kb,
+            stride_ks,
+            stride_vb,
+            stride_vs,
+            HEAD_DIM,
+            BLOCK_SIZE,
         )
-        v = tl.load(
-            v_head + (block * stride_vb + slot * stride_vs)[:, None] + d[None, :],
-            mask=kv_mask,
-            other=0.0,
-        )
-        if UPCAST:
-            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)))
-        else:
-            s = tl.dot(q.to(k.dtype), tl.trans(k), input_precision=PRECISION)
-        s = s * scale
-        if SOFTCAP:
-            s = softcap * _tanh(s / softcap)
+        s = _scores(q, k, scale, softcap, SOFTCAP, UPCAST, PRECISION)
         s = tl.where(j_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
         alpha = tl.exp(m - m_new)
         p = tl.exp(s - m_new[:, None])
         l_sum = l_sum * alpha + tl.sum(p, 1)
-        if UPCAST:
-            pv = tl.dot(p, v.to(tl.float32))
-        else:
-            pv = tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        acc = acc * alpha[:, None] + pv
+        acc = acc * alpha[:, None] + _pv(p, v, UPCAST, PRECISION)
         m = m_new
 
     if SPLITS == 1:
@@ -299,26 +345,21 @@ def _prefill_kernel(
     for t0 in range(lo // TILE * TILE, hi, TILE):
         j = t0 + tl.arange(0, TILE)
         j_ok = (j >= lo) & (j < hi)
-        block = tl.load(table + j // BLOCK_SIZE, mask=j_ok, other=0).to(tl.int64)
-        slot = j % BLOCK_SIZE
-        kv_mask = j_ok[:, None] & (d < HEAD_DIM)[None, :]
-        k = tl.load(
-            k_head + (block * stride_kb + slot * stride_ks)[:, None] + d[None, :],
-            mask=kv_mask,
-            other=0.0,
+        k, v = _kv_tile(
+            table,
+            k_head,
+            v_head,
+            j,
+            j_ok,
+            d,
+            stride_kb,
+            stride_ks,
+            stride_vb,
+            stride_vs,
+            HEAD_DIM,
+            BLOCK_SIZE,
         )
-        v = tl.load(
-            v_head + (block * stride_vb + slot * stride_vs)[:, None] + d[None, :],
-            mask=kv_mask,
-            other=0.0,
-        )
-        if UPCAST:
-            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)))
-        else:
-            s = tl.dot(q.to(k.dtype), tl.trans(k), input_precision=PRECISION)
-        s = s * scale
-        if SOFTCAP:
-            s = softcap * _tanh(s / softcap)
+        s = _scores(q, k, scale, softcap, SOFTCAP, UPCAST, PRECISION)
         seen = (j[None, :] <= pos[:, None]) & (j[None, :] > pos[:, None] - win)
         s = tl.where(j_ok[None, :] & seen, s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
@@ -326,11 +367,7 @@ def _prefill_kernel(
         alpha = tl.exp(m - m_safe)
         p = tl.exp(s - m_safe[:, None])
         l_sum = l_sum * alpha + tl.sum(p, 1)
-        if UPCAST:
-            pv = tl.dot(p, v.to(tl.float32))
-        else:
-            pv = tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        acc = acc * alpha[:, None] + pv
+        acc = acc * alpha[:, None] + _pv(p, v, UPCAST, PRECISION)
         m = m_new
 
     o = acc / tl.where(l_sum > 0, l_sum, 1.0)[:, None]
