@@ -6,10 +6,14 @@ nodes when it can be). The server keeps the front door: the tokenizer, the chat
 template, the length and vocabulary checks and one admission queue for all replicas
 (`RayLLMService` is an `LLMService` whose engine is elsewhere), so every protocol
 (OpenAI, v2 generate, gRPC streams, batch jobs) reaches the replicas through the same
-`process` / `generate` it uses for one engine. A generation is a Ray streaming call:
-each engine output comes back as it is made; closing the stream (a client gone, a
-cancelled task) cancels the actor's task, which closes its generator, which aborts the
-request in that engine and frees its KV blocks.
+`process` / `generate` it uses for one engine. A request is sent with one actor call
+(`submit`); its outputs come back on the replica's one output stream (`outputs`, a
+Ray streaming call the router reads for the replica's whole life), which carries one
+message per engine step with every request's new tokens and text (detokenised on the
+replica), not one message per token per request: Ray's per-item cost, and the whole
+token list each output carried, were most of the router's CPU per token. The router
+rebuilds each request's cumulative output. A request whose stream is closed (a client
+gone, a cancelled task) is aborted on its replica (`abort`), which frees its KV blocks.
 
 Routing (`PrefixRouter`): the server keeps an approximate map of which prompt prefixes
 each replica holds, as the engine's prefix cache keys them (the chained block hashes of
@@ -98,6 +102,8 @@ class LLMReplicaActor:
         self.highest = -1
         self.outbox: list[tuple[int, RequestOutput | Exception]] = []
         self.wake = asyncio.Event()
+        self.metrics: dict = {}
+        self._reading: asyncio.Task | None = None
         await self.service.start()
         engine = self.service.engine.engine
         import ray
@@ -159,7 +165,7 @@ class LLMReplicaActor:
         except asyncio.CancelledError:
             pass  # aborted by the router: the generation closed, the engine freed it
         except Exception as e:  # this request's own failure, raised again on the router
-            self._post(key, e)
+            self._post(key, _portable(e))
         finally:
             self.tasks.pop(key, None)
 
@@ -186,9 +192,18 @@ class LLMReplicaActor:
         elif key > self.highest:  # keys rise: one at or below it has finished already
             self.aborted.add(key)
 
-    def health(self) -> tuple[str | None, dict]:
-        """Why it is unhealthy (None when it is not), and its engine's metrics."""
-        return self.service.healthy(), self.service.engine.metrics().as_dict()
+    async def health(self) -> tuple[str | None, dict]:
+        """Why it is unhealthy (None when it is not; a stalled engine loop says so), and
+        its engine's metrics as last read. It answers at once: the metrics wait for the
+        engine's lock, which a step holds (a long prefill on a loaded box took more than
+        the router's 10 s ping limit), so they are read off the event loop, one read at
+        a time, and the next ping gets them."""
+        if self._reading is None or self._reading.done():
+            self._reading = asyncio.create_task(self._read_metrics())
+        return self.service.healthy(), self.metrics
+
+    async def _read_metrics(self) -> None:
+        self.metrics = (await asyncio.to_thread(self.service.engine.metrics)).as_dict()
 
     async def stop(self) -> None:
         await self.service.stop()
@@ -667,6 +682,7 @@ class RayLLMService(LLMService):
         tokens: list[int] = []
         logprobs: list | None = None
         text = ""
+        prompt = prompt_logprobs = None
         try:
             try:
                 await replica.actor.submit.remote(
@@ -685,11 +701,15 @@ class RayLLMService(LLMService):
                 tokens.extend(c.token_ids)
                 c.token_ids = tokens
                 if c.logprobs is not None:
-                    logprobs = (logprobs or []) + c.logprobs
+                    logprobs = [] if logprobs is None else logprobs
+                    logprobs.extend(c.logprobs)
                     c.logprobs = logprobs
                 text += c.delta_text
                 if not out.finished:
                     c.text = text
+                if state["started"]:  # the prompt's parts come with the first output only
+                    out.prompt, out.prompt_logprobs = prompt, prompt_logprobs
+                prompt, prompt_logprobs = out.prompt, out.prompt_logprobs
                 out.prompt_token_ids = ids
                 self.last_progress = time.monotonic()
                 if not state["started"]:
@@ -720,6 +740,19 @@ class RayLLMService(LLMService):
             self._lost(replica, f"died ({type(e).__name__})")
         else:
             self._lost(replica, "its output stream ended")
+
+
+def _portable(error: Exception) -> Exception:
+    """The error itself if it survives pickling (the router raises it again, so its
+    status code holds), else a RuntimeError with its words: one request's odd error
+    must not break the stream every request of the replica shares."""
+    import pickle
+
+    try:
+        pickle.loads(pickle.dumps(error))
+        return error
+    except Exception:
+        return RuntimeError(f"{type(error).__name__}: {error}")
 
 
 def _hf_config(folder: Path) -> dict:
