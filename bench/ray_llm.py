@@ -20,14 +20,17 @@ average of the box is printed before and after: it is shared.
 
 Where the CPU goes: each round prints the CPU milliseconds per generated token of the
 server process (the front door: HTTP, SSE chunks, routing, Ray messages), of this
-load generator, and of everything else on the box (the replicas, Ray's own processes,
-other users), read from /proc.
+load generator, of the replica actors (all of them, the idle model's too), and of
+everything else on the box (Ray's own processes, other users), read from /proc; and
+how many cores the replicas got (their CPU seconds over the round's wall time): two
+replicas can only double one's tok/s if they get two cores.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -106,6 +109,27 @@ async def one_stream(client: httpx.AsyncClient, url: str, model: str, prompt: st
     return first - sent, count
 
 
+def replica_pids() -> list[int]:
+    """The LLM replica actors' processes (Ray names them ray::LLMReplicaActor...)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if b"LLMReplicaActor" in (entry / "cmdline").read_bytes():
+                    pids.append(int(entry.name))
+            except OSError:
+                pass
+    return pids
+
+
+def replicas_cpu(pids: list[int]) -> float:
+    total = 0.0
+    for pid in pids:
+        with contextlib.suppress(OSError):  # gone
+            total += cpu_seconds(pid)
+    return total
+
+
 def cpu_seconds(pid: int | None = None) -> float:
     """CPU seconds (user + system) of a process, or of the whole box (pid None)."""
     tick = os.sysconf("SC_CLK_TCK")
@@ -121,7 +145,8 @@ async def round_(
     url: str, model: str, streams: int, tokens: int, rng: random.Random, words: int, pid: int
 ) -> dict:
     prompts = [" ".join(rng.choices(WORDS, k=words)) for _ in range(2 * streams)]
-    cpu = (cpu_seconds(pid), time.process_time(), cpu_seconds())
+    actors = replica_pids()
+    cpu = (cpu_seconds(pid), time.process_time(), cpu_seconds(), replicas_cpu(actors))
     queue = list(prompts)
     ttfts: list[float] = []
     generated = 0
@@ -139,13 +164,16 @@ async def round_(
     elapsed = time.perf_counter() - started
     server = cpu_seconds(pid) - cpu[0]
     client = time.process_time() - cpu[1]
-    rest = cpu_seconds() - cpu[2] - server - client
+    replicas = replicas_cpu(actors) - cpu[3]
+    rest = cpu_seconds() - cpu[2] - server - client - replicas
     ttfts.sort()
-    per_token = {k: 1000 * v / generated for k, v in (("server", server), ("client", client))}
+    spent = (("server", server), ("client", client), ("replicas", replicas))
+    per_token = {k: 1000 * v / generated for k, v in spent}
     return {
         "tok_s": generated / elapsed,
         "ttft_p99": ttfts[int(0.99 * (len(ttfts) - 1))],
         "cpu_ms_per_token": per_token | {"rest": 1000 * rest / generated},
+        "replica_cores": replicas / elapsed,  # how much CPU the replicas got
     }
 
 
@@ -182,7 +210,8 @@ def main() -> int:
                     cpu = ", ".join(f"{k} {v:.2f}" for k, v in r["cpu_ms_per_token"].items())
                     print(
                         f"round {i} {model}: {r['tok_s']:.1f} tok/s, TTFT p99 "
-                        f"{r['ttft_p99']:.2f} s; CPU ms per token: {cpu}",
+                        f"{r['ttft_p99']:.2f} s; CPU ms per token: {cpu}; "
+                        f"the replicas used {r['replica_cores']:.2f} cores",
                         flush=True,
                     )
         finally:
@@ -201,6 +230,7 @@ def main() -> int:
                 k: statistics.median(r["cpu_ms_per_token"][k] for r in rows)
                 for k in rows[0]["cpu_ms_per_token"]
             },
+            "replica_cores": statistics.median(r["replica_cores"] for r in rows),
         }
         print(
             f"{model}: {summary[model]['tok_s']:.1f} tok/s ({min(tok):.1f}-{max(tok):.1f}), "
