@@ -134,7 +134,7 @@ class InstanceGroup(_Strict):
     # `ray_actor_options`. num_gpus defaults to 1 when kind = "gpu".
     num_cpus: Annotated[float, Field(ge=0)] | None = None
     num_gpus: Annotated[float, Field(ge=0)] | None = None
-    # Ray replicas scaled on load (llm models; count is the initial number).
+    # Ray replicas scaled on load (llm and batched models; count is the initial number).
     autoscaling: Autoscaling | None = None
 
     @model_validator(mode="before")
@@ -381,8 +381,14 @@ class ModelConfig(_Strict):
 
     @model_validator(mode="after")
     def _check(self) -> ModelConfig:
-        if self.instance_group.autoscaling is not None and self.backend != "llm":
-            raise ValueError("instance_group.autoscaling: Ray replicas of llm models only, so far")
+        if self.instance_group.autoscaling is not None and self.backend in (
+            "ensemble",
+            "diffusion",
+        ):
+            raise ValueError(
+                f"instance_group.autoscaling: scales Ray replicas of llm and batched models, "
+                f"not a {self.backend} model"
+            )
         if self.backend == "llm" and (self.max_batch_size or self.dynamic_batching):
             raise ValueError(
                 "an llm model batches in its engine: drop max_batch_size and dynamic_batching"

@@ -6,10 +6,14 @@ nodes when it can be). The server keeps the front door: the tokenizer, the chat
 template, the length and vocabulary checks and one admission queue for all replicas
 (`RayLLMService` is an `LLMService` whose engine is elsewhere), so every protocol
 (OpenAI, v2 generate, gRPC streams, batch jobs) reaches the replicas through the same
-`process` / `generate` it uses for one engine. A generation is a Ray streaming call:
-each engine output comes back as it is made; closing the stream (a client gone, a
-cancelled task) cancels the actor's task, which closes its generator, which aborts the
-request in that engine and frees its KV blocks.
+`process` / `generate` it uses for one engine. A request is sent with one actor call
+(`submit`); its outputs come back on the replica's one output stream (`outputs`, a
+Ray streaming call the router reads for the replica's whole life), which carries one
+message per engine step with every request's new tokens and text (detokenised on the
+replica), not one message per token per request: Ray's per-item cost, and the whole
+token list each output carried, were most of the router's CPU per token. The router
+rebuilds each request's cumulative output. A request whose stream is closed (a client
+gone, a cancelled task) is aborted on its replica (`abort`), which frees its KV blocks.
 
 Routing (`PrefixRouter`): the server keeps an approximate map of which prompt prefixes
 each replica holds, as the engine's prefix cache keys them (the chained block hashes of
@@ -31,12 +35,15 @@ for Ray to find room for it. The model stays ready while one replica is healthy.
     num_cpus = 1
     [parameters]
     route_imbalance = 8    # in-flight requests above the least-loaded before affinity yields
+    route_sessions = true  # sticky sessions: a request's `x-session-id` header, else its
+                           # OpenAI `user` field, keeps it on its session's replica
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import math
 import os
@@ -53,7 +60,7 @@ from bitserve.config import ModelConfig
 from bitserve.llm.async_engine import EngineDead
 from bitserve.llm.block_manager import NO_PARENT, chain_hash
 from bitserve.llm.engine import load_tokenizer
-from bitserve.llm.outputs import RequestOutput
+from bitserve.llm.outputs import CompletionOutput, RequestOutput
 from bitserve.llm.sampling_params import SamplingParams
 from bitserve.llm.scheduler import RequestTooLong
 
@@ -64,9 +71,14 @@ log = logging.getLogger("bitserve.repository")
 
 PING_PERIOD_S = 1.0
 START_TIMEOUT_S = 300.0
-ROUTER_KEYS = {"route_imbalance", "route_policy"}
+ROUTER_KEYS = {"route_imbalance", "route_policy", "route_sessions"}
 MAX_SESSIONS = 100_000  # sticky keys remembered (least recently used forgotten)
 RULES = ("prefix", "least_loaded", "overloaded", "sticky", "round_robin")
+LOST = object()  # put in a request's queue when its replica is lost
+
+
+class ReplicaLost(Exception):
+    """The replica holding a request died (or stopped answering)."""
 
 
 # ---------------------------------------------------------------- the replica (actor)
@@ -85,6 +97,13 @@ class LLMReplicaActor:
         self.service = LLMService(ModelConfig.model_validate(config_doc), Path(version_dir))
 
     async def start(self) -> dict:
+        self.tasks: dict[int, asyncio.Task] = {}
+        self.aborted: set[int] = set()
+        self.highest = -1
+        self.outbox: list[tuple[int, RequestOutput | Exception]] = []
+        self.wake = asyncio.Event()
+        self.metrics: dict = {}
+        self._reading: asyncio.Task | None = None
         await self.service.start()
         engine = self.service.engine.engine
         import ray
@@ -97,20 +116,94 @@ class LLMReplicaActor:
             "max_model_len": int(engine.config.max_model_len),
         }
 
-    async def generate(
-        self, ids: list[int], params: SamplingParams, request_id: str | None, priority: int, stream
-    ):
+    async def submit(
+        self, key: int, ids: list[int], params: SamplingParams, request_id, priority, stream
+    ) -> None:
+        """Start one request; its outputs go out through `outputs`, tagged with `key`."""
+        self.highest = max(self.highest, key)
+        if key in self.aborted:
+            self.aborted.discard(key)
+            return
         request = self.service._reserve(ids, params)
-        first = True
-        async for out in self.service.generate(request, request_id, priority, stream):
-            if not first:  # the router has the prompt: do not ship it with every token
-                out.prompt_token_ids = []
-            first = False
-            yield out
+        task = asyncio.create_task(self._run(key, request, request_id, priority, stream))
+        self.tasks[key] = task
 
-    def health(self) -> tuple[str | None, dict]:
-        """Why it is unhealthy (None when it is not), and its engine's metrics."""
-        return self.service.healthy(), self.service.engine.metrics().as_dict()
+    async def _run(self, key: int, request, request_id, priority, stream) -> None:
+        tokens = logprobs = 0  # how many of each the router already has
+        first = True
+        try:
+            generation = self.service.generate(request, request_id, priority, stream)
+            async with contextlib.aclosing(generation):
+                async for out in generation:
+                    c = out.outputs[0]
+                    new = CompletionOutput(
+                        0,
+                        c.text if out.finished else "",  # else the router adds up the deltas
+                        c.token_ids[tokens:],
+                        None if c.logprobs is None else c.logprobs[logprobs:],
+                        c.finish_reason,
+                        c.stop_reason,
+                        c.delta_text,
+                    )
+                    tokens = len(c.token_ids)
+                    logprobs = len(c.logprobs or ())
+                    self._post(
+                        key,
+                        RequestOutput(
+                            out.request_id,
+                            out.prompt if first else None,
+                            [],  # the router has the prompt
+                            [new],
+                            out.finished,
+                            out.prompt_logprobs if first else None,
+                            out.num_cached_tokens,
+                            out.metrics,
+                            out.error,
+                        ),
+                    )
+                    first = False
+        except asyncio.CancelledError:
+            pass  # aborted by the router: the generation closed, the engine freed it
+        except Exception as e:  # this request's own failure, raised again on the router
+            self._post(key, _portable(e))
+        finally:
+            self.tasks.pop(key, None)
+
+    def _post(self, key: int, item: RequestOutput | Exception) -> None:
+        self.outbox.append((key, item))
+        self.wake.set()
+
+    async def outputs(self):
+        """The one stream to the router: each message carries every output made since
+        the last (one engine step's, for all its requests), not one message per token
+        per request."""
+        while True:
+            await self.wake.wait()
+            self.wake.clear()
+            batch, self.outbox = self.outbox, []
+            yield batch
+
+    async def abort(self, key: int) -> None:
+        """The router's client left: stop the request (a key not yet submitted is
+        remembered, so a late `submit` does not start it)."""
+        task = self.tasks.get(key)
+        if task is not None:
+            task.cancel()
+        elif key > self.highest:  # keys rise: one at or below it has finished already
+            self.aborted.add(key)
+
+    async def health(self) -> tuple[str | None, dict]:
+        """Why it is unhealthy (None when it is not; a stalled engine loop says so), and
+        its engine's metrics as last read. It answers at once: the metrics wait for the
+        engine's lock, which a step holds (a long prefill on a loaded box took more than
+        the router's 10 s ping limit), so they are read off the event loop, one read at
+        a time, and the next ping gets them."""
+        if self._reading is None or self._reading.done():
+            self._reading = asyncio.create_task(self._read_metrics())
+        return self.service.healthy(), self.metrics
+
+    async def _read_metrics(self) -> None:
+        self.metrics = (await asyncio.to_thread(self.service.engine.metrics)).as_dict()
 
     async def stop(self) -> None:
         await self.service.stop()
@@ -221,6 +314,8 @@ class Replica:
         self.metrics: dict = {}
         self.served = 0  # requests routed here
         self.draining = False  # scaled down: takes no new request, removed once idle
+        self.streams: dict[int, asyncio.Queue] = {}  # request key -> its outputs
+        self.pump: asyncio.Task | None = None  # reads the replica's output stream
 
     def usable(self) -> bool:
         return self.dead is None and self.problem is None and not self.draining
@@ -241,6 +336,11 @@ class RayLLMService(LLMService):
             )
         block_size = int(self.engine_args.get("block_size", 16))
         self.router = PrefixRouter(block_size, imbalance, router.get("route_policy", "prefix"))
+        self.sessions = router.get("route_sessions", False)
+        if not isinstance(self.sessions, bool):
+            raise LoadError(
+                f"{version_dir.parent / 'config.toml'}: route_sessions must be true or false"
+            )
         self.replicas: list[Replica] = []
         self.vocab = 0
         self.replaced = 0  # replicas started again after theirs died
@@ -249,6 +349,7 @@ class RayLLMService(LLMService):
         self.scaling = config.instance_group.autoscaling
         self._since: tuple[int, float] | None = None  # (wanted count, since when)
         self._drains: set[asyncio.Task] = set()
+        self._keys = itertools.count()  # one per request sent to a replica
 
     # ------------------------------------------------------------ lifecycle
 
@@ -296,6 +397,7 @@ class RayLLMService(LLMService):
         replica.pid, replica.node = info["pid"], info["node"]
         self.max_model_len = info["max_model_len"]
         self.router.add(replica, info["num_blocks"])
+        replica.pump = asyncio.create_task(self._pump(replica))
         log.info(
             "model %s LLM replica %d up: pid %d on node %s",
             self.config.name,
@@ -314,6 +416,8 @@ class RayLLMService(LLMService):
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
         for replica in self.replicas:
+            if replica.pump is not None:
+                replica.pump.cancel()
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(replica.actor.stop.remote(), 10)
             with contextlib.suppress(Exception):
@@ -388,6 +492,8 @@ class RayLLMService(LLMService):
             try:
                 while self.router.load.get(replica, 0) > 0 and replica.dead is None:
                     await asyncio.sleep(0.1)
+                if replica.pump is not None:
+                    replica.pump.cancel()
                 with contextlib.suppress(Exception):
                     await asyncio.wait_for(replica.actor.stop.remote(), 10)
             finally:
@@ -424,6 +530,10 @@ class RayLLMService(LLMService):
             replica.dead = why
             self.router.remove(replica)
             log.error("model %s LLM replica %d lost: %s", self.config.name, replica.slot, why)
+        for queue in replica.streams.values():  # no request waits on it any more
+            queue.put_nowait(LOST)
+        if replica.pump is not None and replica.pump is not asyncio.current_task():
+            replica.pump.cancel()
 
     async def _replace(self, old: Replica) -> None:
         """Start the slot's replacement; it waits for Ray to find room (a node coming
@@ -530,8 +640,9 @@ class RayLLMService(LLMService):
                     candidates = await self._cold_start()
                 if not candidates:
                     raise EngineDead(f"model '{self.config.name}': {self.down()}")
-                # a session key, where a front door set one (the OpenAI `user` field)
-                replica = self.router.pick(ids, candidates, getattr(request, "session", None))
+                # a session key, where a front door set one (x-session-id, the OpenAI `user`)
+                session = getattr(request, "session", None) if self.sessions else None
+                replica = self.router.pick(ids, candidates, session)
                 tried.add(id(replica))
                 outputs = self._stream(replica, ids, request, request_id, priority, stream, state)
                 try:
@@ -539,7 +650,7 @@ class RayLLMService(LLMService):
                         async for out in outputs:
                             yield out
                     return
-                except ray.exceptions.RayActorError as e:
+                except (ray.exceptions.RayActorError, ReplicaLost) as e:
                     self._lost(replica, "died")
                     if state["started"]:
                         raise EngineDead(
@@ -558,34 +669,90 @@ class RayLLMService(LLMService):
                 self._unreserve(len(ids))
 
     async def _stream(self, replica, ids, request, request_id, priority, stream, state):
+        """One request on `replica`: submitted by a call, its outputs read from the
+        replica's one output stream (`_pump`) through a queue of its own."""
         import ray
 
+        key = next(self._keys)
+        queue: asyncio.Queue = asyncio.Queue()
+        replica.streams[key] = queue
         replica.served += 1
         self.router.load[replica] = self.router.load.get(replica, 0) + 1
-        outputs = replica.actor.generate.options(num_returns="streaming").remote(
-            ids, request.params, request_id, priority, stream
-        )
         finished = False
+        tokens: list[int] = []
+        logprobs: list | None = None
+        text = ""
+        prompt = prompt_logprobs = None
         try:
-            async for ref in outputs:
-                out: RequestOutput = await ref
-                if not out.prompt_token_ids:
-                    out.prompt_token_ids = ids
+            try:
+                await replica.actor.submit.remote(
+                    key, ids, request.params, request_id, priority, stream
+                )
+            except ray.exceptions.RayTaskError as e:
+                cause = getattr(e, "cause", None)
+                raise cause if isinstance(cause, BaseException) else RuntimeError(str(e)) from None
+            while not finished:
+                out = await queue.get()
+                if out is LOST:
+                    raise ReplicaLost(replica.dead or "lost")
+                if isinstance(out, BaseException):
+                    raise out
+                c = out.outputs[0]
+                tokens.extend(c.token_ids)
+                c.token_ids = tokens
+                if c.logprobs is not None:
+                    logprobs = [] if logprobs is None else logprobs
+                    logprobs.extend(c.logprobs)
+                    c.logprobs = logprobs
+                text += c.delta_text
+                if not out.finished:
+                    c.text = text
+                if state["started"]:  # the prompt's parts come with the first output only
+                    out.prompt, out.prompt_logprobs = prompt, prompt_logprobs
+                prompt, prompt_logprobs = out.prompt, out.prompt_logprobs
+                out.prompt_token_ids = ids
                 self.last_progress = time.monotonic()
                 if not state["started"]:
                     state["started"] = True
                     self._start_running(len(ids))
                 finished = out.finished
                 yield out
-        except ray.exceptions.RayTaskError as e:
-            cause = getattr(e, "cause", None)
-            raise (cause if isinstance(cause, BaseException) else RuntimeError(str(e))) from None
         finally:
-            if not finished:
+            replica.streams.pop(key, None)
+            if not finished and replica.dead is None:
                 with contextlib.suppress(Exception):
-                    ray.cancel(outputs)
+                    replica.actor.abort.remote(key)
             if replica in self.router.load:
                 self.router.load[replica] -= 1
+
+    async def _pump(self, replica: Replica) -> None:
+        """Read the replica's output stream (one message per engine step, every
+        request's new tokens in it) and hand each output to its request's queue."""
+        try:
+            async for ref in replica.actor.outputs.options(num_returns="streaming").remote():
+                for key, item in await ref:
+                    queue = replica.streams.get(key)
+                    if queue is not None:
+                        queue.put_nowait(item)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # the actor died (or Ray did): its streams end
+            self._lost(replica, f"died ({type(e).__name__})")
+        else:
+            self._lost(replica, "its output stream ended")
+
+
+def _portable(error: Exception) -> Exception:
+    """The error itself if it survives pickling (the router raises it again, so its
+    status code holds), else a RuntimeError with its words: one request's odd error
+    must not break the stream every request of the replica shares."""
+    import pickle
+
+    try:
+        pickle.loads(pickle.dumps(error))
+        return error
+    except Exception:
+        return RuntimeError(f"{type(error).__name__}: {error}")
 
 
 def _hf_config(folder: Path) -> dict:

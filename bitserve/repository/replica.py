@@ -224,3 +224,80 @@ def _cause(error: BaseException) -> str:
     if isinstance(cause, BaseException):
         return f"{type(cause).__name__}: {cause}"
     return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+
+
+# ---------------------------------------------------------------- autoscaling
+
+SCALE_TICK_S = 0.25
+
+
+class Autoscaler:
+    """A batched model's Ray replicas scaled on load, by the rule the LLM replicas use
+    (Ray Serve's): ongoing requests (queued in the router plus those in the batches the
+    replicas are running) over `target_ongoing_requests` per replica, clamped to
+    [min_replicas, max_replicas]; a change wanted for `upscale_delay_s` (more) or
+    `downscale_delay_s` (fewer) is made. A replica scaled down first takes no new batch,
+    finishes the one it holds, then is unloaded: no request is cut. At zero replicas
+    (min_replicas = 0) a request waits in the queue while one starts (--lazy-load's cold
+    start): from zero the delay is not waited."""
+
+    def __init__(self, path: Any, scaling: Any):
+        self.path, self.scaling = path, scaling
+        self._since: tuple[int, float] | None = None  # (wanted count, since when)
+        self._task: Any = None
+
+    def start(self) -> None:
+        import asyncio
+
+        self._task = asyncio.create_task(self._loop())
+
+    async def stop(self) -> None:
+        import asyncio
+
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def _loop(self) -> None:
+        import asyncio
+
+        while True:
+            await asyncio.sleep(SCALE_TICK_S)
+            try:
+                self.tick()
+            except Exception:  # never let one bad tick end the scaling
+                log.exception("model %s: autoscaling", self.path.config.name)
+
+    def ongoing(self) -> int:
+        path = self.path
+        queued = path.batcher.queued if path.batcher is not None else 0
+        return queued + sum(len(batch) for _, batch in path.running.values())
+
+    def tick(self) -> None:
+        import math
+
+        scaling, path = self.scaling, self.path
+        if not path._serving():
+            return
+        ongoing = self.ongoing()
+        wanted = math.ceil(ongoing / scaling.target_ongoing_requests)
+        wanted = min(max(wanted, scaling.min_replicas), scaling.max_replicas)
+        have = len(path.serving_slots()) + len(path.starting)
+        now = time.monotonic()
+        if wanted == have:
+            self._since = None
+            return
+        if self._since is None or self._since[0] != wanted:
+            self._since = (wanted, now)
+        delay = scaling.upscale_delay_s if wanted > have else scaling.downscale_delay_s
+        if have > 0 and now - self._since[1] < delay:
+            return
+        self._since = None
+        if wanted > have:
+            for _ in range(wanted - have):
+                path.grow()
+        else:  # one at a time, an idle one first
+            slots = path.serving_slots()
+            idle = [s for s in slots if s not in path.running]
+            path.retire((idle or slots)[-1])

@@ -116,6 +116,10 @@ class OpenAI:
             # the front door: encoded, checked against the one set of limits, admitted once
             prompts, params = [p for p, _, _ in jobs], [sp for _, _, sp in jobs]
             admitted = llm.process(prompts, params, hold=hold)
+            # the session key of sticky routing (Ray LLM replicas with route_sessions)
+            session = http.headers.get("x-session-id") or req.user
+            for job in admitted:
+                job.session = session
             # held now, with no await since the lookup: a drain cannot miss it
             stream = _Streams(self.state, version, llm, req, jobs, admitted, chat)
         finally:

@@ -28,6 +28,7 @@ num_cpus = 1
 [parameters]
 max_model_len = 256
 num_kv_blocks = 64
+route_sessions = true
 """
 
 PROMPTS = ["the quick brown fox", "a paged kv cache", "continuous batching lets", "héllo"]
@@ -164,6 +165,37 @@ def test_stream_comes_token_by_token_and_disconnect_aborts(server):
     assert metric(server, "bitserve_llm_kv_cache_usage_perc", model="chat") == 0
     generated = settled(server, "bitserve_llm_generation_tokens_total", model="chat") - before
     assert generated < 120, generated  # aborted well before its 240 tokens
+
+
+def test_sticky_sessions_keep_a_user_or_a_session_header_on_one_replica(server):
+    """route_sessions: the OpenAI SDK's `user` field, or an `x-session-id` header, keeps
+    every request of that session on one replica; with neither, the same requests
+    (prompts shorter than a KV block: no prefix to follow) spread over both."""
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused")
+
+    def served() -> list[float]:
+        return [
+            metric(server, "bitserve_llm_replica_requests_total", model="chat", replica=r)
+            for r in ("0", "1")
+        ]
+
+    def sticky() -> float:
+        return metric(server, "bitserve_llm_route_decisions_total", model="chat", rule="sticky")
+
+    for session in ({}, {"user": "alice"}, {"extra_headers": {"x-session-id": "bob"}}):
+        before, stuck = served(), sticky()
+        for prompt in PROMPTS * 2:
+            client.completions.create(
+                model="chat", prompt=prompt, max_tokens=2, temperature=0, **session
+            )
+        spread = sorted(a - b for a, b in zip(served(), before, strict=True))
+        if session:
+            assert spread == [0, 8], (session, spread)
+            assert sticky() - stuck == 7  # the first request chose; the others followed
+        else:
+            assert spread[0] >= 2, spread  # the least-loaded rule evens out the counts
+            assert sticky() == stuck
 
 
 def test_the_llm_hpa_scales_on_metrics_this_server_exports(server):

@@ -4,6 +4,8 @@ and says which rule decided."""
 
 from __future__ import annotations
 
+import pytest
+
 from bitserve.llm.block_manager import BlockManager
 from bitserve.llm.config import EngineConfig
 from bitserve.llm.sampling_params import SamplingParams
@@ -80,3 +82,15 @@ def test_sticky_sessions_and_round_robin():
         rr.add(r, 64)
     picks = [rr.pick([1, 2, 3, 4, 5], ["a", "b"]) for _ in range(4)]
     assert sorted(picks) == ["a", "a", "b", "b"] and picks[0] != picks[1]
+
+
+def test_autoscaling_config_names_what_it_cannot_scale():
+    from bitserve.config import ModelConfig
+
+    group = {"isolation": "ray", "autoscaling": {"max_replicas": 2}}
+    doc = {"name": "m", "backend": "python", "max_batch_size": 4, "instance_group": group}
+    assert ModelConfig.model_validate(doc).instance_group.autoscaling.max_replicas == 2
+    with pytest.raises(ValueError, match=r"autoscaling: .* not a diffusion model"):
+        ModelConfig.model_validate({**doc, "backend": "diffusion"})
+    with pytest.raises(ValueError, match="only with isolation"):
+        ModelConfig.model_validate({**doc, "instance_group": {**group, "isolation": "thread"}})

@@ -49,6 +49,19 @@ num_cpus = 0.5
 )
 
 
+SCALED = (
+    REPLICATED.replace("count = 2", "count = 1")
+    + """
+[instance_group.autoscaling]
+min_replicas = {low}
+max_replicas = 2
+target_ongoing_requests = 4
+upscale_delay_s = 0.5
+downscale_delay_s = 2
+"""
+)
+
+
 def body(x: float) -> dict:
     return {"inputs": [{"name": "x", "shape": [1, 1], "datatype": "FP32", "data": [x]}]}
 
@@ -56,7 +69,8 @@ def body(x: float) -> dict:
 @pytest.fixture(scope="module")
 def cluster() -> str:
     """A local Ray; the server joins it with --ray, the test kills its actors' processes."""
-    context = ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    # address="local": a new Ray, never one another test (or user) left running here
+    context = ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     yield context.address_info["gcs_address"]
     ray.shutdown()
 
@@ -65,13 +79,15 @@ def cluster() -> str:
 def server(cluster, tmp_path_factory) -> Server:
     root: Path = tmp_path_factory.mktemp("replicas") / "models"
     write_model(root, "pid", REPLICATED, PID_MODEL)
+    write_model(root, "scaled", SCALED.format(low=1), PID_MODEL)
+    write_model(root, "lazy", SCALED.format(low=0), PID_MODEL)
     server = Server(root, "--ray", cluster)
     yield server
     server.stop()
 
 
-def infer(client: httpx.Client, url: str, x: float) -> httpx.Response:
-    return client.post(f"{url}/v2/models/pid/infer", json=body(x), timeout=30)
+def infer(client: httpx.Client, url: str, x: float, model: str = "pid") -> httpx.Response:
+    return client.post(f"{url}/v2/models/{model}/infer", json=body(x), timeout=30)
 
 
 def pid_of(response: httpx.Response) -> int:
@@ -82,8 +98,8 @@ def pid_of(response: httpx.Response) -> int:
 class Load:
     """`workers` threads sending requests until stopped; every answer is kept."""
 
-    def __init__(self, url: str, workers: int = 6):
-        self.url = url
+    def __init__(self, url: str, workers: int = 6, model: str = "pid"):
+        self.url, self.model = url, model
         self.answers: list[tuple[int, str, int | None]] = []  # status, error, pid
         self.stopping = threading.Event()
         self.threads = [threading.Thread(target=self._send, daemon=True) for _ in range(workers)]
@@ -93,7 +109,7 @@ class Load:
     def _send(self) -> None:
         with httpx.Client() as client:
             while not self.stopping.is_set():
-                answer = infer(client, self.url, 1.0)
+                answer = infer(client, self.url, 1.0, self.model)
                 ok = answer.status_code == 200
                 error = "" if ok else answer.json().get("error", "")
                 self.answers.append((answer.status_code, error, pid_of(answer) if ok else None))
@@ -248,3 +264,46 @@ def test_with_every_replica_dead_the_model_is_not_ready_until_one_is_back(server
     with httpx.Client() as client:
         answer = infer(client, server.url, 2.0)
     assert answer.status_code == 200 and pid_of(answer) not in pids
+
+
+def healthy(url: str, model: str) -> float:
+    prefix = f'bitserve_instances_healthy{{model="{model}",'
+    for line in httpx.get(f"{url}/metrics", timeout=5).text.splitlines():
+        if line.startswith(prefix):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"no {prefix}")
+
+
+def wait_for(condition, what: str, limit: float = 60.0) -> None:
+    deadline = time.monotonic() + limit
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.1)
+
+
+@pytest.mark.slow  # about 6 s quiet, 11 s at load 24: starting a replica
+def test_a_load_step_scales_a_batched_model_up_and_idle_scales_it_back(server):
+    """autoscaling (min 1, max 2, target 4 ongoing): one client keeps one replica; 16
+    concurrent clients scale it to 2, both serving; back to one client, the surplus
+    replica is drained and removed; no request fails in all of it."""
+    assert healthy(server.url, "scaled") == 1
+    one = Load(server.url, workers=1, model="scaled")
+    time.sleep(1.5)  # three times the upscale delay: one client is no reason to grow
+    assert healthy(server.url, "scaled") == 1
+    many = Load(server.url, workers=16, model="scaled")
+    wait_for(lambda: healthy(server.url, "scaled") == 2, "16 clients did not add a replica")
+    seen = len(many.answers)
+    wait_for(lambda: len({p for _, _, p in many.answers[seen:]}) == 2, "one replica idle")
+    answers = many.stop()
+    wait_for(lambda: healthy(server.url, "scaled") == 1, "not back to one replica")
+    answers += one.stop()
+    assert answers and {status for status, _, _ in answers} == {200}, Counter(answers)
+
+
+def test_min_zero_scales_a_batched_model_to_zero_and_a_request_starts_one(server):
+    wait_for(lambda: healthy(server.url, "lazy") == 0, "never scaled to zero")
+    assert httpx.get(f"{server.url}/v2/models/lazy/ready", timeout=5).status_code == 200
+    with httpx.Client() as client:
+        answer = infer(client, server.url, 2.0, "lazy")
+    assert answer.status_code == 200, answer.text
+    assert healthy(server.url, "lazy") == 1

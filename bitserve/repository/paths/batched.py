@@ -25,7 +25,7 @@ from bitserve.inference import InferRequest, InvalidRequest
 from bitserve.repository.instance import Instance, InstanceDied
 from bitserve.repository.loading import device_for
 from bitserve.repository.paths.base import ExecutionPath, Report, Ticket
-from bitserve.repository.replica import ReplicaGone
+from bitserve.repository.replica import Autoscaler, ReplicaGone
 
 log = logging.getLogger("bitserve.repository")
 
@@ -56,6 +56,12 @@ class BatchedPath(ExecutionPath):
         self.replicated = config.instance_group.isolation == "ray"
         self.retried = 0  # requests put back in the queue: their replica died first
         self._replacing: set[asyncio.Future] = set()
+        # autoscaling (Ray replicas): slots scaled down, being drained, being started
+        self.scaler: Autoscaler | None = None
+        self.retired: set[int] = set()
+        self.retiring: set[int] = set()
+        self.starting: set[int] = set()
+        self._scaling_tasks: set[asyncio.Future] = set()
 
     @property
     def platform(self) -> str:  # type: ignore[override]
@@ -67,6 +73,9 @@ class BatchedPath(ExecutionPath):
         """Start every instance (load and warm up), then open the queue."""
         config, version = self.config, self.version
         count = config.instance_group.count
+        scaling = config.instance_group.autoscaling
+        if scaling is not None:  # count is the initial number, at least one to start
+            count = min(max(count, scaling.min_replicas, 1), scaling.max_replicas)
         kind = config.instance_group.kind
         device = kind if self.replicated else device_for(kind)  # a replica resolves its own
         self.instances = [
@@ -88,6 +97,9 @@ class BatchedPath(ExecutionPath):
             self._execute,
             LoopClock(loop),
         )
+        if scaling is not None:
+            self.scaler = Autoscaler(self, scaling)
+            self.scaler.start()
         spans = [
             coldstart.spans(i.ready_at, i.load_only_seconds, i.warmup_seconds)
             for i in self.instances
@@ -95,23 +107,28 @@ class BatchedPath(ExecutionPath):
         return spans, max(i.warmup_seconds for i in self.instances)
 
     async def stop(self) -> None:
+        if self.scaler is not None:
+            await self.scaler.stop()
+        for task in list(self._scaling_tasks):
+            task.cancel()
         await asyncio.gather(*(i.stop() for i in self.instances), return_exceptions=True)
         self.instances = []
 
     def ready(self) -> bool:
         if self.replicated:  # degraded but serving while one replica is healthy
-            return len(self.unhealthy) < len(self.instances)
+            serving = self.serving_slots()
+            if not serving and self.scaler is not None:
+                return True  # scaled to zero: the next request starts one
+            return len(self.unhealthy) < len(serving)
         return not self.unhealthy
 
     def degraded(self) -> str | None:
         """Ray replicas being replaced while the others serve (None when all are up)."""
         if not (self.replicated and self.unhealthy and self.ready()):
             return None
-        healthy = len(self.instances) - len(self.unhealthy)
-        return (
-            f"{healthy} of {len(self.instances)} replicas healthy, "
-            f"replacing {sorted(self.unhealthy)}"
-        )
+        serving = len(self.serving_slots())
+        healthy = serving - len(self.unhealthy)
+        return f"{healthy} of {serving} replicas healthy, replacing {sorted(self.unhealthy)}"
 
     def problem(self) -> str | None:
         if self.unhealthy and not self.replicated:  # a lost replica is not this process's
@@ -124,7 +141,7 @@ class BatchedPath(ExecutionPath):
     def report(self) -> Report:
         if self.batcher is None:
             return Report()
-        healthy = len(self.instances) - len(self.unhealthy)
+        healthy = len(self.serving_slots()) - len(self.unhealthy)
         return Report(
             batch=self.batcher.stats,
             queued=self.batcher.queued,
@@ -203,6 +220,8 @@ class BatchedPath(ExecutionPath):
         except BaseException:
             lease.release()
             raise
+        if self.scaler is not None and not self.serving_slots():
+            self.scaler.tick()  # scaled to zero: start one now, not at the next tick
         return future
 
     def cancel(self, request: Request, error: BaseException) -> bool:
@@ -266,8 +285,79 @@ class BatchedPath(ExecutionPath):
                 request.finish(None, self._own_error(output))
             else:
                 request.finish(output, error)
+        self._release(slot)
+
+    def _release(self, slot: int) -> None:
+        """The slot's batch is done: it takes the next one, or, scaled down, it goes."""
+        assert self.batcher is not None
+        if slot in self.retiring:
+            self._spawn_task(self._unload(slot))
+        else:
+            self.batcher.release(slot)
+
+    # ------------------------------------------------------------ autoscaling
+
+    def serving_slots(self) -> list[int]:
+        """The slots that take batches (or will, once restarted): not scaled down and
+        not still starting."""
+        gone = self.retired | self.retiring | self.starting
+        return [i.slot for i in self.instances if i.slot not in gone]
+
+    def grow(self) -> None:
+        """Start one more replica, in a slot scaled down before or a new one."""
+        version = self.version
+        slot = min(self.retired) if self.retired else len(self.instances)
+        kind = self.config.instance_group.kind
+        fresh = Instance(self.config, version.version_dir, slot, kind, version.calls)
+        if slot < len(self.instances):
+            self.instances[slot] = fresh
+            self.retired.discard(slot)
+        else:
+            self.instances.append(fresh)
+        self.starting.add(slot)
+        log.info("model %s: scaling up, starting replica %d", self.config.name, slot)
+        self._spawn_task(self._grow(fresh))
+
+    async def _grow(self, fresh: Instance) -> None:
+        slot = fresh.slot
+        try:
+            await fresh.start()
+        except Exception as e:
+            log.error("model %s: scaling up replica %d: %s", self.config.name, slot, e)
+            self.retired.add(slot)
+            return
+        finally:
+            self.starting.discard(slot)
+        if not self._serving():
+            await fresh.stop()
+            return
         assert self.batcher is not None
         self.batcher.release(slot)
+
+    def retire(self, slot: int) -> None:
+        """Scale down: the slot takes no new batch; once the one it holds (if any) is
+        done, its replica is unloaded."""
+        assert self.batcher is not None
+        log.info("model %s: scaling down, draining replica %d", self.config.name, slot)
+        self.retiring.add(slot)
+        if slot in self.batcher.free:  # idle: nothing to wait for
+            self.batcher.free.remove(slot)
+            self._spawn_task(self._unload(slot))
+
+    async def _unload(self, slot: int) -> None:
+        try:
+            await self.instances[slot].stop()
+        except Exception as e:
+            log.warning("model %s: replica %d unloaded badly: %s", self.config.name, slot, e)
+            self.instances[slot].kill()
+        finally:
+            self.retiring.discard(slot)
+            self.retired.add(slot)
+
+    def _spawn_task(self, coroutine: Any) -> None:
+        task = asyncio.ensure_future(coroutine)
+        self._scaling_tasks.add(task)
+        task.add_done_callback(self._scaling_tasks.discard)
 
     def _own_error(self, error: Exception) -> Exception:
         """A per-request model's answer for one request that it refused: a ValueError is
@@ -293,7 +383,11 @@ class BatchedPath(ExecutionPath):
         else:
             self.retried += len(batch)
             self.batcher.requeue(batch)
-        if slot not in self.unhealthy and self._serving():
+        if slot in self.retiring:  # it was being scaled down: nothing to replace
+            self.retiring.discard(slot)
+            self.retired.add(slot)
+            self.instances[slot].kill()
+        elif slot not in self.unhealthy and self._serving():
             self.unhealthy.add(slot)  # before the watchdog looks again
             task = asyncio.ensure_future(self.restart(slot, "died"))
             self._replacing.add(task)
@@ -306,7 +400,7 @@ class BatchedPath(ExecutionPath):
         limit = self.config.instance_group.execution_timeout_ms / 1000.0
         bad = []
         for instance in self.instances:
-            if instance.slot in self.unhealthy:
+            if instance.slot in self.unhealthy | self.retired | self.retiring | self.starting:
                 continue
             busy = instance.busy_for()
             if not instance.alive():
