@@ -22,10 +22,11 @@ Workloads: mlp (512 FP32 per request, bench/batching.py's rows) and minilm (one 
 Each row also says where the time goes: the server's CPU per request (all its threads;
 the core is full, so it is one over the throughput) and the model's rows per batch.
 Goals (issue 21): mlp gRPC >= 1.5x HTTP/JSON, minilm gRPC >= HTTP; issue 33 asks mlp's
-unary >= 1.0x. A unary call costs
-grpcio's Python server ~220 us of one core (a no-op servicer tops out near 4,500 calls/s
-on this box, where a no-op HTTP route does ~16,000), a message on an open stream ~50 us,
-which is why both ways are measured. Prints a table, the
+unary >= 1.0x. A unary call costs grpcio's Python server more of the core than a message
+on an open stream (its own call, and four completions through grpcio's poller thread),
+which is why both ways are measured; the server keeps many ModelInfer calls requested
+from grpcio's core (grpc_server.accept_infers) so that concurrent unary calls batch.
+`--concurrency 1` measures the single-call latency path. Prints a table, the
 goals and a final JSON line, also written to bench/results/grpc.json. A benchmark, not a
 test: it asserts nothing.
 """

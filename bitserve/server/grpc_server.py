@@ -79,7 +79,7 @@ EXTENSIONS = [
 ]
 HEALTH_PERIOD_S = 0.25  # as health.py's watchdog
 INFER = f"/{SERVICE}/ModelInfer"
-ACCEPTORS = 32  # ModelInfer calls grpcio's core may hand over at once (`accept_infers`)
+ACCEPTORS = 64  # ModelInfer calls grpcio's core may hand over at once (`accept_infers`)
 GRACE_S = 5.0
 FINAL = "triton_final_response"
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -153,16 +153,17 @@ def accept_infers(
     server: grpc.aio.Server, service: Service, interceptors: list
 ) -> asyncio.Task | None:
     """Keep ACCEPTORS more ModelInfer calls requested from grpcio's core than its own
-    one, so that the calls a client sends together are handed over together.
+    one, so that the calls clients send together are handed over together.
 
     grpc.aio's server asks its core for the next call of a method only once the last
     one has reached the event loop: on one busy core each unary call costs a round trip
     through grpcio's poller thread before the next is even accepted, so calls trickle in
     one per loop wakeup, each finds the model idle and runs alone (1.2 rows a batch of
-    the mlp at c = 64), and a no-op ModelInfer tops out near 3,300 calls/s. With 32
-    calls requested ahead, a burst completes in one poller batch and the loop starts
-    its handlers in one iteration: a no-op ModelInfer does ~6,500-7,200 calls/s on the
-    same box, and the batcher sees the calls together.
+    the mlp at c = 64), and a no-op ModelInfer costs ~400 us of the server a call
+    (15 context switches). With calls requested ahead, a burst completes in one poller
+    batch and the loop starts its handlers in one iteration: the no-op call costs
+    ~220 us (6 switches), twice the calls a second, and the mlp runs ~14 rows a batch
+    (`python -m bench.grpc`). 32, 64 and 128 ahead measured alike at c = 64.
 
     This drives grpcio's own per-call machinery (cygrpc's `_request_registered_call`,
     `_handle_rpc`, `_schedule_rpc_coro`: what its `_server_main_loop` runs for each
