@@ -160,10 +160,11 @@ def accept_infers(
     through grpcio's poller thread before the next is even accepted, so calls trickle in
     one per loop wakeup, each finds the model idle and runs alone (1.2 rows a batch of
     the mlp at c = 64), and a no-op ModelInfer costs ~400 us of the server a call
-    (15 context switches). With calls requested ahead, a burst completes in one poller
-    batch and the loop starts its handlers in one iteration: the no-op call costs
-    ~220 us (6 switches), twice the calls a second, and the mlp runs ~14 rows a batch
-    (`python -m bench.grpc`). 32, 64 and 128 ahead measured alike at c = 64.
+    (15 context switches, on a loaded 2-core box). With calls requested ahead, a burst
+    completes in one poller batch and the loop starts its handlers in one iteration:
+    the no-op call costs ~220 us (6 switches), twice the calls a second, and the mlp
+    runs ~14 rows a batch (`python -m bench.grpc`). 32, 64 and 128 ahead measured alike
+    at c = 64.
 
     This drives grpcio's own per-call machinery (cygrpc's `_request_registered_call`,
     `_handle_rpc`, `_schedule_rpc_coro`: what its `_server_main_loop` runs for each
@@ -182,6 +183,8 @@ def accept_infers(
             response_serializer=pb.ModelInferResponse.SerializeToString,
         )
         resolver = cygrpc._MethodResolver([], {INFER: handler})
+        if (handle.__code__.co_argcount, schedule.__code__.co_argcount) != (6, 4):
+            raise TypeError("cygrpc's _handle_rpc or _schedule_rpc_coro changed")
     except (ImportError, AttributeError, TypeError) as exc:
         log.warning("gRPC: ModelInfer calls are accepted one at a time (%s)", exc)
         return None
