@@ -6,8 +6,9 @@
 One `bitserve serve` process serves both protocols (HTTP and --grpc-port) from the same
 repository, pinned to the server core with one torch thread; the client is pinned to
 the other core. Each point is a closed loop of N users for a fixed duration after a
-warm-up, and the protocols alternate for `--rounds` rounds so that drift on a shared box
-hits both alike (the table keeps every round; the ratios use the mean):
+warm-up, and the protocols alternate for `--rounds` rounds, their order rotated each
+round, so that drift on a shared box hits both alike (the table keeps every round; the
+ratios use the mean):
 
 - HTTP/JSON: `bitserve bench`'s load generator (bitserve/loadtest/loadgen.py), raw asyncio
   keep-alive connections, the v2 JSON body built once;
@@ -223,7 +224,9 @@ def run(cfg: argparse.Namespace) -> dict:
                 for point in points.values():
                     point(cfg.warmup)
                 for round_ in range(cfg.rounds):
-                    for protocol, point in points.items():
+                    order = list(points.items())
+                    order = order[round_ % 3 :] + order[: round_ % 3]  # rotated each round
+                    for protocol, point in order:
                         row = {"model": model, "protocol": protocol, "round": round_ + 1}
                         before = where_time_goes(server, model)
                         row.update({k: _round(v) for k, v in point(cfg.duration).items()})
