@@ -1,13 +1,14 @@
 """The v2 protocol over gRPC against HTTP/JSON, on one server, in one run.
 
     .venv/bin/python -m bench.grpc [--duration 5] [--concurrency 64] [--rounds 2]
-        [--only mlp,minilm]
+        [--only mlp,minilm] [--perf-analyzer PATH]
 
 One `bitserve serve` process serves both protocols (HTTP and --grpc-port) from the same
 repository, pinned to the server core with one torch thread; the client is pinned to
 the other core. Each point is a closed loop of N users for a fixed duration after a
-warm-up, and the protocols alternate for `--rounds` rounds so that drift on a shared box
-hits both alike (the table keeps every round; the ratios use the mean):
+warm-up, and the protocols alternate for `--rounds` rounds, their order rotated each
+round, so that drift on a shared box hits both alike (the table keeps every round; the
+ratios use the mean):
 
 - HTTP/JSON: `bitserve bench`'s load generator (bitserve/loadtest/loadgen.py), raw asyncio
   keep-alive connections, the v2 JSON body built once;
@@ -18,14 +19,20 @@ hits both alike (the table keeps every round; the ratios use the mean):
 - gRPC streaming (`grpc_stream`): the same messages, each user sending its next one on
   its own ModelStreamInfer stream (perf_analyzer's `--streaming`).
 
+With `--perf-analyzer` (bench/peers/install_perf_analyzer.sh prints its path), Triton's
+own C++ client measures the same server after the points above: the mlp over HTTP
+binary, gRPC unary and gRPC `--streaming`, at c = 1 and at `--concurrency`, the ways
+interleaved for `--rounds` rounds, pinned to the client cores (`perf_analyzer` rows).
+
 Workloads: mlp (512 FP32 per request, bench/batching.py's rows) and minilm (one sentence).
 Each row also says where the time goes: the server's CPU per request (all its threads;
 the core is full, so it is one over the throughput) and the model's rows per batch.
 Goals (issue 21): mlp gRPC >= 1.5x HTTP/JSON, minilm gRPC >= HTTP; issue 33 asks mlp's
-unary >= 1.0x. A unary call costs
-grpcio's Python server ~220 us of one core (a no-op servicer tops out near 4,500 calls/s
-on this box, where a no-op HTTP route does ~16,000), a message on an open stream ~50 us,
-which is why both ways are measured. Prints a table, the
+unary >= 1.0x. A unary call costs grpcio's Python server more of the core than a message
+on an open stream (its own call, and four completions through grpcio's poller thread),
+which is why both ways are measured; the server keeps many ModelInfer calls requested
+from grpcio's core (grpc_server.accept_infers) so that concurrent unary calls batch.
+`--concurrency 1` measures the single-call latency path. Prints a table, the
 goals and a final JSON line, also written to bench/results/grpc.json. A benchmark, not a
 test: it asserts nothing.
 """
@@ -35,11 +42,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import csv
 import gc
 import json
 import os
 import statistics
 import struct
+import subprocess
 import tempfile
 import time
 import urllib.request
@@ -191,7 +200,7 @@ def run(cfg: argparse.Namespace) -> dict:
     server_cpus, client_cpus = {cpus[-1]}, set(cpus[:-1]) or {cpus[0]}
     os.sched_setaffinity(0, client_cpus)
     bodies = {"mlp": mlp_bodies, "minilm": minilm_bodies}
-    rows = []
+    rows, pa = [], None
     with tempfile.TemporaryDirectory(prefix="bench-grpc-") as tmp:
         repo = Path(tmp) / "models"
         repo.mkdir()
@@ -215,13 +224,17 @@ def run(cfg: argparse.Namespace) -> dict:
                 for point in points.values():
                     point(cfg.warmup)
                 for round_ in range(cfg.rounds):
-                    for protocol, point in points.items():
+                    order = list(points.items())
+                    order = order[round_ % 3 :] + order[: round_ % 3]  # rotated each round
+                    for protocol, point in order:
                         row = {"model": model, "protocol": protocol, "round": round_ + 1}
                         before = where_time_goes(server, model)
                         row.update({k: _round(v) for k, v in point(cfg.duration).items()})
                         row.update(where_time_goes(server, model, before))
                         rows.append(row)
                         print_row(row)
+            if cfg.perf_analyzer and "mlp" in cfg.only:
+                pa = perf_analyzer_rows(cfg, server.port, grpc_port, client_cpus)
     return {
         "bench": "grpc",
         "source": source,
@@ -233,7 +246,42 @@ def run(cfg: argparse.Namespace) -> dict:
         "load_average": os.getloadavg()[0],
         "rows": rows,
         "goals": goals(rows, cfg.only),
+        "perf_analyzer": pa,
     }
+
+
+def perf_analyzer_rows(cfg: argparse.Namespace, port: int, grpc_port: int, cpus: set) -> list:
+    """perf_analyzer's infer/s for the mlp: each way at c = 1 and c = N, interleaved."""
+    ways = {
+        "http_binary": ["-i", "http", "-u", f"127.0.0.1:{port}"],
+        "grpc_unary": ["-i", "grpc", "-u", f"127.0.0.1:{grpc_port}"],
+        "grpc_streaming": ["-i", "grpc", "-u", f"127.0.0.1:{grpc_port}", "--streaming"],
+    }
+    out = []
+    with tempfile.TemporaryDirectory(prefix="bench-grpc-pa-") as tmp:
+        for round_ in range(cfg.rounds):
+            for concurrency in (1, cfg.concurrency):
+                for way, args in ways.items():
+                    csv_path = Path(tmp) / f"{way}-{concurrency}-{round_}.csv"
+                    command = [cfg.perf_analyzer, "-m", "mlp", "-x", "1", *args]
+                    command += ["--concurrency-range", str(concurrency), "-f", str(csv_path)]
+                    command += ["-p", str(int(cfg.duration * 1000)), "-s", "1000", "-r", "3"]
+                    done = subprocess.run(
+                        command,
+                        capture_output=True,
+                        text=True,
+                        timeout=120,
+                        preexec_fn=lambda: os.sched_setaffinity(0, cpus),
+                    )
+                    rate = None
+                    if done.returncode == 0 and csv_path.exists():
+                        (line,) = list(csv.DictReader(csv_path.open()))
+                        rate = float(line["Inferences/Second"])
+                    row = {"way": way, "concurrency": concurrency, "round": round_ + 1}
+                    row["infer_per_s"] = rate if rate is not None else done.stdout[-500:]
+                    out.append(row)
+                    print(f"perf_analyzer {way:14} c={concurrency:<3} round {round_ + 1}  {rate}")
+    return out
 
 
 def where_time_goes(server: Server, model: str, before: dict | None = None) -> dict:
@@ -313,6 +361,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--concurrency", type=int, default=64)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--only", type=lambda s: s.split(","), default=["mlp", "minilm"])
+    p.add_argument("--perf-analyzer", help="perf_analyzer's path: also measure with it")
     cfg = p.parse_args(argv)
     result = run(cfg)
     print()

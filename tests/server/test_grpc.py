@@ -421,3 +421,37 @@ def test_grpc_helper_threads_do_not_preempt_the_loop(server, client):
     others = [p for name, p in policies.values() if name != "event_engine"]
     assert os.SCHED_BATCH in others, policies  # the poller (threads it starts inherit it)
     assert policies[pid][1] == os.SCHED_OTHER  # the event loop, and what it starts
+
+
+def test_concurrent_unary_calls_batch_together(server, http):
+    """64 ModelInfer calls sent at once on one channel reach the batcher together
+    (grpc_server.accept_infers), so the mlp runs them several rows a batch, where
+    grpc.aio's own accept loop hands them over one per loop wakeup and each finds the
+    model idle (1.2 rows a batch); every call still gets its own row's answer."""
+    rows = np.random.default_rng(7).standard_normal((64, 1, 512)).astype(np.float32)
+
+    def one(module, row):
+        x = module.InferInput("x", [1, 512], "FP32")
+        x.set_data_from_numpy(row)
+        return [x]
+
+    expected = [http.infer("mlp", one(th, row)).as_numpy("y") for row in rows]
+
+    def counts() -> tuple[int, int]:
+        stats = http.get_inference_statistics("mlp")["model_stats"][0]
+        return stats["inference_count"], stats["execution_count"]
+
+    async def burst() -> list[np.ndarray]:
+        async with tga.InferenceServerClient(server.grpc) as c:
+            await c.infer("mlp", one(tg, rows[0]))  # the channel is connected
+            before = counts()
+            results = await asyncio.gather(*(c.infer("mlp", one(tg, row)) for row in rows))
+            after = counts()
+        return [r.as_numpy("y") for r in results], before, after
+
+    got, before, after = asyncio.run(burst())
+    for answer, want in zip(got, expected, strict=True):
+        np.testing.assert_allclose(answer, want, rtol=1e-4, atol=1e-5)
+    inferred, executed = after[0] - before[0], after[1] - before[1]
+    assert inferred == 64
+    assert inferred / executed >= 4, f"{inferred} rows in {executed} batches"
