@@ -248,6 +248,9 @@ class DraftProposer:
             drafts[id(seq)] = ([], [])
             active.append((seq, m, k))
         while active:
+            if self.lean(active, drafts):
+                active = [(s, m, k) for s, m, k in active if len(drafts[id(s)][0]) < k]
+                continue
             batch, budget, left = SchedulerOutput(), self.config.max_num_batched_tokens, []
             for seq, m, k in active:
                 n = min(m.num_tokens - m.num_computed_tokens, budget)
@@ -268,7 +271,11 @@ class DraftProposer:
             by_mirror = {id(m): seq for seq, m, _ in left}
             targets = [by_mirror[id(m)] for m in out.sample_seqs]
             if targets:
-                tokens, probs = self.draw(out.logits, targets, out.sample_seqs)
+                positions = [
+                    m.num_tokens - s.num_prompt_tokens
+                    for s, m in zip(targets, out.sample_seqs, strict=True)
+                ]
+                tokens, probs = self.draw(out.logits, targets, positions)
                 for seq, m, token, q in zip(targets, out.sample_seqs, tokens, probs, strict=True):
                     m.token_ids.append(token)
                     drafts[id(seq)][0].append(token)
@@ -281,18 +288,52 @@ class DraftProposer:
             proposals.append((tokens, torch.stack(qs) if sampled else None))
         return proposals
 
+    def lean(self, active: list[tuple[Sequence, Sequence, int]], drafts: dict) -> bool:
+        """The draft's steps in `ModelRunner.decode_steps` (one plan for all of them, the
+        buffers moved on in place) when every row has one token left to compute: as
+        many steps as the row with the fewest proposals still to make needs. False
+        (nothing done): the generic loop's step runs instead."""
+        if not self.runner.can_decode_steps:
+            return False
+        if any(m.num_tokens - m.num_computed_tokens != 1 for _, m, _ in active):
+            return False
+        steps = min(k - len(drafts[id(seq)][0]) for seq, _, k in active)
+        if not all(self.block_manager.allocate_slots(m, steps) for _, m, _ in active):
+            return False
+        targets = [seq for seq, _, _ in active]
+        mirrors = [m for _, m, _ in active]
+        qs: list[list[torch.Tensor | None]] = []
+        if all(seq.sampling_params.greedy for seq in targets):
+            def pick(logits: torch.Tensor, _: int) -> torch.Tensor:
+                return logits.argmax(-1)
+        else:
+            base = [m.num_tokens - s.num_prompt_tokens for s, m in zip(targets, mirrors, strict=True)]
+
+            def pick(logits: torch.Tensor, s: int) -> torch.Tensor:
+                tokens, probs = self.draw(logits, targets, [b + s for b in base])
+                qs.append(probs)
+                return torch.tensor(tokens, device=logits.device)
+
+        drawn = to_host(self.runner.decode_steps(mirrors, steps, pick).t())  # [n][steps]
+        for i, (seq, m, tokens) in enumerate(zip(targets, mirrors, drawn, strict=True)):
+            m.token_ids += tokens
+            m.num_computed_tokens += steps
+            drafts[id(seq)][0].extend(tokens)
+            drafts[id(seq)][1].extend([q[i] for q in qs] if qs else [None] * steps)
+        return True
+
     def draw(
-        self, logits: torch.Tensor, targets: list[Sequence], mirrors: list[Sequence]
+        self, logits: torch.Tensor, targets: list[Sequence], positions: list[int]
     ) -> tuple[list[int], list[torch.Tensor | None]]:
         """One token per row: the argmax for greedy requests, else a draw from the
-        target's sampling settings applied to the draft's logits (q, kept)."""
+        target's sampling settings applied to the draft's logits (q, kept); `positions`:
+        each row's output position (its seed's uniform)."""
         if all(seq.sampling_params.greedy for seq in targets):
             return [int(t) for t in to_host(logits.argmax(-1))], [None] * len(targets)
         probs = target_probs(logits, targets, random.Random(0))
         u = []
-        for seq, m in zip(targets, mirrors, strict=True):
+        for seq, position in zip(targets, positions, strict=True):
             seed = seq.sampling_params.seed
-            position = m.num_tokens - seq.num_prompt_tokens
             u.append(
                 uniform(self.rng.getrandbits(64))
                 if seed is None
