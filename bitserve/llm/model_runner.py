@@ -552,11 +552,16 @@ class ModelRunner:
         d = t.meta.decode
         ids, pos, slots = t.input_ids[:n], t.positions[:n], t.meta.slot_mapping[:n]
         ctx, lens, table = d.context_lens[:n], d.seq_lens[:n], d.block_tables[:n]
+        stepper = None
+        if hasattr(self.model, "fused_stepper") and bucket is None and not self.moe_layers:
+            stepper = self.model.fused_stepper(t.input_ids, t.positions, t.meta)
         tokens = torch.empty(steps, n, dtype=torch.int64, device=self.device)
         for s in range(steps):
             if bucket is not None:
                 self.graphs[bucket].replay()
                 hidden = self.graph_hidden[:n]
+            elif stepper is not None:  # the C layers, pointers cast once (llama.py)
+                hidden = stepper()
             else:
                 hidden = self.forward(t)[:n]
             tokens[s] = pick(self.model.compute_logits(hidden).float(), s)
