@@ -398,12 +398,9 @@ class LlamaForCausalLM(nn.Module):
         as `fused_decode` computes it, with every pointer cast once for all steps
         instead of eight per layer and step. A callable returning the final hidden
         states, or None where fused_decode would not run (the caller calls forward)."""
-        embed, weight = self.embed_tokens, getattr(self.embed_tokens, "weight", None)
-        if type(embed) is not nn.Embedding or weight.dtype is not torch.float32:
-            return None
         if self.stage.start != 0 or self.norm is None or len(input_ids) > FUSED_CHUNK:
             return None
-        x = torch.empty(len(input_ids), weight.shape[1])
+        x = self.embed(input_ids).contiguous()
         if not self.can_fuse_decode(x, meta) or meta.decode is None:
             return None
         if self.rotary.table_positions(positions, meta) is not positions:
@@ -413,7 +410,9 @@ class LlamaForCausalLM(nn.Module):
         per_row = 2 * self.hf["hidden_size"] + 2 * (attn.q_size + attn.kv_size)
         per_row += 3 * layer.mlp.intermediate
         scratch = torch.empty(per_row * len(x))
-        scale = None if self.embed_scale is None else torch.tensor(self.embed_scale)
+        embed = self.embed_tokens
+        weight = embed.weight if type(embed) is nn.Embedding else None  # else: its forward
+        plain = self.embed_scale is None and weight is not None and weight.dtype == x.dtype
         params, lib, d, ptr = self.layer_params(), self.kernels.lib, meta.decode, c.ptr
         args = (ptr(x), len(x), ptr(positions, "int64_t *"), ptr(meta.slot_mapping, "int64_t *"))
         args += (ptr(d.rows, "int *"), ptr(d.block_tables, "int *"), d.block_tables.shape[1])
@@ -421,9 +420,10 @@ class LlamaForCausalLM(nn.Module):
         keep = (x, scratch, positions, meta)  # what the pointers point into
 
         def step() -> torch.Tensor:
-            torch.index_select(weight, 0, input_ids, out=x)
-            if scale is not None:
-                x.mul_(scale)
+            if plain:
+                torch.index_select(weight, 0, input_ids, out=x)
+            else:  # Gemma's scale, an int8 embedding
+                x.copy_(self.embed(input_ids))
             for p in params:
                 lib.bs_decode_layer(p, *args)
             return self.norm(keep[0])
