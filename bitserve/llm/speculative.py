@@ -146,13 +146,37 @@ class Proposer(Protocol):
 
 class NgramProposer:
     """Prompt lookup: the longest suffix of n tokens (ngram_max down to ngram_min) that
-    occurred before in the sequence; its latest earlier occurrence's next k tokens."""
+    occurred before in the sequence; its latest earlier occurrence's next k tokens.
+
+    Each request keeps an index of its n-grams (n-gram -> the latest position it ends
+    at), extended by the tokens appended since the last step (a sequence's tokens are
+    only ever appended: rejected proposals never enter it), so a step costs a few dict
+    look-ups, not a scan of the whole sequence; `lookup` is the same rule by a scan."""
 
     def __init__(self, config: SpeculativeConfig):
         self.low, self.high = config.ngram_min, config.ngram_max
+        self.reset()
 
     def propose(self, rows: list[tuple[Sequence, int]]) -> list[Proposal]:
-        return [(self.lookup(seq.token_ids, k), None) for seq, k in rows]
+        return [(self.indexed(seq, k), None) for seq, k in rows]
+
+    def indexed(self, seq: Sequence, k: int) -> list[int]:
+        """`lookup(seq.token_ids, k)` through the request's n-gram index."""
+        entry = self.indexes.get(id(seq))
+        if entry is None or entry[0] is not seq:
+            entry = self.indexes[id(seq)] = [seq, {}, 0]
+        _, index, done = entry
+        tokens, low, high = seq.token_ids, self.low, self.high
+        last = len(tokens) - 1
+        for i in range(done, last):  # the n-grams ending before the last token
+            for n in range(low, min(high, i + 1) + 1):
+                index[tuple(tokens[i - n + 1 : i + 1])] = i
+        entry[2] = max(done, last)
+        for n in range(min(high, last), low - 1, -1):
+            end = index.get(tuple(tokens[last - n + 1 :]))
+            if end is not None:
+                return tokens[end + 1 : end + 1 + k]
+        return []
 
     def lookup(self, token_ids: list[int], k: int) -> list[int]:
         tokens = np.asarray(token_ids)
@@ -172,10 +196,10 @@ class NgramProposer:
         return tokens[end + 1 : end + 1 + k].tolist()
 
     def release(self, seq: Sequence) -> None:
-        pass
+        self.indexes.pop(id(seq), None)
 
     def reset(self) -> None:
-        pass
+        self.indexes: dict[int, list] = {}  # id(seq) -> [seq, n-gram -> end, positions done]
 
 
 class DraftProposer:

@@ -18,6 +18,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from bitserve.llm import SamplingParams, speculative
 from bitserve.llm.sampling_params import SamplingError
+from bitserve.llm.sequence import Sequence
 from bitserve.llm.structured import Guide
 from tests.llm.conftest import make_engine
 from tests.llm.test_architectures import ARCHS, EXTRA, arch_dirs, reference  # noqa: F401
@@ -425,3 +426,21 @@ def test_lora_and_base_rows_speculating_in_one_batch_give_transformers_peft_toke
         if spec is not None:
             stats = engine.speculator.stats
             assert stats.proposed > 0 and stats.accepted > 0
+
+
+def test_ngram_index_proposes_what_a_scan_of_the_sequence_finds():
+    """The incremental n-gram index (extended as tokens are appended) against `lookup`,
+    which scans the whole sequence, on random sequences over small vocabularies."""
+    rng = random.Random(0)
+    for low, high in ((1, 3), (2, 5), (1, 1), (3, 4)):
+        config = speculative.SpeculativeConfig("ngram", ngram_min=low, ngram_max=high)
+        proposer = speculative.NgramProposer(config)
+        for vocab in (2, 3, 6):
+            seq = Sequence("r", [rng.randrange(vocab) for _ in range(rng.randrange(1, 4))])
+            for _ in range(60):
+                k = rng.randrange(1, 6)
+                [(tokens, q)] = proposer.propose([(seq, k)])
+                assert q is None and tokens == proposer.lookup(seq.token_ids, k)
+                seq.token_ids += [rng.randrange(vocab) for _ in range(rng.randrange(1, 4))]
+            proposer.release(seq)
+        assert proposer.indexes == {}
