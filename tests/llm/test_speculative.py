@@ -25,7 +25,8 @@ from tests.llm.test_architectures import ARCHS, EXTRA, arch_dirs, reference  # n
 from tests.llm.test_engine import GREEDY, MIXED, SHARED, generate
 
 # speculation on whatever the batch (the default stops above MAX_BATCH running requests)
-NGRAM = {"method": "ngram", "max_batch": 64}
+# one-token matches too: random test models repeat few longer n-grams
+NGRAM = {"method": "ngram", "max_batch": 64, "ngram_min": 1, "ngram_max": 3}
 
 
 def draft(folder, k: int, **extra) -> dict:
@@ -349,7 +350,8 @@ def test_a_draft_with_another_vocabulary_is_refused(model_dirs, small_dirs):
 
 
 def test_ngram_proposes_the_tokens_after_the_latest_match():
-    proposer = speculative.NgramProposer(speculative.SpeculativeConfig("ngram"))
+    config = speculative.SpeculativeConfig("ngram", ngram_min=1, ngram_max=3)
+    proposer = speculative.NgramProposer(config)
     assert proposer.lookup([5, 6, 7, 8, 1, 5, 6, 7, 9, 5, 6, 7], 3) == [9, 5, 6]
     assert proposer.lookup([5, 6, 7, 8, 5, 6], 4) == [7, 8, 5, 6]
     assert proposer.lookup([1, 2, 3], 2) == []
@@ -358,7 +360,7 @@ def test_ngram_proposes_the_tokens_after_the_latest_match():
 
 def test_speculation_is_off_while_more_than_max_batch_requests_run(model_dirs):
     llama = model_dirs["llama"]
-    spec = {"method": "ngram", "num_tokens": 3, "max_batch": 2}
+    spec = {**NGRAM, "num_tokens": 3, "max_batch": 2}
     engine = make_engine(llama, num_kv_blocks=64, speculative=spec)
     check_parity(llama, MIXED[:3], generate(engine, MIXED[:3]))  # three run the whole time
     assert engine.speculator.stats.proposed == 0
