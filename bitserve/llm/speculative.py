@@ -332,10 +332,13 @@ class DraftProposer:
         mirrors = [m for _, m, _ in active]
         qs: list[list[torch.Tensor | None]] = []
         if all(seq.sampling_params.greedy for seq in targets):
+
             def pick(logits: torch.Tensor, _: int) -> torch.Tensor:
                 return logits.argmax(-1)
         else:
-            base = [m.num_tokens - s.num_prompt_tokens for s, m in zip(targets, mirrors, strict=True)]
+            base = [
+                m.num_tokens - s.num_prompt_tokens for s, m in zip(targets, mirrors, strict=True)
+            ]
 
             def pick(logits: torch.Tensor, s: int) -> torch.Tensor:
                 tokens, probs = self.draw(logits, targets, [b + s for b in base])
