@@ -318,23 +318,34 @@ class DraftProposer:
 
     def lean(self, active: list[tuple[Sequence, Sequence, int]], drafts: dict) -> bool:
         """The draft's steps in `ModelRunner.decode_steps` (one plan for all of them, the
-        buffers moved on in place) when every row has one token left to compute: as
-        many steps as the row with the fewest proposals still to make needs. False
-        (nothing done): the generic loop's step runs instead."""
+        buffers moved on in place) when every row has one token left to compute, or two
+        for greedy rows (the target kept all proposals: the last one and its own token,
+        fed in one step after the other, the first step's pick being the known token):
+        as many steps as the row with the fewest still to go needs. False (nothing
+        done): the generic loop's step runs instead."""
         if not self.runner.can_decode_steps:
             return False
-        if any(m.num_tokens - m.num_computed_tokens != 1 for _, m, _ in active):
-            return False
-        steps = min(k - len(drafts[id(seq)][0]) for seq, _, k in active)
-        if not all(self.block_manager.allocate_slots(m, steps) for _, m, _ in active):
-            return False
+        ahead = [m.num_tokens - m.num_computed_tokens - 1 for _, m, _ in active]
         targets = [seq for seq, _, _ in active]
+        greedy = all(seq.sampling_params.greedy for seq in targets)
+        if any(a not in (0, 1) for a in ahead) or (any(ahead) and not greedy):
+            return False
+        steps = min(
+            a + k - len(drafts[id(seq)][0]) for a, (seq, _, k) in zip(ahead, active, strict=True)
+        )
         mirrors = [m for _, m, _ in active]
+        if not all(self.block_manager.allocate_slots(m, steps) for m in mirrors):
+            return False
         qs: list[list[torch.Tensor | None]] = []
-        if all(seq.sampling_params.greedy for seq in targets):
+        if greedy:
+            known = [i for i, a in enumerate(ahead) if a]  # step 0 feeds their next token
+            device = self.runner.device
+            rows = torch.tensor(known, dtype=torch.int64, device=device)
+            values = torch.tensor([mirrors[i].token_ids[-1] for i in known], device=device)
 
-            def pick(logits: torch.Tensor, _: int) -> torch.Tensor:
-                return logits.argmax(-1)
+            def pick(logits: torch.Tensor, s: int) -> torch.Tensor:
+                tokens = logits.argmax(-1)
+                return tokens.index_copy_(0, rows, values) if s == 0 and known else tokens
         else:
             base = [
                 m.num_tokens - s.num_prompt_tokens for s, m in zip(targets, mirrors, strict=True)
@@ -347,10 +358,11 @@ class DraftProposer:
 
         drawn = to_host(self.runner.decode_steps(mirrors, steps, pick).t())  # [n][steps]
         for i, (seq, m, tokens) in enumerate(zip(targets, mirrors, drawn, strict=True)):
+            tokens = tokens[ahead[i] :]
             m.token_ids += tokens
             m.num_computed_tokens += steps
             drafts[id(seq)][0].extend(tokens)
-            drafts[id(seq)][1].extend([q[i] for q in qs] if qs else [None] * steps)
+            drafts[id(seq)][1].extend([q[i] for q in qs] if qs else [None] * len(tokens))
         return True
 
     def draw(
