@@ -528,12 +528,13 @@ class ModelRunner:
     def decode_steps(self, seqs: list[Sequence], steps: int, pick) -> torch.Tensor:
         """`steps` one-token decode steps of `seqs` (speculative decoding's draft loop),
         the fed-back token of each chosen by `pick(logits [n, vocab], step)` (int64 [n]
-        on the device). Each sequence has one token left to compute and blocks for
-        `steps` tokens from it (allocate_slots); its state is not changed here (the
-        caller appends the tokens). One plan and one build for all steps: between steps
-        the step buffers are moved on in place (token, position, slot, lengths) by a few
-        tensor ops, with no Python per row and no copy to the host. Returns the tokens,
-        [steps, n] on the device."""
+        on the device). Step 0 feeds each sequence's token at num_computed_tokens, every
+        later step the previous pick (a caller that knows the next token makes `pick`
+        return it); each has blocks for `steps` tokens from there (allocate_slots). The
+        sequences are not changed here (the caller appends the tokens). One plan and one
+        build for all steps: between steps the step buffers are moved on in place (token,
+        position, slot, lengths) by a few tensor ops, with no Python per row and no copy
+        to the host. Returns the tokens, [steps, n] on the device."""
         bs, n = self.config.block_size, len(seqs)
         step = StepInput(sample_rows=list(range(n)))
         tables, ends = [], []

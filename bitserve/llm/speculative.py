@@ -211,7 +211,11 @@ class DraftProposer:
     request has a mirror sequence in the draft's own KV pool; before proposing, the
     mirror keeps the K/V of the longest prefix it shares with the request (what the
     target accepted) and computes the rest, then draws k tokens, one batched step each,
-    greedy for greedy requests and from the same filtered distribution otherwise."""
+    greedy for greedy requests and from the same filtered distribution otherwise. Those
+    steps run in `ModelRunner.decode_steps` (`lean`): one plan for all of them, the step
+    buffers moved on in place, the C layers' pointers cast once; a scheduler batch
+    through `execute` only where that does not apply (a prompt to catch up on, LoRA,
+    tensor parallelism, a sequence-dependent RoPE, flash-attn)."""
 
     def __init__(self, config: SpeculativeConfig, target: EngineConfig, num_blocks: int):
         self.config = EngineConfig(
