@@ -449,3 +449,27 @@ def test_ngram_index_proposes_what_a_scan_of_the_sequence_finds():
                 seq.token_ids += [rng.randrange(vocab) for _ in range(rng.randrange(1, 4))]
             proposer.release(seq)
         assert proposer.indexes == {}
+
+
+@pytest.mark.parametrize("graphs", [True, False])
+def test_the_draft_loop_without_the_c_kernels_replayed_or_eager(model_dirs, graphs, monkeypatch):
+    """The draft loop (ModelRunner.decode_steps) on the torch path: replaying the CUDA
+    graph logic's stand-in (the step buffers moved on in place between replays), or
+    eager; the target as its own draft keeps every proposal, tokens are transformers'."""
+    from bitserve import kernels
+    from bitserve.llm import model_runner
+    from tests.llm.test_step_ops import CallGraph
+
+    monkeypatch.setattr(kernels, "get", lambda: None)
+    if graphs:
+        monkeypatch.setattr(model_runner, "graph_factory", lambda config: CallGraph)
+    llama = model_dirs["llama"]
+    engine = make_engine(llama, device="cpu", num_kv_blocks=96, speculative=draft(llama, 4))
+    replays = []  # the draft's own graphs
+    for graph in engine.speculator.proposer.runner.graphs.values():
+        graph.replay = lambda graph=graph, replay=graph.replay: replays.append(replay())
+    check_parity(llama, MIXED, generate(engine, MIXED))
+    assert bool(engine.speculator.proposer.runner.graphs) == graphs
+    assert (len(replays) > 0) == graphs
+    stats = engine.speculator.stats
+    assert stats.proposed > 0 and stats.accepted == stats.proposed
