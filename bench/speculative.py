@@ -146,29 +146,33 @@ def overhead_1b(folder: Path | None, steps: int) -> dict:
     result = {}
     for name, extra in (("plain", {}), ("verify_k4", {"speculative": spec})):
         llm = LLM(folder, **kw, **extra)
-        engine, times, propose = llm.engine, [], [0.0]
+        engine, times, cpus, propose = llm.engine, [], [], [0.0, 0.0]
         if engine.speculator is not None:  # the proposer's time is not the step's
             inner = engine.speculator.propose
 
             def timed(running, inner=inner, propose=propose):
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.thread_time()
                 inner(running)
                 propose[0] += time.perf_counter() - t0
+                propose[1] += time.thread_time() - c0
 
             engine.speculator.propose = timed
         params = SamplingParams(temperature=0, max_tokens=5 * steps + 1, ignore_eos=True)
         engine.add_request("r", prompt, params)
         engine.step()  # the prefill
         while engine.has_unfinished_requests() and len(times) < steps:
-            propose[0] = 0.0
-            t0 = time.perf_counter()
+            propose[:] = [0.0, 0.0]
+            t0, c0 = time.perf_counter(), time.thread_time()
             engine.step()
             times.append(time.perf_counter() - t0 - propose[0])
+            cpus.append(time.thread_time() - c0 - propose[1])
         engine.abort_request("r")
         result[name] = 1e3 * statistics.median(times)
+        result[f"{name}_cpu"] = 1e3 * statistics.median(cpus)
         llm.shutdown()
         del llm, engine
     result["ratio"] = result["verify_k4"] / result["plain"]
+    result["cpu_ratio"] = result["verify_k4_cpu"] / result["plain_cpu"]
     if tmp is not None:
         tmp.cleanup()
     return result
@@ -249,7 +253,8 @@ def table(results: dict) -> str:
         o = results["overhead_1b"]
         lines.append(
             f"1B batch 1: plain decode step {o['plain']:.1f} ms, verification step (k=4) "
-            f"{o['verify_k4']:.1f} ms: {o['ratio']:.2f}x"
+            f"{o['verify_k4']:.1f} ms: {o['ratio']:.2f}x (CPU time {o['plain_cpu']:.1f} and "
+            f"{o['verify_k4_cpu']:.1f} ms: {o['cpu_ratio']:.2f}x)"
         )
     return "\n".join(lines)
 
