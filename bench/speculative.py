@@ -5,17 +5,20 @@
 Same weights and prompts for every variant, greedy (so each speculative variant's tokens
 are checked equal to the plain engine's), prefix caching off (a later round would hit
 an earlier one's prompts), the engine's offline API (`LLMEngine`, what serve runs).
-Every round runs all variants of a part one after another (A/B interleaved) and the
-ratios are taken within the round; the table shows the median ratio over the rounds and
-its spread (min-max). The machine is shared and noisy: read the spread.
+Every round runs all variants of a part one after another (A/B interleaved, the order
+rotated from round to round) and the ratios are taken within the round; the table shows
+the median ratio over the rounds and its spread (min-max), by wall-clock time ("x plain")
+and by the engine thread's CPU time ("x cpu": what other processes on a shared box took
+of the core is left out; cache and memory-bandwidth contention is not). The machine is
+shared and noisy: read the spreads.
 
 1. demo pair, batch 1: models/tinylm and its draft models/tinylm/draft (tools/train_lm.py
    --draft-of, the same corpus; "draft" its int8 version 2, "draft-fp32" version 1), on
    held-out verses (models/tinylm/heldout.txt, never trained on): the first words of a
    verse as the prompt, `--tokens` new tokens.
 2. copy-heavy, batch 1, n-gram: a held-out passage (three verses) and the start of its
-   first verse again, so that the answer repeats spans of the prompt; n-gram also with
-   ngram_min 2 (a one-token match proposes nothing).
+   first verse again, so that the answer repeats spans of the prompt; n-gram (2..5-token
+   matches) also with one-token matches (ngram_min 1, ngram_max 3) and with k = 6.
 3. streams: the copy-heavy prompts 2, 4, 8, 16 at once with n-gram speculation forced on
    (max_batch 64): where it stops paying (speculative.MAX_BATCH comes from here); and 16
    at once with the default configuration (speculation off above MAX_BATCH).
@@ -41,6 +44,7 @@ import torch
 
 from bitserve.llm.engine import LLM
 from bitserve.llm.sampling_params import SamplingParams
+from bitserve.llm.speculative import SpecStats
 
 ROOT = Path(__file__).resolve().parents[1]
 TINYLM = ROOT / "models" / "tinylm"
@@ -62,17 +66,20 @@ def copy_prompts(n: int) -> list[str]:
     return ["\n".join(p) + "\n" + " ".join(p[0].split()[:4]) for p in passages]
 
 
-def run(llm: LLM, prompts: list[str], tokens: int, together: bool) -> tuple[float, list]:
-    """(generated tokens per second, token ids): all prompts at once, or one by one."""
+def run(llm: LLM, prompts: list[str], tokens: int, together: bool) -> tuple[float, float, list]:
+    """(generated tokens per second, per CPU second of this thread, token ids): all
+    prompts at once, or one by one. The CPU rate leaves out the time other processes
+    held the core (the engine's step loop is this one thread at --threads 1)."""
     params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.thread_time()
     if together:
         outs = llm.generate(prompts, params)
     else:
         outs = [llm.generate(p, params)[0] for p in prompts]
-    seconds = time.perf_counter() - start
+    seconds, cpu = time.perf_counter() - start, time.thread_time() - cpu
     ids = [o.outputs[0].token_ids for o in outs]
-    return sum(map(len, ids)) / seconds, ids
+    n = sum(map(len, ids))
+    return n / seconds, n / cpu, ids
 
 
 def acceptance(llm: LLM) -> dict:
@@ -88,21 +95,28 @@ def acceptance(llm: LLM) -> dict:
 def compare(variants: dict, prompts, tokens, together, rounds) -> dict:
     """Each variant's tok/s per round (interleaved), ratios to "plain" within rounds."""
     llms = {name: LLM(folder, **ENGINE, **kw) for name, (folder, kw) in variants.items()}
+    for llm in llms.values():  # warm-up, neither timed nor counted
+        run(llm, prompts[:2], 8, together)
+        if llm.engine.speculator is not None:
+            llm.engine.speculator.stats = SpecStats()
     speeds: dict[str, list[float]] = {name: [] for name in llms}
-    for _ in range(rounds):
-        reference = None
-        for name, llm in llms.items():
-            rate, ids = run(llm, prompts, tokens, together)
+    cpus: dict[str, list[float]] = {name: [] for name in llms}
+    names = list(llms)
+    reference = run(llms["plain"], prompts, tokens, together)[2]
+    for r in range(rounds):
+        for name in names[r % len(names) :] + names[: r % len(names)]:  # order rotated
+            rate, cpu, ids = run(llms[name], prompts, tokens, together)
             speeds[name].append(rate)
-            if reference is None:
-                reference = ids
-            elif ids != reference:
+            cpus[name].append(cpu)
+            if ids != reference:
                 raise AssertionError(f"{name}: greedy tokens differ from the plain engine's")
     out = {}
     for name, llm in llms.items():
         ratios = [s / p for s, p in zip(speeds[name], speeds["plain"], strict=True)]
         row = {"tok_s": statistics.median(speeds[name]), "ratio": statistics.median(ratios)}
         row["spread"] = [min(ratios), max(ratios)]
+        cpu = [s / p for s, p in zip(cpus[name], cpus["plain"], strict=True)]
+        row |= {"cpu_ratio": statistics.median(cpu), "cpu_spread": [min(cpu), max(cpu)]}
         if llm.engine.speculator is not None:
             row |= acceptance(llm)
         out[name] = row
@@ -132,29 +146,33 @@ def overhead_1b(folder: Path | None, steps: int) -> dict:
     result = {}
     for name, extra in (("plain", {}), ("verify_k4", {"speculative": spec})):
         llm = LLM(folder, **kw, **extra)
-        engine, times, propose = llm.engine, [], [0.0]
+        engine, times, cpus, propose = llm.engine, [], [], [0.0, 0.0]
         if engine.speculator is not None:  # the proposer's time is not the step's
             inner = engine.speculator.propose
 
             def timed(running, inner=inner, propose=propose):
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.thread_time()
                 inner(running)
                 propose[0] += time.perf_counter() - t0
+                propose[1] += time.thread_time() - c0
 
             engine.speculator.propose = timed
         params = SamplingParams(temperature=0, max_tokens=5 * steps + 1, ignore_eos=True)
         engine.add_request("r", prompt, params)
         engine.step()  # the prefill
         while engine.has_unfinished_requests() and len(times) < steps:
-            propose[0] = 0.0
-            t0 = time.perf_counter()
+            propose[:] = [0.0, 0.0]
+            t0, c0 = time.perf_counter(), time.thread_time()
             engine.step()
             times.append(time.perf_counter() - t0 - propose[0])
+            cpus.append(time.thread_time() - c0 - propose[1])
         engine.abort_request("r")
         result[name] = 1e3 * statistics.median(times)
+        result[f"{name}_cpu"] = 1e3 * statistics.median(cpus)
         llm.shutdown()
         del llm, engine
     result["ratio"] = result["verify_k4"] / result["plain"]
+    result["cpu_ratio"] = result["verify_k4_cpu"] / result["plain_cpu"]
     if tmp is not None:
         tmp.cleanup()
     return result
@@ -175,9 +193,10 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     target, k, r, t = TINYLM / "1", args.k, args.rounds, args.tokens
     draft = {"speculative": {"method": "draft", "model": "draft", "num_tokens": k}}
-    ngram = {"speculative": {"method": "ngram", "num_tokens": k}}
-    # only matches of 2+ tokens propose: fewer speculative rows, each more often right
-    ngram2 = {"speculative": {"method": "ngram", "num_tokens": k, "ngram_min": 2, "ngram_max": 5}}
+    ngram = {"speculative": {"method": "ngram", "num_tokens": k}}  # 2..5-token matches
+    # one-token matches too (the default before): more speculative rows, less often right
+    ngram1 = {"speculative": {"method": "ngram", "num_tokens": k, "ngram_min": 1, "ngram_max": 3}}
+    ngram6 = {"speculative": {"method": "ngram", "num_tokens": 6}}
     forced = {"speculative": {"method": "ngram", "num_tokens": k, "max_batch": 64}}
     results: dict = {"cpu": cpu(), "threads": args.threads, "k": k, "tokens": t, "rounds": r}
     parts = set(args.parts.split(",")) - ({"1b"} if args.no_1b else set())
@@ -191,8 +210,8 @@ def main() -> None:
     copy = copy_prompts(16)
     if "copy" in parts:
         results["copy_b1"] = compare(
-            {"plain": (target, {}), "ngram": (target, ngram), "ngram-2..5": (target, ngram2),
-             "draft": (target, draft)},
+            {"plain": (target, {}), "ngram": (target, ngram), "ngram-1..3": (target, ngram1),
+             "ngram-k6": (target, ngram6), "draft": (target, draft)},
             copy[: args.prompts], t, False, r,
         )  # fmt: skip
     for n in map(int, args.streams.split(",")) if "streams" in parts else []:
@@ -213,13 +232,15 @@ def main() -> None:
 def table(results: dict) -> str:
     lines = [
         f"{'part':<18} {'variant':<10} {'tok/s':>7} {'x plain':>8} {'spread':>11} "
-        f"{'accept':>7} {'by position':<28} {'tok/step':>8}"
+        f"{'x cpu':>6} {'spread':>11} {'accept':>7} {'by position':<28} {'tok/step':>8}"
     ]
     for part, rows in results.items():
         if not isinstance(rows, dict) or "plain" not in rows or part == "overhead_1b":
             continue
         for name, row in rows.items():
             spread = f"{row['spread'][0]:.2f}-{row['spread'][1]:.2f}"
+            spread += f" {row['cpu_ratio']:>6.2f} "
+            spread += f"{row['cpu_spread'][0]:.2f}-{row['cpu_spread'][1]:.2f}".rjust(11)
             extra = ""
             if "acceptance" in row:
                 by = "/".join(f"{a:.2f}" for a in row["by_position"])
@@ -232,7 +253,8 @@ def table(results: dict) -> str:
         o = results["overhead_1b"]
         lines.append(
             f"1B batch 1: plain decode step {o['plain']:.1f} ms, verification step (k=4) "
-            f"{o['verify_k4']:.1f} ms: {o['ratio']:.2f}x"
+            f"{o['verify_k4']:.1f} ms: {o['ratio']:.2f}x (CPU time {o['plain_cpu']:.1f} and "
+            f"{o['verify_k4_cpu']:.1f} ms: {o['cpu_ratio']:.2f}x)"
         )
     return "\n".join(lines)
 

@@ -512,6 +512,69 @@ class ModelRunner:
             out.prompt_logits.update(prompt)
         return out
 
+    # -- a draft model's proposal loop -----------------------------------------------
+    @property
+    def can_decode_steps(self) -> bool:
+        """Whether `decode_steps` runs here: one process, the batched attention, RoPE
+        that does not depend on the sequence, no LoRA."""
+        return (
+            self.parallel.world_size == 1
+            and self.flash is None
+            and not self.rope_rows
+            and self.lora is None
+        )
+
+    @torch.inference_mode()
+    def decode_steps(self, seqs: list[Sequence], steps: int, pick) -> torch.Tensor:
+        """`steps` one-token decode steps of `seqs` (speculative decoding's draft loop),
+        the fed-back token of each chosen by `pick(logits [n, vocab], step)` (int64 [n]
+        on the device). Step 0 feeds each sequence's token at num_computed_tokens, every
+        later step the previous pick (a caller that knows the next token makes `pick`
+        return it); each has blocks for `steps` tokens from there (allocate_slots). The
+        sequences are not changed here (the caller appends the tokens). One plan and one
+        build for all steps: between steps the step buffers are moved on in place (token,
+        position, slot, lengths) by a few tensor ops, with no Python per row and no copy
+        to the host. Returns the tokens, [steps, n] on the device."""
+        bs, n = self.config.block_size, len(seqs)
+        step = StepInput(sample_rows=list(range(n)))
+        tables, ends = [], []
+        for seq in seqs:
+            p = seq.num_computed_tokens
+            table = [max(block, 0) for block in seq.block_table]  # freed behind a window
+            step.input_ids.append(seq.token_ids[p])
+            step.positions.append(p)
+            step.slots.append(table[p // bs] * bs + p % bs)
+            tables.append(table[: -(-(p + steps) // bs)])
+            ends.append(p + 1)
+        width = max(len(t) for t in tables)
+        step.decode = ([t + [0] * (width - len(t)) for t in tables], ends, [1] * n)
+        bucket = self.graph_bucket(step)
+        t = self.build(step, bucket)
+        d = t.meta.decode
+        ids, pos, slots = t.input_ids[:n], t.positions[:n], t.meta.slot_mapping[:n]
+        ctx, lens, table = d.context_lens[:n], d.seq_lens[:n], d.block_tables[:n]
+        stepper = None
+        if hasattr(self.model, "fused_stepper") and bucket is None and not self.moe_layers:
+            stepper = self.model.fused_stepper(t.input_ids, t.positions, t.meta)
+        tokens = torch.empty(steps, n, dtype=torch.int64, device=self.device)
+        for s in range(steps):
+            if bucket is not None:
+                self.graphs[bucket].replay()
+                hidden = self.graph_hidden[:n]
+            elif stepper is not None:  # the C layers, pointers cast once (llama.py)
+                hidden = stepper()
+            else:
+                hidden = self.forward(t)[:n]
+            tokens[s] = pick(self.model.compute_logits(hidden).float(), s)
+            if s + 1 < steps:  # the next step: the token just drawn, one position on
+                ids.copy_(tokens[s])
+                pos.add_(1)
+                ctx.add_(1)
+                lens.add_(1)
+                block = table.gather(1, (pos // bs)[:, None])[:, 0]
+                torch.add(pos % bs, block, alpha=bs, out=slots)
+        return tokens
+
     @torch.inference_mode()
     def run(self, steps: list[StepInput]) -> list[Logits]:
         """This rank's share of a step, micro-batch after micro-batch: receive the

@@ -18,13 +18,15 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from bitserve.llm import SamplingParams, speculative
 from bitserve.llm.sampling_params import SamplingError
+from bitserve.llm.sequence import Sequence
 from bitserve.llm.structured import Guide
 from tests.llm.conftest import make_engine
 from tests.llm.test_architectures import ARCHS, EXTRA, arch_dirs, reference  # noqa: F401
 from tests.llm.test_engine import GREEDY, MIXED, SHARED, generate
 
 # speculation on whatever the batch (the default stops above MAX_BATCH running requests)
-NGRAM = {"method": "ngram", "max_batch": 64}
+# one-token matches too: random test models repeat few longer n-grams
+NGRAM = {"method": "ngram", "max_batch": 64, "ngram_min": 1, "ngram_max": 3}
 
 
 def draft(folder, k: int, **extra) -> dict:
@@ -62,7 +64,10 @@ def test_greedy_speculation_matches_transformers_on_every_architecture(every_dir
     for spec in specs:
         engine = make_engine(folder, num_kv_blocks=64, speculative=spec)
         check_parity(folder, MIXED, generate(engine, MIXED))
-        assert engine.speculator.stats.proposed > 0
+        stats = engine.speculator.stats
+        assert stats.proposed > 0
+        if spec.get("model") == str(folder):  # its own draft (the draft loop): all kept
+            assert stats.accepted == stats.proposed
 
 
 @pytest.mark.parametrize(
@@ -348,7 +353,8 @@ def test_a_draft_with_another_vocabulary_is_refused(model_dirs, small_dirs):
 
 
 def test_ngram_proposes_the_tokens_after_the_latest_match():
-    proposer = speculative.NgramProposer(speculative.SpeculativeConfig("ngram"))
+    config = speculative.SpeculativeConfig("ngram", ngram_min=1, ngram_max=3)
+    proposer = speculative.NgramProposer(config)
     assert proposer.lookup([5, 6, 7, 8, 1, 5, 6, 7, 9, 5, 6, 7], 3) == [9, 5, 6]
     assert proposer.lookup([5, 6, 7, 8, 5, 6], 4) == [7, 8, 5, 6]
     assert proposer.lookup([1, 2, 3], 2) == []
@@ -357,7 +363,7 @@ def test_ngram_proposes_the_tokens_after_the_latest_match():
 
 def test_speculation_is_off_while_more_than_max_batch_requests_run(model_dirs):
     llama = model_dirs["llama"]
-    spec = {"method": "ngram", "num_tokens": 3, "max_batch": 2}
+    spec = {**NGRAM, "num_tokens": 3, "max_batch": 2}
     engine = make_engine(llama, num_kv_blocks=64, speculative=spec)
     check_parity(llama, MIXED[:3], generate(engine, MIXED[:3]))  # three run the whole time
     assert engine.speculator.stats.proposed == 0
@@ -425,3 +431,45 @@ def test_lora_and_base_rows_speculating_in_one_batch_give_transformers_peft_toke
         if spec is not None:
             stats = engine.speculator.stats
             assert stats.proposed > 0 and stats.accepted > 0
+
+
+def test_ngram_index_proposes_what_a_scan_of_the_sequence_finds():
+    """The incremental n-gram index (extended as tokens are appended) against `lookup`,
+    which scans the whole sequence, on random sequences over small vocabularies."""
+    rng = random.Random(0)
+    for low, high in ((1, 3), (2, 5), (1, 1), (3, 4)):
+        config = speculative.SpeculativeConfig("ngram", ngram_min=low, ngram_max=high)
+        proposer = speculative.NgramProposer(config)
+        for vocab in (2, 3, 6):
+            seq = Sequence("r", [rng.randrange(vocab) for _ in range(rng.randrange(1, 4))])
+            for _ in range(60):
+                k = rng.randrange(1, 6)
+                [(tokens, q)] = proposer.propose([(seq, k)])
+                assert q is None and tokens == proposer.lookup(seq.token_ids, k)
+                seq.token_ids += [rng.randrange(vocab) for _ in range(rng.randrange(1, 4))]
+            proposer.release(seq)
+        assert proposer.indexes == {}
+
+
+@pytest.mark.parametrize("graphs", [True, False])
+def test_the_draft_loop_without_the_c_kernels_replayed_or_eager(model_dirs, graphs, monkeypatch):
+    """The draft loop (ModelRunner.decode_steps) on the torch path: replaying the CUDA
+    graph logic's stand-in (the step buffers moved on in place between replays), or
+    eager; the target as its own draft keeps every proposal, tokens are transformers'."""
+    from bitserve import kernels
+    from bitserve.llm import model_runner
+    from tests.llm.test_step_ops import CallGraph
+
+    monkeypatch.setattr(kernels, "get", lambda: None)
+    if graphs:
+        monkeypatch.setattr(model_runner, "graph_factory", lambda config: CallGraph)
+    llama = model_dirs["llama"]
+    engine = make_engine(llama, device="cpu", num_kv_blocks=96, speculative=draft(llama, 4))
+    replays = []  # the draft's own graphs
+    for graph in engine.speculator.proposer.runner.graphs.values():
+        graph.replay = lambda graph=graph, replay=graph.replay: replays.append(replay())
+    check_parity(llama, MIXED, generate(engine, MIXED))
+    assert bool(engine.speculator.proposer.runner.graphs) == graphs
+    assert (len(replays) > 0) == graphs
+    stats = engine.speculator.stats
+    assert stats.proposed > 0 and stats.accepted == stats.proposed

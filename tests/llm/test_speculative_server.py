@@ -17,7 +17,7 @@ backend = "llm"
 [parameters]
 max_model_len = 256
 num_kv_blocks = 64
-speculative = { method = "ngram", num_tokens = 3 }
+speculative = { method = "ngram", num_tokens = 3, ngram_min = 1 }
 """
 PROMPT = "the quick brown fox jumps over the lazy dog the quick brown"
 

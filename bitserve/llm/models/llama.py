@@ -392,6 +392,44 @@ class LlamaForCausalLM(nn.Module):
                 self.kernels.decode_layer(params, rows_x, rows_pos, rows_slots, rows_d, scratch)
         return x
 
+    def fused_stepper(self, input_ids, positions, meta: AttentionMetadata):
+        """Speculative decoding's draft loop (ModelRunner.decode_steps): a forward over
+        step buffers that stay put from step to step (the loop rewrites their values),
+        as `fused_decode` computes it, with every pointer cast once for all steps
+        instead of eight per layer and step. A callable returning the final hidden
+        states, or None where fused_decode would not run (the caller calls forward)."""
+        if self.stage.start != 0 or self.norm is None or len(input_ids) > FUSED_CHUNK:
+            return None
+        x = self.embed(input_ids).contiguous()
+        if not self.can_fuse_decode(x, meta) or meta.decode is None:
+            return None
+        if self.rotary.table_positions(positions, meta) is not positions:
+            return None
+        layer = self.layers[0]
+        attn = layer.self_attn
+        per_row = 2 * self.hf["hidden_size"] + 2 * (attn.q_size + attn.kv_size)
+        per_row += 3 * layer.mlp.intermediate
+        scratch = torch.empty(per_row * len(x))
+        embed = self.embed_tokens
+        weight = embed.weight if type(embed) is nn.Embedding else None  # else: its forward
+        plain = self.embed_scale is None and weight is not None and weight.dtype == x.dtype
+        params, lib, d, ptr = self.layer_params(), self.kernels.lib, meta.decode, c.ptr
+        args = (ptr(x), len(x), ptr(positions, "int64_t *"), ptr(meta.slot_mapping, "int64_t *"))
+        args += (ptr(d.rows, "int *"), ptr(d.block_tables, "int *"), d.block_tables.shape[1])
+        args += (ptr(d.context_lens, "int *"), ptr(scratch))
+        keep = (x, scratch, positions, meta)  # what the pointers point into
+
+        def step() -> torch.Tensor:
+            if plain:
+                torch.index_select(weight, 0, input_ids, out=x)
+            else:  # Gemma's scale, an int8 embedding
+                x.copy_(self.embed(input_ids))
+            for p in params:
+                lib.bs_decode_layer(p, *args)
+            return self.norm(keep[0])
+
+        return step
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden)
         if self.final_softcap is not None:  # Gemma 2, in transformers' order, in place
