@@ -910,55 +910,41 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def overload_probe(url: str, n: int, bound_ms: float = 50.0) -> dict:
-    """`n` chats at once on tinylm (past its max_queued_requests): the rejected ones'
-    time to a 429, its p99 under `bound_ms`, and `live` answering 200 meanwhile."""
+    """`n` chats at once on tinylm (past its max_queued_requests), each sent once on a
+    connection opened beforehand: the rejected ones' time to a 429 (to the kernel's
+    receive time: bench/overload.py's timed_clients), its p99 under `bound_ms`, and `live`
+    answering 200 meanwhile."""
     import httpx
 
-    body = {"model": "tinylm", "max_tokens": 64, "ignore_eos": True}
-    body["messages"] = [{"role": "user", "content": "Who is my shepherd?"}]
-    rejected: list[float] = []
-    statuses: Counter = Counter()
-    live: list[int] = []
-
-    async def one(client: httpx.AsyncClient, start: asyncio.Event) -> None:
-        await start.wait()
-        t0 = time.perf_counter()
-        try:
-            r = await client.post("/v1/chat/completions", json=body)
-        except httpx.HTTPError:
-            statuses["error"] += 1
-            return
-        statuses[r.status_code] += 1
-        if r.status_code == 429 and "retry-after" in r.headers:
-            rejected.append((time.perf_counter() - t0) * 1e3)
-
-    async def probe_live(client: httpx.AsyncClient, done: asyncio.Event) -> None:
-        while not done.is_set():
-            live.append((await client.get("/v2/health/live")).status_code)
-            await asyncio.sleep(0.05)
-
-    async def main() -> None:
-        limits = httpx.Limits(max_connections=n + 8, max_keepalive_connections=n + 8)
-        async with httpx.AsyncClient(base_url=url, timeout=120, limits=limits) as client:
-            for _ in range(8):  # open the connections first: a 429 is timed, not a handshake
-                await client.get("/v2/health/live")
-            start, done = asyncio.Event(), asyncio.Event()
-            tasks = [asyncio.create_task(one(client, start)) for _ in range(n)]
-            watcher = asyncio.create_task(probe_live(client, done))
-            await asyncio.sleep(0.2)
-            start.set()
-            await asyncio.gather(*tasks)
-            done.set()
-            await watcher
+    from bench.overload import chat_body, http_request, timed_clients
 
     if n <= 0:
         return {"ok": True, "skipped": True}
-    asyncio.run(main())
+    port = int(url.rsplit(":", 1)[1])
+    request = http_request("/v1/chat/completions", chat_body(64, False))
+    live: list[int] = []
+    done = threading.Event()
+
+    def probe_live() -> None:
+        with httpx.Client(base_url=url, timeout=10) as client:
+            while not done.is_set():
+                live.append(client.get("/v2/health/live").status_code)
+                time.sleep(0.05)
+
+    prober = threading.Thread(target=probe_live)
+    prober.start()
+    try:
+        answers = timed_clients(port, request, n)
+    finally:
+        done.set()
+        prober.join(30)
+    statuses = Counter(str(a[0]) for a in answers)
+    rejected = [a[1] for a in answers if a[0] == 429 and a[3]]
     p99 = float(np.percentile(rejected, 99)) if rejected else None
     return {
         "ok": bool(rejected) and p99 <= bound_ms and all(s == 200 for s in live),
         "requests": n,
-        "statuses": {str(k): v for k, v in statuses.items()},
+        "statuses": dict(statuses),
         "rejected_p50_ms": float(np.percentile(rejected, 50)) if rejected else None,
         "rejected_p99_ms": p99,
         "bound_ms": bound_ms,
