@@ -39,7 +39,9 @@ go into a timeline. Pass means:
 - file descriptors and threads flat: the last quarter's peak at most the first
   quarter's plus max(4, 5% of the median) (their fitted slopes are reported too);
 - the KV cache idle once traffic stops, and the server's own success counters equal
-  to what the clients counted, per model.
+  to what the clients counted, per model;
+- `--overload` chats at once on tinylm once traffic stops (each sent once, on a
+  connection opened first): the refused ones' 429 within 50 ms p99, `live` 200 all along.
 It writes `soak.json` (summary and timeline), `soak.png` (the timeline with the chaos
 events) and prints the summary table. `--plant-leak` adds a python model that keeps
 1 MiB per request, and sends it traffic: the run must then fail on RSS.

@@ -33,6 +33,7 @@ pipelining).
 from __future__ import annotations
 
 import asyncio
+import functools
 import http
 import logging
 from dataclasses import dataclass
@@ -161,5 +162,6 @@ def protocol(limits: ClientLimits, admission: Any = None) -> type:
     return TimedProtocol
 
 
+@functools.cache
 def _reason(status: int) -> bytes:
     return http.HTTPStatus(status).phrase.encode("latin-1")
