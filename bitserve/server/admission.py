@@ -38,13 +38,13 @@ from starlette.responses import Response
 from bitserve.inference import Overloaded
 from bitserve.repository.version import ModelVersion
 from bitserve.rollout.policy import VERSION_HEADER
+from bitserve.server.connections import FIRST_CHUNK_LIMIT
 from bitserve.server.errors import APIError, BodyTooLarge, openai_body, v2_body
 from bitserve.server.record import Record
 from bitserve.server.state import ServerState
 
 V2_INFER = re.compile(r"/v2/models/([^/]+)(?:/versions/([^/]+))?/infer")
 OPENAI_GENERATE = frozenset({"/v1/chat/completions", "/v1/completions"})
-FIRST_CHUNK_LIMIT = 64 * 1024  # larger bodies are not worth a second parse
 VERSION_KEY = VERSION_HEADER.lower().encode("latin-1")
 
 
@@ -122,8 +122,13 @@ class Admission:
         return None
 
     def needs_body(self, scope: dict) -> bool:
-        """Whether `refusal` needs the request's body (OpenAI's model is in it)."""
-        return scope["method"] == "POST" and scope["path"] in OPENAI_GENERATE
+        """Whether `refusal` needs the request's body (OpenAI's model is in it) and may
+        wait for it: declared up to FIRST_CHUNK_LIMIT, or chunked (a larger body goes
+        the normal way, its 413 at once when past `max_body`)."""
+        if scope["method"] != "POST" or scope["path"] not in OPENAI_GENERATE:
+            return False
+        length = _content_length(scope)
+        return length is None or length <= FIRST_CHUNK_LIMIT
 
     def refusal(self, scope: dict, body: bytes | None) -> Response | None:
         """The response that refuses this request now, or None to serve it. `body`: the

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from typing import Any
 
 log = logging.getLogger("bitserve.server")
-FIRST_CHUNK_LIMIT = 64 * 1024  # a larger body is not held back to be screened
+FIRST_CHUNK_LIMIT = 64 * 1024  # a larger OpenAI body is not held back to be screened
 TIMEOUT_408 = b"HTTP/1.1 408 Request Timeout\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
 
 
@@ -74,7 +74,7 @@ def protocol(limits: ClientLimits, admission: Any = None) -> type:
         def _screened(self, cycle: Any, app: Any) -> bool:
             """True when the request was refused, or is held until its body is in."""
             body = None
-            if admission.needs_body(cycle.scope) and len(cycle.body) <= FIRST_CHUNK_LIMIT:
+            if admission.needs_body(cycle.scope):
                 if cycle.more_body and not cycle.waiting_for_100_continue:
                     self._held = (cycle, app)  # the body is on its way: decide once it is in
                     return True
@@ -88,7 +88,7 @@ def protocol(limits: ClientLimits, admission: Any = None) -> type:
             super().on_body(body)
             held = self._held
             if held is not None and len(held[0].body) > FIRST_CHUNK_LIMIT:
-                self._held = None  # too large to screen: the app reads it as it comes
+                self._held = None  # chunked, grown too large to screen: the app reads on
                 super()._start_asgi_task(*held)
 
         def _refuse(self, cycle: Any, response: Any) -> None:
