@@ -593,7 +593,8 @@ def chaos(
         r1 = http.post(base + "/promote")  # version 2 takes all of mlp's traffic
         time.sleep(interval / 4)
         r2 = http.put(base, json=CANARY)  # and 80/20 again
-        detail = f"promote {r1.status_code} {r1.json()}, canary again {r2.status_code}"
+        stable = r1.json().get("stable") if r1.status_code == 200 else r1.text[:100]
+        detail = f"promote {r1.status_code} (stable {stable}), canary again {r2.status_code}"
         return Event("version swap", start, time.time() + 1.0, ["mlp"], detail)
 
     def batch_job() -> Event:
