@@ -14,11 +14,12 @@ handshake, is timed. `live` is polled all along.
 `--hostile` measures item 4 instead: the p50/p99 of normal chats (a closed loop of 4
 users, 16 tokens each) alone (clean), then beside 100 streams of 200 tokens (20 logprobs
 a token) never read and 1,000 connections sending their headers or body a byte a second
-(hostile), opened 12 s before the timing starts; each slowloris connection opens again
-once the server closes it. The ratio of the two p99s is the figure (issue 35: at most
-1.2). The never-read streams' 200 tokens are computed in those first seconds (the engine
-does not wait for a reader): 12 s is past them on this box, so what the ratio shows is
-what the stalled sockets and the slow connections cost the others afterwards.
+(hostile); the timing starts once the engine runs nothing (the never-read streams' 200
+tokens are computed whether read or not: on a loaded box that takes 10-40 s), so what the
+ratio shows is what the stalled sockets and the slow connections cost the others. Each
+slowloris connection opens again once the server closes it. The ratio of the two p99s
+is the figure (issue 35: at most 1.2), per round, `--rounds` rounds on one server with
+the clean and hostile order swapped every round.
 
 `--tree` runs the same measurement against the server code of another checkout (e.g.
 `--tree . --tree /work/main`: after and before, in one run, on one box). Prints a table
@@ -29,11 +30,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import heapq
 import json
 import multiprocessing
 import os
+import selectors
 import shutil
 import socket
+import struct
 import tempfile
 import time
 from pathlib import Path
@@ -100,26 +104,81 @@ def saturate(port: int, streams: int, seconds: float) -> None:
 
 
 # -- the bursts ------------------------------------------------------------------------
-async def burst_http(port: int, request: bytes, n: int) -> list[tuple[int, float, bool]]:
-    """`n` requests written at once on `n` open connections: (status, ms, Retry-After)."""
-    conns = [await asyncio.open_connection("127.0.0.1", port) for _ in range(n)]
+SO_TIMESTAMPNS = 35  # Linux: the kernel's receive time of a segment, in recvmsg's ancdata
 
-    async def one(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> tuple:
-        t0 = time.perf_counter()
-        writer.write(request)
-        try:
-            raw = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 60)
-        except (OSError, TimeoutError, asyncio.IncompleteReadError):
-            return 0, (time.perf_counter() - t0) * 1e3, False
-        ms = (time.perf_counter() - t0) * 1e3
-        status, headers = head_of(raw)
-        return status, ms, "retry-after" in headers
 
-    try:
-        return await asyncio.gather(*(one(r, w) for r, w in conns))
-    finally:
-        for _, w in conns:
-            w.close()
+def timed_clients(
+    port: int, request: bytes, n: int, retry: str = "once", seconds: float = 0.0
+) -> list[tuple[int, float, float, bool]]:
+    """`n` keep-alive connections, opened beforehand, each sending `request` at once.
+    `retry` is what a client does after an answer, until `seconds` pass: "once" nothing
+    (a burst), "hammer" sends again at once, "retry-after" waits the Retry-After of a 429
+    or 503 first (as the openai SDK does), then sends again.
+
+    Each answer: (status, ms to the kernel's receive time of its first bytes, ms to when
+    this loop read them, Retry-After given). The first figure leaves out this client's
+    own lag (one Python loop reading hundreds of answers); both are from the send."""
+    socks = []
+    for _ in range(n):
+        sock = socket.create_connection(("127.0.0.1", port))
+        sock.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPNS, 1)
+        sock.setblocking(False)
+        socks.append(sock)
+    selector = selectors.DefaultSelector()
+    pending: dict[int, list] = {}  # index: [sent ns, bytes so far, kernel ns, read ns]
+    due: list[tuple[float, int]] = []  # (monotonic time, index) of the next sends
+    answers = []
+    end = time.monotonic() + seconds
+
+    def send(i: int) -> None:
+        pending[i] = [time.time_ns(), b"", None, None]
+        socks[i].send(request)
+
+    for i, sock in enumerate(socks):
+        selector.register(sock, selectors.EVENT_READ, i)
+    for i in range(n):
+        send(i)
+    give_up = end + 120
+    while (pending or due) and time.monotonic() < give_up:
+        now = time.monotonic()
+        while due and due[0][0] <= now:
+            send(heapq.heappop(due)[1])
+        wait = min(0.05, max(0.0, due[0][0] - now)) if due else 0.05
+        for key, _ in selector.select(wait):
+            i = key.data
+            data, ancdata, _, _ = socks[i].recvmsg(1 << 16, 64)
+            state = pending.get(i)
+            if state is None:
+                continue
+            if not data:  # closed by the server
+                answers.append((0, 0.0, 0.0, False))
+                del pending[i]
+                continue
+            if state[2] is None:
+                state[3] = time.time_ns()
+                state[2] = state[3]
+                for level, kind, value in ancdata:
+                    if level == socket.SOL_SOCKET and kind == SO_TIMESTAMPNS:
+                        sec, nsec = struct.unpack("qq", value[:16])
+                        state[2] = sec * 10**9 + nsec
+            state[1] += data
+            head, sep, body = state[1].partition(b"\r\n\r\n")
+            if not sep:
+                continue
+            status, headers = head_of(head + sep)
+            if len(body) < int(headers.get("content-length", 0)):
+                continue
+            sent, _, kernel, read = state
+            has_retry = "retry-after" in headers
+            answers.append((status, (kernel - sent) / 1e6, (read - sent) / 1e6, has_retry))
+            del pending[i]
+            if retry == "once" or time.monotonic() >= end:
+                continue
+            pause = float(headers["retry-after"]) if retry == "retry-after" and has_retry else 0
+            heapq.heappush(due, (time.monotonic() + pause, i))
+    for sock in socks:
+        sock.close()
+    return answers
 
 
 async def burst_grpc(target: str, n: int, model: str) -> list[tuple[int, float, bool]]:
@@ -179,33 +238,37 @@ def loop_cpu(pid: int) -> float:
 
 
 async def measure(
-    port: int, grpc_target: str, burst: int, rounds: int, model: str, pid: int
+    port: int, grpc_target: str, args: argparse.Namespace, model: str, pid: int
 ) -> dict:
-    chat = http_request("/v1/chat/completions", chat_body(200, False, model))
-    v2 = http_request(f"/v2/models/{model}/infer", v2_body(200))
+    """One round of each protocol: `args.burst` clients that act as `args.retry` says."""
+    # 16 tokens: the requests admitted are done soon (the streams keep the engine busy)
+    chat = http_request("/v1/chat/completions", chat_body(16, False, model))
+    v2 = http_request(f"/v2/models/{model}/infer", v2_body(16))
+    n, retry, seconds = args.burst, args.retry, args.retry_seconds
     protocols = {
-        "openai-http": lambda: burst_http(port, chat, burst),
-        "v2-http": lambda: burst_http(port, v2, burst),
-        "v2-grpc": lambda: burst_grpc(grpc_target, burst, model),
+        "openai-http": lambda: asyncio.to_thread(timed_clients, port, chat, n, retry, seconds),
+        "v2-http": lambda: asyncio.to_thread(timed_clients, port, v2, n, retry, seconds),
     }
+    if args.grpc:
+        protocols["v2-grpc"] = lambda: burst_grpc(grpc_target, n, model)
     stop = asyncio.Event()
     live = asyncio.create_task(poll_live(port, stop))
     rows = {}
     for name, run in protocols.items():
-        answers = []
         cpu = loop_cpu(pid)
-        for _ in range(rounds):
-            answers += await run()
-            await asyncio.sleep(0.5)
+        answers = [a if len(a) == 4 else (a[0], a[1], a[1], a[2]) for a in await run()]
         cpu = loop_cpu(pid) - cpu
-        refused = [ms for status, ms, retry in answers if status in (429, 503) and retry]
+        await asyncio.sleep(0.5)
+        refused = [a for a in answers if a[0] in (429, 503) and a[3]]
+        wire, read = [a[1] for a in refused], [a[2] for a in refused]
         rows[name] = {
             "requests": len(answers),
             "refused": len(refused),
             "statuses": {str(s): sum(a[0] == s for a in answers) for s in {a[0] for a in answers}},
-            "p50_ms": float(np.percentile(refused, 50)) if refused else None,
-            "p99_ms": float(np.percentile(refused, 99)) if refused else None,
-            "loop_cpu_us_per_request": cpu / len(answers) * 1e6,
+            "p50_ms": float(np.percentile(wire, 50)) if wire else None,
+            "p99_ms": float(np.percentile(wire, 99)) if wire else None,
+            "p99_read_ms": float(np.percentile(read, 99)) if read else None,
+            "loop_cpu_us_per_request": cpu / max(1, len(answers)) * 1e6,
         }
     stop.set()
     codes = await live
@@ -297,68 +360,115 @@ async def normal_chats(port: int, seconds: float, users: int = 4) -> list[float]
     return times
 
 
+def engine_idle(port: int, limit: float) -> float:
+    """Wait until the server's LLM engine runs no request (seconds waited, at most
+    `limit`): the tokens of requests whose clients do not read are computed anyway."""
+    import httpx
+
+    start = time.monotonic()
+    while time.monotonic() - start < limit:
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+        running = sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith("bitserve_llm_num_requests_running")
+        )
+        if running == 0:
+            break
+        time.sleep(0.5)
+    return time.monotonic() - start
+
+
 def run_hostile(tree: Path, repo: Path, args: argparse.Namespace) -> dict:
+    """`args.rounds` rounds of a clean phase and a hostile one on one server, their
+    order swapped every round; the ratio of the p99s per round."""
     port = free_port()
     env = {"PYTHONPATH": str(tree.resolve())}
     ctx = multiprocessing.get_context("spawn")
-    rows = {}
+    rounds = []
     with Server("bitserve", bitserve_command(repo, port), port, env=env):
-        for name, hostile in (("clean", False), ("hostile", True)):
-            seconds = args.seconds + 15
-            kids = []
-            if hostile:
-                kids.append(ctx.Process(target=streams, args=(port, 100, False, seconds)))
-                kids.append(ctx.Process(target=slowloris, args=(port, 1000, seconds)))
-            for kid in kids:
-                kid.start()
-            time.sleep(12.0 if hostile else 2.0)  # past the never-read streams' tokens
-            try:
-                times = asyncio.run(normal_chats(port, args.seconds))
-            finally:
+        for r in range(args.rounds):
+            rows = {}
+            phases = [("clean", False), ("hostile", True)]
+            for name, hostile in phases if r % 2 == 0 else phases[::-1]:
+                seconds = args.seconds + 150  # terminated when the timing ends
+                kids = []
+                if hostile:
+                    kids.append(ctx.Process(target=streams, args=(port, 100, False, seconds)))
+                    kids.append(ctx.Process(target=slowloris, args=(port, 1000, seconds)))
                 for kid in kids:
-                    kid.terminate()
-                    kid.join(10)
-            rows[name] = {
-                "chats": len(times),
-                "p50_ms": float(np.percentile(times, 50)) if times else None,
-                "p99_ms": float(np.percentile(times, 99)) if times else None,
-            }
-            time.sleep(3.0)
-    ratio = None
-    if rows["clean"]["p99_ms"] and rows["hostile"]["p99_ms"]:
-        ratio = rows["hostile"]["p99_ms"] / rows["clean"]["p99_ms"]
-    return {"tree": str(tree), "hostile": rows, "p99_ratio": ratio}
+                    kid.start()
+                time.sleep(2.0)
+                if hostile:  # past the never-read streams' tokens: what is timed is the
+                    idle_after = engine_idle(port, 120.0)  # sockets' cost, not their compute
+                try:
+                    times = asyncio.run(normal_chats(port, args.seconds))
+                finally:
+                    for kid in kids:
+                        kid.terminate()
+                        kid.join(10)
+                rows[name] = {
+                    "idle_after_s": idle_after if hostile else None,
+                    "chats": len(times),
+                    "p50_ms": float(np.percentile(times, 50)) if times else None,
+                    "p99_ms": float(np.percentile(times, 99)) if times else None,
+                }
+                time.sleep(12.0)  # the server has closed what the hostile clients left
+            ratio = None
+            if rows["clean"]["p99_ms"] and rows["hostile"]["p99_ms"]:
+                ratio = rows["hostile"]["p99_ms"] / rows["clean"]["p99_ms"]
+            rounds.append({"first": "clean" if r % 2 == 0 else "hostile", **rows, "ratio": ratio})
+    ratios = [r["ratio"] for r in rounds if r["ratio"] is not None]
+    return {"tree": str(tree), "rounds": rounds, "p99_ratios": ratios}
 
 
-def run_tree(tree: Path, repo: Path, args: argparse.Namespace) -> dict:
+def run_tree(tree: Path, repo: Path, args: argparse.Namespace, env: dict) -> dict:
+    """One server of `tree`'s code (with `env`): a round of refusals alone (--alone),
+    then one under saturation."""
     grpc_port = free_port()
     port = free_port()
     cmd = bitserve_command(repo, port, "--grpc-port", str(grpc_port))
-    env = {"PYTHONPATH": str(tree.resolve())}
+    env = {"PYTHONPATH": str(tree.resolve())} | env
     with Server("bitserve", cmd, port, env=env) as server:
         target, pid = f"127.0.0.1:{grpc_port}", server.proc.pid
-        # refusals alone: `full` has no place in its queue, the engine is idle
-        idle = asyncio.run(measure(port, target, args.burst, args.rounds, "full", pid))
-        seconds = 8 + args.rounds * 3 * 4
+        idle = None
+        if args.alone:  # refusals alone: `full` has no place in its queue, the engine idle
+            idle = asyncio.run(measure(port, target, args, "full", pid))
+        seconds = 30 + 3 * args.retry_seconds
         ctx = multiprocessing.get_context("spawn")
         saturator = ctx.Process(target=saturate, args=(port, args.streams, seconds))
         saturator.start()
         time.sleep(3.0)  # the streams are running and the queue is full
         try:
-            result = asyncio.run(measure(port, target, args.burst, args.rounds, "tinylm", pid))
+            result = asyncio.run(measure(port, target, args, "tinylm", pid))
         finally:
             saturator.terminate()
             saturator.join(10)
-    result["refusals_alone"] = idle["protocols"]
-    return {"tree": str(tree)} | result
+    result["refusals_alone"] = idle["protocols"] if idle else {}
+    return result
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--burst", type=int, default=400, help="requests at once")
-    parser.add_argument("--rounds", type=int, default=3, help="bursts per protocol")
+    parser.add_argument("--burst", type=int, default=400, help="clients at once")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds, variants interleaved")
     parser.add_argument("--streams", type=int, default=96, help="saturating streamed chats")
     parser.add_argument("--tree", type=Path, action="append", help="server code (default .)")
+    parser.add_argument(
+        "--server-env",
+        action="append",
+        help="a variant: KEY=VALUE[,KEY=VALUE...] in the server's environment",
+    )
+    parser.add_argument(
+        "--retry",
+        choices=["once", "hammer", "retry-after"],
+        default="once",
+        help="what a refused client does: nothing (a burst), send again at once, or after "
+        "its Retry-After (the openai SDK)",
+    )
+    parser.add_argument("--retry-seconds", type=float, default=10.0, help="how long they retry")
+    parser.add_argument("--alone", action="store_true", help="also refusals with an idle engine")
+    parser.add_argument("--grpc", action="store_true", help="also v2 gRPC (a burst)")
     parser.add_argument("--hostile", action="store_true", help="slow and hostile clients")
     parser.add_argument("--seconds", type=float, default=20.0, help="--hostile: per phase")
     args = parser.parse_args(argv)
@@ -370,36 +480,66 @@ def main(argv: list[str] | None = None) -> int:
         config = (ROOT / "models" / "tinylm" / "config.toml").read_text()
         config = config.replace("max_queued_requests = 64", "max_queued_requests = 0")
         (repo / "full" / "config.toml").write_text(config.replace("268435456", "16777216"))
-    run = run_hostile if args.hostile else run_tree
-    results = [run(tree, repo, args) for tree in args.tree or [ROOT]]
-    shutil.rmtree(work, ignore_errors=True)
-    print(f"load average: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
+    load_before = os.getloadavg()
     if args.hostile:
+        results = [run_hostile(tree, repo, args) for tree in args.tree or [ROOT]]
+        shutil.rmtree(work, ignore_errors=True)
+        print(f"load average before {load_before[0]:.1f}, after {os.getloadavg()[0]:.1f}")
         for r in results:
-            for name, row in r["hostile"].items():
+            for row in r["rounds"]:
                 print(
-                    f"{r['tree'][-30:]:30s} {name:8s} {row['chats']:5d} chats "
-                    f"p50 {_ms(row['p50_ms'])} p99 {_ms(row['p99_ms'])} ms"
+                    f"{r['tree'][-30:]:30s} {row['first']:7s} first: clean p99 "
+                    f"{_ms(row['clean']['p99_ms'])} hostile p99 {_ms(row['hostile']['p99_ms'])}"
+                    f" ms, ratio {row['ratio']:.2f}"
                 )
-            print(f"{r['tree'][-30:]:30s} p99 hostile/clean: {r['p99_ratio']}")
+            ratios = r["p99_ratios"]
+            print(
+                f"{r['tree'][-30:]:30s} p99 hostile/clean: median {np.median(ratios):.2f}, "
+                f"min-max {min(ratios):.2f}-{max(ratios):.2f} over {len(ratios)} rounds"
+            )
         print(json.dumps({"bench": "overload-hostile", "results": results}))
         return 0
+    variants = [(tree, env) for tree in args.tree or [ROOT] for env in args.server_env or [""]]
+    runs: dict[int, list[dict]] = {i: [] for i in range(len(variants))}
+    for r in range(args.rounds):  # interleaved, the order rotated every round
+        for i in [(r + k) % len(variants) for k in range(len(variants))]:
+            tree, env = variants[i]
+            env_vars = dict(kv.split("=", 1) for kv in env.split(",") if kv)
+            runs[i].append(run_tree(tree, repo, args, env_vars))
+    shutil.rmtree(work, ignore_errors=True)
+    load = f"load average before {load_before[0]:.1f}, after {os.getloadavg()[0]:.1f}"
+    print(f"{load}; clients: {args.burst}, {args.retry}")
     print(
-        f"{'tree':30s} {'protocol':12s} {'refused':>9s} {'p50 ms':>8s} {'p99 ms':>8s} loop us/req"
+        f"{'variant':34s} {'phase':9s} {'protocol':12s} {'refused':>9s}  p50 ms (min-max)"
+        f"       p99 ms (min-max)     p99 read ms  loop us/req"
     )
-    for r in results:
-        for phase, rows in (("saturated", r["protocols"]), ("alone", r["refusals_alone"])):
-            for name, row in rows.items():
-                p50, p99 = (_ms(row[k]) for k in ("p50_ms", "p99_ms"))
-                refused = f"{row['refused']}/{row['requests']}"
-                cpu = row["loop_cpu_us_per_request"]
+    results = []
+    for i, (tree, env) in enumerate(variants):
+        label = f"{str(tree)[-20:]} {env}"[-34:]
+        for phase, key in (("saturated", "protocols"), ("alone", "refusals_alone")):
+            for name in runs[i][0][key]:
+                rows = [run[key][name] for run in runs[i]]
+                refused = f"{sum(x['refused'] for x in rows)}/{sum(x['requests'] for x in rows)}"
+                cols = [_spread([x[k] for x in rows]) for k in ("p50_ms", "p99_ms", "p99_read_ms")]
+                cpu = np.median([x["loop_cpu_us_per_request"] for x in rows])
                 print(
-                    f"{r['tree'][-20:]:20s} {phase:9s} {name:12s} {refused:>9s} {p50} {p99}"
-                    f" {cpu:8.0f}"
+                    f"{label:34s} {phase:9s} {name:12s} {refused:>9s} {cols[0]:>22s} "
+                    f"{cols[1]:>22s} {cols[2]:>16s} {cpu:8.0f}"
                 )
-        print(f"{'':30s} live: {r['live_probes']} probes, all 200: {r['live_all_200']}")
-    print(json.dumps({"bench": "overload", "results": results}))
+        live = all(run["live_all_200"] for run in runs[i])
+        probes = sum(run["live_probes"] for run in runs[i])
+        print(f"{label:34s} live: {probes} probes, all 200: {live}")
+        results.append({"tree": str(tree), "env": env, "rounds": runs[i]})
+    print(json.dumps({"bench": "overload", "retry": args.retry, "results": results}))
     return 0
+
+
+def _spread(values: list) -> str:
+    """median (min-max) of the rounds' figures."""
+    values = [v for v in values if v is not None]
+    if not values:
+        return "n/a"
+    return f"{np.median(values):.1f} ({min(values):.1f}-{max(values):.1f})"
 
 
 def _ms(value: float | None) -> str:

@@ -12,10 +12,18 @@ embeddings, images, detector inputs, streams the client drops after the first ch
 deadlines that expire in the queue, and bad input. Each request's outcome is recorded
 by the client that sent it.
 
-Chaos, spread over the run: kill -9 of the process-isolated instance (the server
-restarts it), admin unload/load of the spare model, and a SIGTERM drain at the end
+Chaos, spread over the run, one event at a time in turn: kill -9 of the
+process-isolated instance (the server restarts it); a fault in the LLM engine's step
+(its `fault_hook`, set through BITSERVE_LLM_FAULT_HOOK to `engine_fault` below): the
+step's first request fails alone with a 500, the others go on; the engine's step loop
+killed (the supervisor revives it: requests in flight get 503 with Retry-After); admin
+unload/load of the spare model; a version swap of mlp's canary (promote: version 2
+takes all traffic, then the canary policy again); a `bitserve batch` job over the same
+repository beside the server (every row answered); and a SIGTERM drain at the end
 (requests in flight finish, the process exits 0). Every event is logged with the
-requests that overlapped it.
+requests that overlapped it, by model and outcome. Not here: killing a Ray replica's
+actor (a Ray cluster in the soak would not fit the 2-minute `make test` run; rayllm's
+tests kill one).
 
 Every `--sample` seconds the server's RSS (with its children), open file descriptors
 and threads, and its own metrics (KV blocks in use, queue depths, in-flight requests)
@@ -31,7 +39,9 @@ go into a timeline. Pass means:
 - file descriptors and threads flat: the last quarter's peak at most the first
   quarter's plus max(4, 5% of the median) (their fitted slopes are reported too);
 - the KV cache idle once traffic stops, and the server's own success counters equal
-  to what the clients counted, per model.
+  to what the clients counted, per model;
+- `--overload` chats at once on tinylm once traffic stops (each sent once, on a
+  connection opened first): the refused ones' 429 within 50 ms p99, `live` 200 all along.
 It writes `soak.json` (summary and timeline), `soak.png` (the timeline with the chaos
 events) and prints the summary table. `--plant-leak` adds a python model that keeps
 1 MiB per request, and sends it traffic: the run must then fail on RSS.
@@ -54,6 +64,7 @@ import tempfile
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -83,6 +94,33 @@ name = "y"
 datatype = "FP32"
 dims = [4]
 """
+
+
+FAULTS_ENV = "BITSERVE_SOAK_FAULTS"  # the folder where the soak asks for engine faults
+_victims: set[str] = set()
+
+
+def engine_fault(seqs: list) -> None:
+    """The LLM engine's fault hook in the soak's server (called before each step with
+    the step's sequences). A file `fail` in $BITSERVE_SOAK_FAULTS makes the step's first
+    request the victim: every step it is in raises (the engine runs the batch again one
+    request at a time and fails the victim alone); its id is appended to `victims`. A
+    file `kill` kills the step loop (SystemExit is not isolated)."""
+    folder = os.environ.get(FAULTS_ENV)
+    if folder is None:
+        return
+    if _victims and any(s.request_id in _victims for s in seqs):
+        raise RuntimeError("soak: injected fault")
+    asked = os.listdir(folder)
+    if "kill" in asked:
+        os.remove(os.path.join(folder, "kill"))
+        raise SystemExit("soak: the step loop is killed")
+    if "fail" in asked and seqs:
+        os.remove(os.path.join(folder, "fail"))
+        _victims.add(seqs[0].request_id)
+        with open(os.path.join(folder, "victims"), "a") as f:
+            f.write(seqs[0].request_id + "\n")
+        raise RuntimeError("soak: injected fault")
 
 
 # -- the repository and the server ----------------------------------------------------
@@ -125,14 +163,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(repo: Path, log: Path, threads: int) -> tuple[subprocess.Popen, str, str]:
+def start_server(
+    repo: Path, log: Path, threads: int, faults: Path
+) -> tuple[subprocess.Popen, str, str]:
     import httpx
 
     port, grpc_port = free_port(), free_port()
     cmd = [sys.executable, "-m", "bitserve.cli", "serve", "--repository", str(repo)]
     cmd += ["--port", str(port), "--grpc-port", str(grpc_port), "--admin-token", TOKEN]
     cmd += ["--threads", str(threads), "--model-control", "explicit", "--load-model", "*"]
-    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(threads))
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(threads), PYTHONPATH=path)
+    env |= {"BITSERVE_LLM_FAULT_HOOK": "bench.soak:engine_fault", FAULTS_ENV: str(faults)}
     proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300
@@ -476,50 +518,118 @@ class Event:
     end: float
     models: list[str]
     detail: str = ""
+    failures: int = 0  # requests the event fails on purpose (500): engine step faults
+    ok: bool = True  # the event did what it should (a batch job answered every row)
+    affected: dict | None = None  # outcomes of the requests that overlapped it, by label
+
+
+CANARY = {"stable": 1, "canary": 2, "canary_weight": 20}  # mlp's policy in its config
+BATCH_ROWS = 200
 
 
 def chaos(
-    server_pid: int, url: str, events: list[Event], stop: threading.Event, interval: float
+    server_pid: int,
+    url: str,
+    repo: Path,
+    faults: Path,
+    events: list[Event],
+    stop: threading.Event,
+    interval: float,
 ) -> None:
-    """kill -9 of the process-isolated instance, then unload/load of the spare model,
-    alternating every `interval` seconds until `stop`."""
+    """One chaos event every `interval` seconds, each kind in turn, until `stop`."""
     import httpx
 
-    auth = {"Authorization": f"Bearer {TOKEN}"}
+    http = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=120)
+
+    def ready(model: str) -> bool:
+        return http.get(f"/v2/models/{model}/ready", timeout=5).status_code == 200
+
+    def until(done: Callable[[], bool], seconds: float = 120) -> bool:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline and not stop.is_set():
+            if done():
+                return True
+            time.sleep(0.2)
+        return False
+
+    def kill_instance() -> Event:
+        start, pid = time.time(), process_instance(server_pid)
+        if pid is None:
+            return Event("kill -9 instance", start, time.time(), ["mlp_proc"], "no child found")
+        os.kill(pid, signal.SIGKILL)  # the server replaces it: the event lasts until ready
+        until(lambda: process_instance(server_pid) not in (None, pid) and ready("mlp_proc"))
+        return Event("kill -9 instance", start, time.time() + 1.0, ["mlp_proc"], f"pid {pid}")
+
+    def engine_fault() -> Event:
+        start, victims = time.time(), faults / "victims"
+        before = victims.read_text().count("\n") if victims.exists() else 0
+        (faults / "fail").touch()  # taken by the next step with a request in it
+        until(lambda: not (faults / "fail").exists(), 60)
+        after = victims.read_text().count("\n") if victims.exists() else 0
+        failed = after - before
+        detail = f"{failed} request failed (500)"
+        return Event("engine step fault", start, time.time() + 1.0, ["tinylm"], detail, failed)
+
+    def engine_loop_kill() -> Event:
+        start = time.time()
+        (faults / "kill").touch()
+        until(lambda: not (faults / "kill").exists(), 60)
+        killed = time.time()
+        if until(lambda: not ready("tinylm"), 10):  # the supervisor's restart began
+            until(lambda: ready("tinylm"))
+            detail = f"loop killed, not ready for {time.time() - killed:.1f} s"
+        else:  # /ready said 200 at every poll for 10 s: the revival was quicker than a poll
+            detail = "loop killed, ready at every 0.2 s poll for 10 s after"
+        return Event("engine loop kill", start, time.time() + 1.0, ["tinylm"], detail)
+
+    def unload_load() -> Event:
+        start = time.time()
+        r1 = http.post("/v2/repository/models/bow_spare/unload")
+        time.sleep(interval / 4)
+        r2 = http.post("/v2/repository/models/bow_spare/load")
+        detail = f"unload {r1.status_code}, load {r2.status_code}"
+        return Event("unload/load", start, time.time() + 1.0, ["bow_spare"], detail)
+
+    def version_swap() -> Event:
+        start, base = time.time(), "/v2/repository/models/mlp/traffic"
+        r1 = http.post(base + "/promote")  # version 2 takes all of mlp's traffic
+        time.sleep(interval / 4)
+        r2 = http.put(base, json=CANARY)  # and 80/20 again
+        stable = r1.json().get("stable") if r1.status_code == 200 else r1.text[:100]
+        detail = f"promote {r1.status_code} (stable {stable}), canary again {r2.status_code}"
+        return Event("version swap", start, time.time() + 1.0, ["mlp"], detail)
+
+    def batch_job() -> Event:
+        start, folder = time.time(), faults / f"batch-{len(events)}"
+        folder.mkdir()
+        rng = np.random.default_rng(len(events))
+        lines = ["id,x"] + [
+            f'r{i},"{json.dumps(rng.standard_normal(512).round(3).tolist())}"'
+            for i in range(BATCH_ROWS)
+        ]
+        (folder / "rows.csv").write_text("\n".join(lines) + "\n")
+        cmd = [sys.executable, "-m", "bitserve.cli", "batch", "--repository", str(repo)]
+        cmd += ["--input", str(folder / "rows.csv"), "--output", str(folder / "out.jsonl")]
+        cmd += ["--model", "mlp", "--map", "x=x", "--id-column", "id", "--threads", "1"]
+        run = subprocess.run([*cmd, "--no-progress"], capture_output=True, text=True, timeout=300)
+        out = folder / "out.jsonl"
+        docs = [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
+        answered = sum((d.get("response") or {}).get("status_code") == 200 for d in docs)
+        detail = f"exit {run.returncode}, {answered}/{BATCH_ROWS} rows answered"
+        ok = run.returncode == 0 and answered == BATCH_ROWS
+        return Event("batch job", start, time.time(), [], detail + ("" if ok else " FAILED"), ok=ok)
+
+    # the quick ones first: a 2-minute run on a loaded box may only get to four
+    kinds = [engine_fault, version_swap, kill_instance, engine_loop_kill, unload_load, batch_job]
     turn = 0
     while not stop.wait(interval):
-        start = time.time()
-        if turn % 2 == 0:
-            pid = process_instance(server_pid)
-            if pid is None:
-                events.append(
-                    Event("kill -9 instance", start, time.time(), ["mlp_proc"], "no child found")
-                )
-            else:
-                os.kill(pid, signal.SIGKILL)
-                detail = f"pid {pid}"
-                # the server replaces it; the event lasts until the model is ready again
-                deadline = time.monotonic() + 120
-                while time.monotonic() < deadline and not stop.is_set():
-                    with_child = process_instance(server_pid) not in (None, pid)
-                    ready = (
-                        httpx.get(url + "/v2/models/mlp_proc/ready", timeout=5).status_code == 200
-                    )
-                    if with_child and ready:
-                        break
-                    time.sleep(0.2)
-                events.append(
-                    Event("kill -9 instance", start, time.time() + 1.0, ["mlp_proc"], detail)
-                )
-        else:
-            r1 = httpx.post(
-                url + "/v2/repository/models/bow_spare/unload", headers=auth, timeout=60
-            )
-            time.sleep(interval / 4)
-            r2 = httpx.post(url + "/v2/repository/models/bow_spare/load", headers=auth, timeout=120)
-            detail = f"unload {r1.status_code}, load {r2.status_code}"
-            events.append(Event("unload/load", start, time.time() + 1.0, ["bow_spare"], detail))
+        try:
+            events.append(kinds[turn % len(kinds)]())
+        except Exception as e:  # the event itself broke: logged, and the run fails
+            name = kinds[turn % len(kinds)].__name__
+            events.append(Event(name, time.time(), time.time(), [], f"{e!r}", ok=False))
         turn += 1
+    http.close()
 
 
 # -- the timeline and the verdict -----------------------------------------------------
@@ -547,14 +657,18 @@ def slope_per_hour(t: np.ndarray, y: np.ndarray) -> tuple[float, float, float]:
     return fit.slope * 3600, (fit.slope - half) * 3600, (fit.slope + half) * 3600
 
 
-def in_event(o: dict, events: list[Event], grace: float = 2.0) -> bool:
+def touches(o: dict, e: Event, grace: float = 2.0) -> bool:
+    """The request overlapped the event, on a model the event touched."""
     end = o["start"] + o["seconds"]
-    return any(
-        (o["model"] in e.models or o["model"] == "?")
+    return (
+        (o["model"] in e.models or (o["model"] == "?" and bool(e.models)))
         and o["start"] <= e.end + grace
         and end >= e.start - grace
-        for e in events
     )
+
+
+def in_event(o: dict, events: list[Event], grace: float = 2.0) -> bool:
+    return any(touches(o, e, grace) for e in events)
 
 
 def verdict(
@@ -599,6 +713,7 @@ def verdict(
         }
     by = Counter()
     bad = []
+    owed = [e.failures for e in events]  # the 500s each event may still account for
     for o in outcomes:
         status, expected = o["status"], o["expected"]
         if expected == "disconnect":
@@ -617,13 +732,21 @@ def verdict(
             label = f"{status} retry-after"
         else:
             label = str(status)
+        o["label"] = label
         by[(o["protocol"], label)] += 1
         allowed = label in ("ok", "disconnected", "4xx", "deadline", "429 retry-after")
         if label == "503 retry-after" or label in ("connection lost", "503", "404"):
             allowed = in_event(o, events)
+        if label == "500":  # owed only to an engine step fault, one per request it failed
+            faults = [i for i, e in enumerate(events) if owed[i] and touches(o, e)]
+            allowed = bool(faults)
+            if faults:
+                owed[faults[0]] -= 1
         if not allowed:
             bad.append(o)
     checks["requests"] = {"ok": not bad, "unexpected": len(bad), "examples": bad[:10]}
+    broken = [f"{e.name}: {e.detail}" for e in events if not e.ok]
+    checks["chaos"] = {"ok": not broken, "events": len(events), "failed": broken}
     client_ok = Counter(o["model"] for o in outcomes if 200 <= o["status"] < 300)
     disconnected = Counter(o["model"] for o in outcomes if o["expected"] == "disconnect")
     mismatch = {}
@@ -647,6 +770,20 @@ def verdict(
         "checks": checks,
         "outcomes": {f"{p} {lab}": n for (p, lab), n in sorted(by.items())},
     }
+
+
+def affected(events: list[Event], outcomes: list[dict]) -> None:
+    """Each event's `affected`: the outcomes (model and label, as `verdict` set them) of
+    the requests that overlapped it on its models; on any model for an event that
+    touches none (a batch job competes for the CPU)."""
+    for e in events:
+        hits = Counter()
+        for o in outcomes:
+            end = o["start"] + o["seconds"]
+            overlaps = o["start"] <= e.end and end >= e.start
+            if touches(o, e, 0.0) if e.models else overlaps:
+                hits[f"{o['model']} {o.get('label', o['status'])}"] += 1
+        e.affected = dict(sorted(hits.items()))
 
 
 def plot(timeline: list[dict], events: list[Event], path: Path) -> None:
@@ -713,7 +850,9 @@ def main(argv: list[str] | None = None) -> int:
     args.report.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="bitserve-soak-"))
     repo = build_repository(work, args.plant_leak)
-    server, url, grpc_target = start_server(repo, args.report / "server.log", args.threads)
+    faults = work / "faults"
+    faults.mkdir()
+    server, url, grpc_target = start_server(repo, args.report / "server.log", args.threads, faults)
     timeline: list[dict] = []
     events: list[Event] = []
     stop = threading.Event()
@@ -723,12 +862,9 @@ def main(argv: list[str] | None = None) -> int:
         )
     ]
     if not args.no_chaos:
-        interval = max(10.0, seconds / 8)
-        threads.append(
-            threading.Thread(
-                target=chaos, args=(server.pid, url, events, stop, interval), daemon=True
-            )
-        )
+        interval = max(10.0, seconds / 16)
+        chaos_args = (server.pid, url, repo, faults, events, stop, interval)
+        threads.append(threading.Thread(target=chaos, args=chaos_args, daemon=True))
     for th in threads:
         th.start()
     ctx = multiprocessing.get_context("spawn")
@@ -763,6 +899,7 @@ def main(argv: list[str] | None = None) -> int:
         drain=drain,
         overload=overload,
     )
+    affected(events, outcomes)
     result |= {
         "minutes": args.minutes,
         "requests": len(outcomes),
@@ -778,55 +915,41 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def overload_probe(url: str, n: int, bound_ms: float = 50.0) -> dict:
-    """`n` chats at once on tinylm (past its max_queued_requests): the rejected ones'
-    time to a 429, its p99 under `bound_ms`, and `live` answering 200 meanwhile."""
+    """`n` chats at once on tinylm (past its max_queued_requests), each sent once on a
+    connection opened beforehand: the rejected ones' time to a 429 (to the kernel's
+    receive time: bench/overload.py's timed_clients), its p99 under `bound_ms`, and `live`
+    answering 200 meanwhile."""
     import httpx
 
-    body = {"model": "tinylm", "max_tokens": 64, "ignore_eos": True}
-    body["messages"] = [{"role": "user", "content": "Who is my shepherd?"}]
-    rejected: list[float] = []
-    statuses: Counter = Counter()
-    live: list[int] = []
-
-    async def one(client: httpx.AsyncClient, start: asyncio.Event) -> None:
-        await start.wait()
-        t0 = time.perf_counter()
-        try:
-            r = await client.post("/v1/chat/completions", json=body)
-        except httpx.HTTPError:
-            statuses["error"] += 1
-            return
-        statuses[r.status_code] += 1
-        if r.status_code == 429 and "retry-after" in r.headers:
-            rejected.append((time.perf_counter() - t0) * 1e3)
-
-    async def probe_live(client: httpx.AsyncClient, done: asyncio.Event) -> None:
-        while not done.is_set():
-            live.append((await client.get("/v2/health/live")).status_code)
-            await asyncio.sleep(0.05)
-
-    async def main() -> None:
-        limits = httpx.Limits(max_connections=n + 8, max_keepalive_connections=n + 8)
-        async with httpx.AsyncClient(base_url=url, timeout=120, limits=limits) as client:
-            for _ in range(8):  # open the connections first: a 429 is timed, not a handshake
-                await client.get("/v2/health/live")
-            start, done = asyncio.Event(), asyncio.Event()
-            tasks = [asyncio.create_task(one(client, start)) for _ in range(n)]
-            watcher = asyncio.create_task(probe_live(client, done))
-            await asyncio.sleep(0.2)
-            start.set()
-            await asyncio.gather(*tasks)
-            done.set()
-            await watcher
+    from bench.overload import chat_body, http_request, timed_clients
 
     if n <= 0:
         return {"ok": True, "skipped": True}
-    asyncio.run(main())
+    port = int(url.rsplit(":", 1)[1])
+    request = http_request("/v1/chat/completions", chat_body(64, False))
+    live: list[int] = []
+    done = threading.Event()
+
+    def probe_live() -> None:
+        with httpx.Client(base_url=url, timeout=10) as client:
+            while not done.is_set():
+                live.append(client.get("/v2/health/live").status_code)
+                time.sleep(0.05)
+
+    prober = threading.Thread(target=probe_live)
+    prober.start()
+    try:
+        answers = timed_clients(port, request, n)
+    finally:
+        done.set()
+        prober.join(30)
+    statuses = Counter(str(a[0]) for a in answers)
+    rejected = [a[1] for a in answers if a[0] == 429 and a[3]]
     p99 = float(np.percentile(rejected, 99)) if rejected else None
     return {
         "ok": bool(rejected) and p99 <= bound_ms and all(s == 200 for s in live),
         "requests": n,
-        "statuses": {str(k): v for k, v in statuses.items()},
+        "statuses": dict(statuses),
         "rejected_p50_ms": float(np.percentile(rejected, 50)) if rejected else None,
         "rejected_p99_ms": p99,
         "bound_ms": bound_ms,
@@ -874,6 +997,7 @@ def print_summary(result: dict) -> None:
         print(f"  {name:40s} {n:8d}")
     for e in result["events"]:
         print(f"  event {e['name']:20s} {e['end'] - e['start']:6.1f} s  {e['detail']}")
+        print(f"        affected: {json.dumps(e['affected'])[:300]}")
     for name, c in result["checks"].items():
         extra = {k: v for k, v in c.items() if k not in ("examples",)}
         print(f"  {name:10s} {json.dumps(extra, default=float)[:200]}")

@@ -271,7 +271,8 @@ def _run(app, host: str, port: int, log_level: str, drain_timeout: float) -> Non
         host=host,
         port=port,
         loop="uvloop",
-        http=connections.protocol(app.server.options.clients),  # timeouts uvicorn lacks
+        # timeouts uvicorn lacks, and refusals before an ASGI task exists
+        http=connections.protocol(app.server.options.clients, app.admission),
         log_level="warning" if log_level == "info" else log_level,
         access_log=False,
         backlog=4096,

@@ -4,13 +4,17 @@ An LLM whose waiting queue is full refuses a request with 429 and Retry-After
 (`LLMService.admit`). On the normal path that check comes after the route has read,
 parsed and validated the body (v2: and tokenized the prompt); under a burst of hundreds
 of requests the last refusal waited behind the parsing of all the requests ahead of it
-(p99 near a second). Here the same check runs first, in the ASGI app ahead of the router:
+(p99 near a second). Here the same check runs first: `refusal` is called by the HTTP
+protocol (connections.py) before the request's ASGI task exists, and by the ASGI app
+ahead of the router (`screen`) for what the protocol let through or when the app is
+served another way (tests over ASGI):
 
 - v2 infer (`/v2/models/{model}[/versions/{v}]/infer`): the model is in the path, so a
   refusal goes out before the body is read at all;
 - OpenAI generation (`/v1/chat/completions`, `/v1/completions`): the model is in the
-  body, read from its first chunk (already in the server's buffer) by a lookup of one
-  key, without validation; a body in several chunks goes the normal way.
+  body, found by a lookup of one key, without validation: the protocol has the whole
+  body of up to 64 KiB; the ASGI app only its first chunk (a body in several chunks
+  goes the normal way there).
 
 It only refuses what the normal path would refuse (the same `admit` call, with no place
 taken): a request it lets through is admitted as before, its place held before the chat
@@ -29,17 +33,18 @@ import re
 from typing import Any
 
 import orjson
+from starlette.responses import Response
 
 from bitserve.inference import Overloaded
 from bitserve.repository.version import ModelVersion
 from bitserve.rollout.policy import VERSION_HEADER
+from bitserve.server.connections import FIRST_CHUNK_LIMIT
 from bitserve.server.errors import APIError, BodyTooLarge, openai_body, v2_body
 from bitserve.server.record import Record
 from bitserve.server.state import ServerState
 
 V2_INFER = re.compile(r"/v2/models/([^/]+)(?:/versions/([^/]+))?/infer")
 OPENAI_GENERATE = frozenset({"/v1/chat/completions", "/v1/completions"})
-FIRST_CHUNK_LIMIT = 64 * 1024  # larger bodies are not worth a second parse
 VERSION_KEY = VERSION_HEADER.lower().encode("latin-1")
 
 
@@ -103,35 +108,53 @@ class Admission:
     async def screen(self, scope: dict, receive: Any, send: Any) -> Any:
         """None when the request was refused here (its response sent), else the
         `receive` the app reads the request through."""
-        if scope["method"] != "POST" or self.state.draining:
+        if self.needs_body(scope):
+            first = await receive()
+            receive = _replay(first, receive)
+            if first.get("more_body") or len(first.get("body", b"")) > FIRST_CHUNK_LIMIT:
+                return receive
+            refusal = self.refusal(scope, first.get("body", b""))
+        else:
+            refusal = self.refusal(scope, None)
+        if refusal is None:
             return receive
+        await refusal(scope, receive, send)
+        return None
+
+    def needs_body(self, scope: dict) -> bool:
+        """Whether `refusal` needs the request's body (OpenAI's model is in it) and may
+        wait for it: declared up to FIRST_CHUNK_LIMIT, or chunked (a larger body goes
+        the normal way, its 413 at once when past `max_body`)."""
+        if scope["method"] != "POST" or scope["path"] not in OPENAI_GENERATE:
+            return False
+        length = _content_length(scope)
+        return length is None or length <= FIRST_CHUNK_LIMIT
+
+    def refusal(self, scope: dict, body: bytes | None) -> Response | None:
+        """The response that refuses this request now, or None to serve it. `body`: the
+        whole body when `needs_body` (None: not at hand, let it through). Synchronous, for
+        the protocol layer too (connections.py), before any task or ASGI cycle exists."""
+        if scope["method"] != "POST" or self.state.draining:
+            return None
         path = scope["path"]
         if path in OPENAI_GENERATE:
-            return await self._openai(scope, receive, send)
+            if body is None:
+                return None
+            try:
+                model = orjson.loads(body).get("model")
+            except (orjson.JSONDecodeError, AttributeError):
+                return None  # the route says what is wrong with it
+            version = self._version(model, None) if isinstance(model, str) else None
+            if version is not None and (refused := _refusal(version)) is not None:
+                return openai_body(refused)
+            return None
         if (m := V2_INFER.fullmatch(path)) is not None:
             pinned = m[2] or _header(scope, VERSION_KEY)
             version = self._version(m[1], pinned)
-            if version is not None and (refusal := _refusal(version)) is not None:
-                Record(self.state, version, None).close(refusal)  # counted as the v2 path does
-                await v2_body(refusal)(scope, receive, send)
-                return None
-        return receive
-
-    async def _openai(self, scope: dict, receive: Any, send: Any) -> Any:
-        first = await receive()
-        body = first.get("body", b"")
-        replay = _replay(first, receive)
-        if first.get("more_body") or len(body) > FIRST_CHUNK_LIMIT:
-            return replay
-        try:
-            model = orjson.loads(body).get("model")
-        except (orjson.JSONDecodeError, AttributeError):
-            return replay  # the route says what is wrong with it
-        version = self._version(model, None) if isinstance(model, str) else None
-        if version is not None and (refusal := _refusal(version)) is not None:
-            await openai_body(refusal)(scope, replay, send)
-            return None
-        return replay
+            if version is not None and (refused := _refusal(version)) is not None:
+                Record(self.state, version, None).close(refused)  # counted as the v2 path does
+                return v2_body(refused)
+        return None
 
     def _version(self, model: str, pinned: str | None) -> ModelVersion | None:
         """The version a request for `model` reaches, when it is found without routing

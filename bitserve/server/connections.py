@@ -18,14 +18,29 @@ closes the connection when it runs out:
 A request whose reading timed out gets 408 first when nothing was answered yet. The app
 sees the client leave, as for a disconnect: a stream stops, its engine requests are
 aborted and their KV blocks return to the pool.
+
+The protocol also refuses under overload before an ASGI task exists (issue 35: a 429
+within 50 ms while the engine is saturated): when a request's headers are in, `admission`
+(admission.Admission) says whether it is refused now (a v2 infer on a full LLM queue),
+or, for OpenAI generation whose model is in the body, once a body of up to 64 KiB is in
+(the task starts then; a larger one, or one that waits for `100 Continue`, is started at
+once and screened by the ASGI app as before). A refusal is written to the transport as
+bytes: no task, no ASGI messages, no Starlette response sent through uvicorn's cycle; the
+rest of a refused body is read and dropped, and the connection serves on (keep-alive,
+pipelining).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
+import http
+import logging
 from dataclasses import dataclass
 from typing import Any
 
+log = logging.getLogger("bitserve.server")
+FIRST_CHUNK_LIMIT = 64 * 1024  # a larger OpenAI body is not held back to be screened
 TIMEOUT_408 = b"HTTP/1.1 408 Request Timeout\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
 
 
@@ -36,13 +51,56 @@ class ClientLimits:
     write_timeout: float = 30.0
 
 
-def protocol(limits: ClientLimits) -> type:
-    """uvicorn's httptools protocol class with `limits` (uvicorn.Config's `http`)."""
+def protocol(limits: ClientLimits, admission: Any = None) -> type:
+    """uvicorn's httptools protocol class with `limits` (uvicorn.Config's `http`), that
+    lets `admission` (admission.Admission) refuse a request before its ASGI task exists."""
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
     class TimedProtocol(HttpToolsProtocol):
         _reading: asyncio.TimerHandle | None = None
         _writing: asyncio.TimerHandle | None = None
+        _held: tuple | None = None  # a cycle whose start waits for its body
+
+        def _start_asgi_task(self, cycle: Any, app: Any) -> None:
+            """Refused here, when admission can say so now: no task, no ASGI messages."""
+            if admission is not None and cycle.scope["method"] == "POST":
+                try:
+                    if self._screened(cycle, app):
+                        return
+                except Exception:  # a bug here must not cost the request: the app decides
+                    log.exception("screening %s", cycle.scope["path"])
+            super()._start_asgi_task(cycle, app)
+
+        def _screened(self, cycle: Any, app: Any) -> bool:
+            """True when the request was refused, or is held until its body is in."""
+            body = None
+            if admission.needs_body(cycle.scope):
+                if cycle.more_body and not cycle.waiting_for_100_continue:
+                    self._held = (cycle, app)  # the body is on its way: decide once it is in
+                    return True
+                body = bytes(cycle.body) if not cycle.more_body else None
+            refusal = admission.refusal(cycle.scope, body)
+            if refusal is not None:
+                self._refuse(cycle, refusal)
+            return refusal is not None
+
+        def on_body(self, body: bytes) -> None:
+            super().on_body(body)
+            held = self._held
+            if held is not None and len(held[0].body) > FIRST_CHUNK_LIMIT:
+                self._held = None  # chunked, grown too large to screen: the app reads on
+                super()._start_asgi_task(*held)
+
+        def _refuse(self, cycle: Any, response: Any) -> None:
+            head = [b"HTTP/1.1 %d %s\r\n" % (response.status_code, _reason(response.status_code))]
+            head += [name + b": " + value + b"\r\n" for name, value in response.raw_headers]
+            if not cycle.keep_alive:
+                head.append(b"connection: close\r\n")
+            self.transport.write(b"".join(head) + b"\r\n" + response.body)
+            cycle.response_started = cycle.response_complete = True  # the rest of a body is dropped
+            if not cycle.keep_alive:
+                self.transport.close()
+            self.on_response_complete()
 
         def connection_made(self, transport: Any) -> None:
             super().connection_made(transport)
@@ -59,6 +117,9 @@ def protocol(limits: ClientLimits) -> type:
         def on_message_complete(self) -> None:
             super().on_message_complete()
             self._read_within(None)
+            if self._held is not None:
+                held, self._held = self._held, None
+                self._start_asgi_task(*held)
 
         def pause_writing(self) -> None:
             super().pause_writing()
@@ -72,6 +133,7 @@ def protocol(limits: ClientLimits) -> type:
                 self._writing = None
 
         def connection_lost(self, exc: Exception | None) -> None:
+            self._held = None
             self._read_within(None)
             self.resume_writing()
             super().connection_lost(exc)
@@ -98,3 +160,8 @@ def protocol(limits: ClientLimits) -> type:
             self.transport.abort()
 
     return TimedProtocol
+
+
+@functools.cache
+def _reason(status: int) -> bytes:
+    return http.HTTPStatus(status).phrase.encode("latin-1")

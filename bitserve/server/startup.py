@@ -71,7 +71,10 @@ def quiet_gc() -> None:
     stalled whole batches for 70-190 ms (the p99 at concurrency 64 was 10x the p50).
     Freezing what exists after loading takes it out of every later collection, and a
     larger first-generation threshold makes collections rarer; request objects are
-    freed by reference counting anyway."""
+    freed by reference counting anyway. Not too large: a first-generation collection
+    walks every young object alive, and at 50,000 one took 50-200 ms under an engine
+    saturated by 96 streams (the p99 of a 429, issue 35); at 10,000, 33-51 ms, five
+    times as often, about the same GC time in all (2 rounds, load 7-9 on 2 cores)."""
     gc.collect()
     gc.freeze()
-    gc.set_threshold(50_000, 20, 20)
+    gc.set_threshold(10_000, 20, 20)

@@ -1,8 +1,11 @@
 """Refusals under overload are decided before the request costs anything
 (bitserve/server/admission.py, issue 35): a full LLM queue answers 429 with Retry-After
 before the body is read (v2), before the body is validated (OpenAI), before the message is
-parsed (gRPC). `full` is tinylm with a queue of 0 places, so it is always full; `tinylm`
-beside it has room, and gets what the normal path says."""
+parsed (gRPC). Over HTTP the refusal is written by the connection's protocol
+(connections.py) before an ASGI task exists, so the connection must stay usable after it:
+the rest of a refused body is dropped, keep-alive and pipelined requests go on.
+`full` is tinylm with a queue of 0 places, so it is always full; `tinylm` beside it has
+room, and gets what the normal path says."""
 
 from __future__ import annotations
 
@@ -87,7 +90,7 @@ def test_a_full_openai_queue_refuses_before_the_body_is_validated(server):
     assert room.status_code == 400, room.text
 
 
-def test_a_body_in_several_chunks_takes_the_normal_way(server):
+def test_a_body_in_several_chunks_is_refused_once_it_is_in(server):
     body = json.dumps({"model": "full", "prompt": "x", "max_tokens": 4}).encode()
 
     def chunks():
@@ -115,3 +118,54 @@ def test_a_full_grpc_queue_refuses_before_the_message_is_parsed(server):
         with pytest.raises(grpc.RpcError) as invalid:
             infer(pb.ModelInferRequest(model_name="tinylm"), timeout=10)
         assert invalid.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def read_answers(sock: socket.socket, count: int) -> list[tuple[int, dict, bytes]]:
+    """`count` whole responses (Content-Length bodies) from `sock`, in order."""
+    raw, answers = b"", []
+    while len(answers) < count:
+        head, sep, rest = raw.partition(b"\r\n\r\n")
+        if sep:
+            lines = head.decode("latin-1").split("\r\n")
+            headers = dict(line.lower().split(": ", 1) for line in lines[1:])
+            length = int(headers.get("content-length", 0))
+            if len(rest) >= length:
+                answers.append((int(lines[0].split()[1]), headers, rest[:length]))
+                raw = rest[length:]
+                continue
+        chunk = sock.recv(65536)
+        assert chunk, f"closed after {len(answers)} answers: {raw!r}"
+        raw += chunk
+    return answers
+
+
+def test_after_an_early_refusal_the_connection_serves_on(server):
+    body = json.dumps(
+        {
+            "inputs": [
+                {"name": "text_input", "datatype": "BYTES", "shape": [1], "data": ["x" * 5000]}
+            ]
+        }
+    ).encode()
+    refused = (
+        b"POST /v2/models/full/infer HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n" % len(body)
+    )
+    chat = json.dumps({"model": "full", "messages": [{"role": "user", "content": "hi"}]})
+    openai = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n%s" % (len(chat), chat.encode())
+    )
+    live = b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n\r\n"
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as s:
+        s.sendall(refused + body[:100])  # refused on its headers, the body still coming
+        [(status, headers, _)] = read_answers(s, 1)
+        assert status == 429 and int(headers["retry-after"]) >= 1
+        s.sendall(body[100:] + live)  # the rest of the refused body is dropped, not parsed
+        [(status, _, _)] = read_answers(s, 1)
+        assert status == 200
+        s.sendall(openai + live + openai)  # pipelined: answered in order
+        answers = read_answers(s, 3)
+        assert [a[0] for a in answers] == [429, 200, 429]
+        error = json.loads(answers[0][2])["error"]
+        assert error["type"] == "rate_limit_error" and "full" in error["message"]

@@ -135,9 +135,9 @@ def test_a_stream_nobody_reads_is_cut_and_its_kv_freed(server):
 
 
 def test_bodies_past_the_size_or_the_memory_bound_are_refused_before_they_are_read(server):
-    def declared(length: int) -> socket.socket:
+    def declared(length: int, path: bytes = b"/v2/models/tinylm/infer") -> socket.socket:
         s = socket.create_connection(("127.0.0.1", server.port), timeout=10)
-        s.sendall(b"POST /v2/models/tinylm/infer HTTP/1.1\r\nHost: x\r\n")
+        s.sendall(b"POST " + path + b" HTTP/1.1\r\nHost: x\r\n")
         s.sendall(f"Content-Type: application/json\r\nContent-Length: {length}\r\n\r\n".encode())
         return s
 
@@ -146,6 +146,8 @@ def test_bodies_past_the_size_or_the_memory_bound_are_refused_before_they_are_re
         return int(answer.split()[1]), answer
 
     with declared(65 * MiB) as s:  # past --max-body-size (64 MiB)
+        assert status(s)[0] == 413
+    with declared(65 * MiB, b"/v1/chat/completions") as s:  # not held to be screened
         assert status(s)[0] == 413
     held = [declared(60 * MiB) for _ in range(2)]  # 120 of --max-body-memory's 128 MiB
     time.sleep(0.3)
