@@ -15,6 +15,8 @@ dequantizes once, with gguf-py's own dequantizer, and runs fp32 `F.linear`.
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -90,13 +92,11 @@ class GgmlLinear(nn.Module):
             return None
         ffi = c.ffi()
         if getattr(self, "_c_parts", None) is None:  # once: every view points to it
-            self._c_parts = ffi.new(
-                "GgmlPart[]",
-                [
-                    {"type": TYPES[kind], "rows": data.shape[0], "data": c.ptr(data, "void *")}
-                    for kind, data in self.parts()
-                ],
-            )
+            parts = []
+            for kind, data in self.parts():
+                part = {"type": TYPES[kind], "rows": data.shape[0], "data": c.ptr(data, "void *")}
+                parts.append(part | (self.a8_part(kind, data) if a8() else {}))
+            self._c_parts = ffi.new("GgmlPart[]", parts)
         fields = {"kind": 4, "N": self.out_features, "K": self.in_features}
         fields |= {"parts": self._c_parts, "nparts": len(self.types)}
         fields["bias"] = c.ptr(self.bias if bias else None)
@@ -109,6 +109,24 @@ class GgmlLinear(nn.Module):
             }
             fields |= {"lora_S": a.shape[0], "lora_W": a.shape[1]}
         return ffi.new("Weight *", fields)
+
+    def a8_part(self, kind: str, data: torch.Tensor) -> dict:
+        """The GgmlPart fields of `data`'s codes repacked for int8 activations
+        (`bs_ggml_a8_pack`); {} for a type without that path (F32/F16/BF16). The tiles
+        and scales are kept on the module beside the file's bytes."""
+        lib, ffi = c.get().lib, c.ffi()
+        group, bits = ffi.new("long *"), ffi.new("long *")
+        src, rows, null = c.ptr(data, "void *"), data.shape[0], ffi.NULL
+        size = lib.bs_ggml_a8_pack(TYPES[kind], src, rows, self.in_features, null, null, group, bits)
+        if size < 0:
+            return {}
+        tiles = torch.empty(size, dtype=torch.uint8)
+        sz = torch.empty(-(-rows // 16) * (self.in_features // group[0]) * 32)
+        lib.bs_ggml_a8_pack(
+            TYPES[kind], src, rows, self.in_features, c.ptr(tiles, "uint8_t *"), c.ptr(sz), group, bits
+        )
+        self._a8_tensors = getattr(self, "_a8_tensors", []) + [tiles, sz]
+        return {"tiles": c.ptr(tiles, "uint8_t *"), "sz": c.ptr(sz), "group": group[0], "bits": bits[0]}
 
     def dequantize(self) -> torch.Tensor:
         """W as fp32 [out, in], as llama.cpp dequantizes it (the C dequantizer, or
@@ -126,6 +144,13 @@ class GgmlLinear(nn.Module):
                 self.fallback_weight = self.dequantize().to(x.device)
             y = F.linear(rows.float(), self.fallback_weight, self.bias)
         return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
+
+
+def a8() -> bool:
+    """BITSERVE_GGML_A8=1: block-format weights meet int8 activations (llama.cpp's own
+    scheme, csrc/ggml.c's "a8"); by default fp32 activations, llama.cpp's dequantized
+    values to fp32 rounding. Read when a layer's C view is first built."""
+    return os.environ.get("BITSERVE_GGML_A8") == "1"
 
 
 def dequantize(kind: str, data: torch.Tensor, k: int) -> torch.Tensor:
