@@ -33,7 +33,7 @@ import torch
 
 from bench.quant import against_fp32, load_engine, make_variants, measure, print_table
 from tests.llm.conftest import build_tokenizer
-from tests.llm.test_gguf import CONVERTER, QUANTIZE, convert, quantize
+from tools.llama_cpp import CONVERTER, QUANTIZE, convert, quantize
 
 SIZES = {  # bench/llm_serving.py's 246m and 1b
     "246m": dict(hidden_size=1024, num_hidden_layers=16, num_attention_heads=16,

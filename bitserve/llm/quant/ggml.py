@@ -116,17 +116,16 @@ class GgmlLinear(nn.Module):
         and scales are kept on the module beside the file's bytes."""
         lib, ffi = c.get().lib, c.ffi()
         group, bits = ffi.new("long *"), ffi.new("long *")
-        src, rows, null = c.ptr(data, "void *"), data.shape[0], ffi.NULL
-        size = lib.bs_ggml_a8_pack(TYPES[kind], src, rows, self.in_features, null, null, group, bits)
+        args = (TYPES[kind], c.ptr(data, "void *"), data.shape[0], self.in_features)
+        size = lib.bs_ggml_a8_pack(*args, ffi.NULL, ffi.NULL, group, bits)
         if size < 0:
             return {}
         tiles = torch.empty(size, dtype=torch.uint8)
-        sz = torch.empty(-(-rows // 16) * (self.in_features // group[0]) * 32)
-        lib.bs_ggml_a8_pack(
-            TYPES[kind], src, rows, self.in_features, c.ptr(tiles, "uint8_t *"), c.ptr(sz), group, bits
-        )
-        self._a8_tensors = getattr(self, "_a8_tensors", []) + [tiles, sz]
-        return {"tiles": c.ptr(tiles, "uint8_t *"), "sz": c.ptr(sz), "group": group[0], "bits": bits[0]}
+        sz = torch.empty(-(-data.shape[0] // 16) * (self.in_features // group[0]) * 32)
+        lib.bs_ggml_a8_pack(*args, c.ptr(tiles, "uint8_t *"), c.ptr(sz), group, bits)
+        self._a8_tensors = [*getattr(self, "_a8_tensors", []), tiles, sz]
+        fields = {"tiles": c.ptr(tiles, "uint8_t *"), "sz": c.ptr(sz)}
+        return fields | {"group": group[0], "bits": bits[0]}
 
     def dequantize(self) -> torch.Tensor:
         """W as fp32 [out, in], as llama.cpp dequantizes it (the C dequantizer, or
