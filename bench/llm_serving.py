@@ -11,7 +11,9 @@ Two modes, each a list of arms (a server on one weight format):
   - --recommended: what each server's users run on a CPU. vLLM at bf16 (its CPU
     default); llama-server on Q4_K_M and Q8_0 GGUFs (llama-quantize from the same f32
     GGUF; KV f16, llama.cpp's default); bitserve on those same .gguf files, on its own
-    int8 and int4 (`bitserve quantize`) and at bf16 (`dtype = "bfloat16"`).
+    int8 and int4 (`bitserve quantize`) and at bf16 (`dtype = "bfloat16"`); and on the
+    same .gguf files with int8 activations as llama.cpp computes them (the "a8" arms,
+    BITSERVE_GGML_A8=1).
 Each arm's weights, compute dtype and KV precision, the GGUF tensor types as stored and
 the CPU (model name, avx512f / avx512_bf16 / avx512_vnni / amx) go into the JSON.
 

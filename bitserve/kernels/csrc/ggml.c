@@ -21,7 +21,11 @@
      and run through the packed fp32 GEMM against every row of x, so dequantization is
      paid once per weight per call, not once per row of x. (bs_linear_packed called
      from a pool task runs on that thread: the pool does not nest.)
-   Either splits the output rows over the thread pool in chunks of CHUNK rows; each
+   - Opt-in (BITSERVE_GGML_A8=1, a part with `tiles`): int8 activations, llama.cpp's
+     own scheme, on the codes repacked once at load (see "a8" below). At 16 rows the
+     two fp32 paths above are bound by fp32 FMAs (16 multiply-adds an instruction) at
+     3-5x the int4 kernel's time; this one runs VNNI (64) at 1.0-1.4x it.
+   Each splits the output rows over the thread pool in chunks of CHUNK rows; each
    thread keeps its own scratch (thread-local, grown once, never freed). */
 #include "internal.h"
 #ifdef __F16C__
