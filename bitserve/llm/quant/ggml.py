@@ -11,7 +11,8 @@ Opt-in, BITSERVE_GGML_A8=1 (read when a layer's C view is built): llama.cpp's ow
 scheme, x rounded to int8 per 32 columns and met by the same codes, repacked once at load
 into 16-row tiles (`bs_ggml_a8_pack`, kept beside the file's bytes: 6 more bits a
 weight for Q4_0/Q4_K, 10-12 for the others) in VNNI dot products: 3-5x faster at 16
-rows, and x's rounding is the cost (tinylm perplexity: Q4_K_M 25.0067 -> 25.0076, llama.cpp's own figure).
+rows, and x's rounding is the cost (tinylm perplexity: Q4_K_M 25.0067 -> 25.0076,
+llama.cpp's own figure).
 
 Invariants: each part is uint8 [rows, row_bytes], row_bytes = `bs_ggml_row_bytes(type,
 in_features)`; the parts' rows add up to out_features; the parts never change after
