@@ -158,6 +158,26 @@ def test_int8_activations_are_the_dequantized_weights_times_rounded_x(kind, monk
         assert (got[:, :37] - plain).abs().max() > 1e-4 * plain.abs().max()
 
 
+@pytest.mark.slow
+@needs_kernels
+def test_int8_activations_without_avx512_give_the_same_sums(tmp_path, monkeypatch):
+    """A build for a CPU without AVX-512 (x86-64-v3: AVX2, FMA, F16C) takes ggml.c's
+    plain a8 loop: the same tiles, the same result."""
+    monkeypatch.setenv("BITSERVE_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setattr(kernels, "COMPILE_FLAGS", ["-O2", "-march=x86-64-v3", "-fPIC"])
+    plain = kernels.Kernels(kernels.build(kernels.compiler()))
+    monkeypatch.setenv("BITSERVE_GGML_A8", "1")
+    k = 256
+    for kind in QUANTS:
+        data = random_rows(kind, 21, k, seed=5)
+        layer = GgmlLinear(k, [(kind, data)])
+        layer.kernels = plain
+        w = reference(kind, data, k)
+        x = torch.randn(9, k)
+        want = quantized_x(x) @ w.T
+        torch.testing.assert_close(layer(x).double(), want, rtol=1e-4, atol=1e-4 * want.abs().max())
+
+
 @needs_kernels
 def test_row_bytes_refuses_what_the_kernels_do_not_read():
     lib = kernels.get().lib
