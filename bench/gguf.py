@@ -18,6 +18,16 @@ AVX-512 flags are printed with the table and in the JSON line.
 
 Needs the converter and llama-quantize (tools/fetch_gguf_converter.py,
 tools/build_llama_quantize.sh).
+
+    .venv/bin/python -m bench.gguf --kernels [--rows 1,4,16,64] [--repeats 3]
+
+One linear layer alone, each of the 246m model's shapes (qkv 1536 x 1024, o, gate_up
+5632 x 1024, down 1024 x 2816, the 32000 x 1024 head), at 1..64 rows of x: the packed
+fp32 GEMM, bitserve's int4 (group 32), and each GGUF block type (random codes, finite
+scales) with fp32 activations (the default) and with int8 ones (BITSERVE_GGML_A8=1).
+Milliseconds per call, median of --repeats rounds, the variants taking turns in each
+round (the order rotated by one a round); the min-max spread beside each, and the ratio
+to int4 on the same shape and rows. Then each variant's sum over one 16-layer step.
 """
 
 from __future__ import annotations
@@ -33,7 +43,7 @@ import torch
 
 from bench.quant import against_fp32, load_engine, make_variants, measure, print_table
 from tests.llm.conftest import build_tokenizer
-from tests.llm.test_gguf import CONVERTER, QUANTIZE, convert, quantize
+from tools.llama_cpp import CONVERTER, QUANTIZE, convert, quantize
 
 SIZES = {  # bench/llm_serving.py's 246m and 1b
     "246m": dict(hidden_size=1024, num_hidden_layers=16, num_attention_heads=16,
@@ -81,6 +91,97 @@ def make_files(root: Path, size: str, variants: list[str]) -> dict[str, tuple[Pa
     return {v: folders[v] for v in variants}
 
 
+SHAPES = {"qkv": (1536, 1024), "o": (1024, 1024), "gate_up": (5632, 1024)}
+SHAPES |= {"down": (1024, 2816), "head": (32000, 1024)}  # (out, in); the head once a step
+KERNEL_TYPES = ("Q4_K", "Q6_K", "Q8_0", "Q5_K", "Q4_0")
+
+
+def random_blocks(kind: str, rows: int, k: int) -> torch.Tensor:
+    """rows of `kind` with random codes and fp16 scales of 0.002 (uint8 [rows, bytes])."""
+    from bitserve.llm.quant.ggml import BLOCKS
+
+    elems, size = BLOCKS[kind]
+    data = torch.randint(0, 256, (rows, k // elems, size), dtype=torch.uint8)
+    d = torch.tensor([0.002], dtype=torch.float16).view(torch.uint8)
+    for off in {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}.get(kind, (0,)):
+        data[:, :, off : off + 2] = d
+    return data.view(rows, -1)
+
+
+def kernel_variants(n: int, k: int) -> dict[str, object]:
+    """name -> a callable of x for one layer of out n, in k."""
+    from bitserve import kernels
+    from bitserve.llm.quant.ggml import GgmlLinear
+    from bitserve.llm.quant.linear import Int4Linear
+
+    lib = kernels.get()
+    linear = torch.nn.Linear(k, n, bias=False)
+    packed = lib.pack(linear.weight.detach().contiguous())
+    int4 = Int4Linear.from_float(linear, 32)
+    kernels.attach(int4, lib)
+    int4.prepare()
+    int4.prepared_for = int4.device
+    out = {"fp32": lambda x: lib.linear_packed(x, packed, None), "int4": int4.matmul}
+    for kind in KERNEL_TYPES:
+        data = random_blocks(kind, n, k)
+        for a8 in ("0", "1"):
+            os.environ["BITSERVE_GGML_A8"] = a8  # read as the layer's C view is built
+            layer = GgmlLinear(k, [(kind, data)])
+            layer.kernels = lib
+            out[kind + (" a8" if a8 == "1" else "")] = layer
+    os.environ.pop("BITSERVE_GGML_A8")
+    return out
+
+
+def kernel_bench(rows: list[int], repeats: int) -> dict:
+    import time
+
+    results: dict = {}
+    for shape, (n, k) in SHAPES.items():
+        variants = kernel_variants(n, k)
+        names = list(variants)
+        for m in rows:
+            x = torch.randn(m, k)
+            calls = max(1, int(2e7 / (n * k)))
+            times: dict[str, list[float]] = {name: [] for name in names}
+            for r in range(repeats):
+                for name in names[r % len(names) :] + names[: r % len(names)]:
+                    fn = variants[name]
+                    fn(x)
+                    start = time.perf_counter()
+                    for _ in range(calls):
+                        fn(x)
+                    times[name].append((time.perf_counter() - start) / calls * 1e3)
+            results[f"{shape} {n}x{k} M={m}"] = times
+    return results
+
+
+def print_kernels(results: dict, rows: list[int]) -> None:
+    import statistics
+
+    names = list(next(iter(results.values())))
+    print("| layer | " + " | ".join(names) + " |")
+    print("|---" * (len(names) + 1) + "|")
+    for key, times in results.items():
+        int4 = statistics.median(times["int4"])
+        cells = []
+        for name in names:
+            med = statistics.median(times[name])
+            cells.append(
+                f"{med:.3f} ({min(times[name]):.3f}-{max(times[name]):.3f}) {med / int4:.2f}x"
+            )
+        print(f"| {key} | " + " | ".join(cells) + " |")
+    for m in rows:  # one step: 16 layers of each, the head once
+        step = {name: 0.0 for name in names}
+        for key, times in results.items():
+            if key.endswith(f" M={m}"):
+                layers = 1 if key.startswith("head") else 16
+                for name in names:
+                    step[name] += layers * statistics.median(times[name])
+        line = ", ".join(f"{name} {v:.1f} ms ({v / step['int4']:.2f}x)" for name, v in step.items())
+        print(f"one 246m step at {m} rows: {line}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--size", choices=SIZES, default="246m")
@@ -88,7 +189,20 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64, help="new tokens per request")
     parser.add_argument("--repeats", type=int, default=3, help="best of N runs")
     parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--kernels", action="store_true", help="one layer's kernels alone")
+    parser.add_argument("--rows", default="1,4,16,64", help="--kernels: rows of x")
     args = parser.parse_args()
+    if args.kernels:
+        torch.set_num_threads(args.threads)
+        rows = [int(m) for m in args.rows.split(",")]
+        load = os.getloadavg()[0]
+        results = kernel_bench(rows, args.repeats)
+        where = cpu()
+        print(f"{args.threads} thread(s), {where['model']} ({' '.join(where['avx512'])})")
+        print(f"load average (1 min) before {load:.2f}, after {os.getloadavg()[0]:.2f}")
+        print_kernels(results, rows)
+        print(json.dumps({"bench": "gguf-kernels", "cpu": where, "results": results}))
+        return
     if not (CONVERTER.is_file() and QUANTIZE.is_file()):
         raise SystemExit(f"needs {CONVERTER} and {QUANTIZE} (tools/build_llama_quantize.sh)")
     torch.set_num_threads(args.threads)

@@ -11,7 +11,9 @@ Two modes, each a list of arms (a server on one weight format):
   - --recommended: what each server's users run on a CPU. vLLM at bf16 (its CPU
     default); llama-server on Q4_K_M and Q8_0 GGUFs (llama-quantize from the same f32
     GGUF; KV f16, llama.cpp's default); bitserve on those same .gguf files, on its own
-    int8 and int4 (`bitserve quantize`) and at bf16 (`dtype = "bfloat16"`).
+    int8 and int4 (`bitserve quantize`) and at bf16 (`dtype = "bfloat16"`); and on the
+    same .gguf files with int8 activations as llama.cpp computes them (the "a8" arms,
+    BITSERVE_GGML_A8=1).
 Each arm's weights, compute dtype and KV precision, the GGUF tensor types as stored and
 the CPU (model name, avx512f / avx512_bf16 / avx512_vnni / amx) go into the JSON.
 
@@ -59,6 +61,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from bench.server import ROOT, Server, free_port
+from tools.llama_cpp import convert, quantize
 
 RESULTS = ROOT / "bench" / "results" / "llm_serving"
 BUILD_LLAMA = ROOT / "bench" / "peers" / "build_llama_cpp.sh"
@@ -86,8 +89,10 @@ class Arm:
     weights: str  # f32 | bf16 | Q4_K_M | Q8_0 | int8 | int4 (Weights.path's keys)
     dtype: str  # activations and accumulation as the server computes them
     kv: str  # KV cache precision
+    env: tuple[tuple[str, str], ...] = ()  # the server's settings by environment
 
 
+A8 = (("BITSERVE_GGML_A8", "1"),)
 MODES = {
     "matched": (
         Arm("bitserve fp32", "bitserve", "f32", "float32", "f32"),
@@ -102,6 +107,10 @@ MODES = {
         Arm("llama.cpp Q8_0", "llamacpp", "Q8_0", "float32", "f16"),
         Arm("bitserve Q4_K_M", "bitserve", "Q4_K_M", "float32", "f32"),
         Arm("bitserve Q8_0", "bitserve", "Q8_0", "float32", "f32"),
+        # the same files with llama.cpp's own scheme: activations int8 per 32 in the dot
+        # products (BITSERVE_GGML_A8=1, csrc/ggml.c)
+        Arm("bitserve Q4_K_M a8", "bitserve", "Q4_K_M", "float32 (x int8)", "f32", A8),
+        Arm("bitserve Q8_0 a8", "bitserve", "Q8_0", "float32 (x int8)", "f32", A8),
         Arm("bitserve int4", "bitserve", "int4", "float32", "f32"),
         Arm("bitserve int8", "bitserve", "int8", "float32", "f32"),
         # bf16 linear weights, activations, accumulation and KV cache fp32 (csrc/bf16.c)
@@ -113,6 +122,8 @@ PAIRS = {  # (bitserve arm, peer arm): a ratio column each, taken round by round
     "recommended": (
         ("bitserve Q4_K_M", "llama.cpp Q4_K_M"),
         ("bitserve Q8_0", "llama.cpp Q8_0"),
+        ("bitserve Q4_K_M a8", "llama.cpp Q4_K_M"),
+        ("bitserve Q8_0 a8", "llama.cpp Q8_0"),
         ("bitserve int4", "llama.cpp Q4_K_M"),
         ("bitserve int8", "llama.cpp Q8_0"),
         ("bitserve bf16", "vLLM bf16"),
@@ -203,29 +214,6 @@ def random_model(root: Path, size: str) -> Path:
     return hf
 
 
-# llama.cpp's converter, run unchanged but told about tinylm's tokenizer, which it has
-# never seen (as tests/llm/test_gguf.py does): a byte-level BPE that splits as GPT-2
-# does, instead of refusing its hash; and no SentencePiece attempt without a
-# tokenizer.model (it then reads tokenizer.json). The random models here have a
-# tokenizer.model and take the SentencePiece path untouched.
-RUN_CONVERTER = """
-import runpy, sys
-from pathlib import Path
-conv = Path(sys.argv[1])
-sys.path.insert(0, str(conv.parent))
-from conversion import base
-base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "gpt-2"
-sentencepiece = base.TextModel._set_vocab_sentencepiece
-def set_vocab_sentencepiece(self, *args, **kwargs):
-    if not (self.dir_model / "tokenizer.model").is_file():
-        raise FileNotFoundError("no tokenizer.model")
-    return sentencepiece(self, *args, **kwargs)
-base.TextModel._set_vocab_sentencepiece = set_vocab_sentencepiece
-sys.argv = sys.argv[1:]
-runpy.run_path(str(conv), run_name="__main__")
-"""
-
-
 class Weights:
     """Every weight format of one model, each made once from the HF folder and kept:
     the f32 GGUF by llama.cpp's converter, Q4_K_M and Q8_0 by llama-quantize from that
@@ -247,15 +235,11 @@ class Weights:
         if out.exists():
             return out
         tmp = out.with_suffix(".partial")
-        if kind == "f32":
-            cmd = [sys.executable, "-c", RUN_CONVERTER, str(self.src / "convert_hf_to_gguf.py")]
-            cmd += [str(self.hf), "--outtype", "f32", "--outfile", str(tmp)]
-        else:
-            cmd = [str(self.bin / "llama-quantize"), str(self.gguf("f32")), str(tmp), kind]
         print(f"writing {out}", flush=True)
-        done = subprocess.run(cmd, capture_output=True, text=True)
-        if done.returncode:
-            raise RuntimeError(f"{cmd[0]} failed:\n{done.stderr[-3000:]}")
+        if kind == "f32":  # tools/llama_cpp.py's shim around llama.cpp's converter
+            convert(self.hf, "f32", tmp, self.src / "convert_hf_to_gguf.py")
+        else:
+            quantize(self.gguf("f32"), tmp, kind, self.bin / "llama-quantize")
         tmp.rename(out)
         return out
 
@@ -368,7 +352,8 @@ def bitserve_repository(repo: Path, arm: Arm, path: Path, config: str = LLM_CONF
 def make_server(arm: Arm, path: Path, cfg, cpus: set[int], threads: int, repo: Path) -> Server:
     if arm.server == "bitserve":
         repository = bitserve_repository(repo, arm, path)
-        return Server.bitserve(repository, threads=threads, cpus=cpus, timeout=900)
+        env = dict(arm.env)
+        return Server.bitserve(repository, threads=threads, cpus=cpus, timeout=900, env=env)
     if arm.server == "vllm":
         python = vllm_python(cfg.vllm_python)
         return vllm_server(python, path, arm.dtype, cpus, threads)

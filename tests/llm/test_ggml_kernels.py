@@ -122,6 +122,62 @@ def test_mixed_parts_with_bias_on_the_pool(m):
     torch.testing.assert_close(plain(x).double(), want, rtol=1e-4, atol=1e-4 * want.abs().max())
 
 
+def quantized_x(x: torch.Tensor) -> torch.Tensor:
+    """x rounded as llama.cpp's q8_0 rounds activations: per 32 columns, absmax / 127."""
+    b = x.double().reshape(x.shape[0], -1, 32)
+    d = (b.abs().amax(-1, keepdim=True) / 127).float().double()
+    q = torch.round(b / torch.where(d > 0, d, 1)).clamp(-127, 127)
+    return (q * d).reshape(x.shape)
+
+
+@needs_kernels
+@pytest.mark.parametrize("kind", QUANTS)
+def test_int8_activations_are_the_dequantized_weights_times_rounded_x(kind, monkeypatch):
+    """BITSERVE_GGML_A8=1: the codes repacked, x rounded to int8 per 32 columns; the result
+    is gguf-py's W against that rounded x, to fp32 rounding (not to x's rounding)."""
+    monkeypatch.setenv("BITSERVE_GGML_A8", "1")
+    k = 512
+    parts = [(kind, random_rows(kind, 37, k, seed=3)), ("F16", random_rows("F16", 3, k, 4))]
+    bias = torch.randn(40)
+    layer = GgmlLinear(k, parts, bias)
+    layer.kernels = kernels.get()
+    assert layer._c_parts[0].tiles != kernels.ffi().NULL  # the a8 path, not the default
+    w = reference(kind, parts[0][1], k)
+    f16 = reference("F16", parts[1][1], k)
+    lib = kernels.get().lib
+    for m, threads in [(1, 1), (3, 2), (9, 1), (16, 2)]:
+        x = torch.randn(m, k + 3, generator=torch.Generator().manual_seed(m))[:, :k]
+        want = torch.cat([quantized_x(x) @ w.T, x.double() @ f16.T], 1) + bias.double()
+        lib.bs_set_threads(threads)
+        try:
+            got = layer(x).double()
+        finally:
+            lib.bs_set_threads(1)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max())
+        plain = x.double() @ w.T  # and x's rounding shows: this is not the fp32 path
+        assert (got[:, :37] - plain).abs().max() > 1e-4 * plain.abs().max()
+
+
+@pytest.mark.slow
+@needs_kernels
+def test_int8_activations_without_avx512_give_the_same_sums(tmp_path, monkeypatch):
+    """A build for a CPU without AVX-512 (x86-64-v3: AVX2, FMA, F16C) takes ggml.c's
+    plain a8 loop: the same tiles, the same result."""
+    monkeypatch.setenv("BITSERVE_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setattr(kernels, "COMPILE_FLAGS", ["-O2", "-march=x86-64-v3", "-fPIC"])
+    plain = kernels.Kernels(kernels.build(kernels.compiler()))
+    monkeypatch.setenv("BITSERVE_GGML_A8", "1")
+    k = 256
+    for kind in QUANTS:
+        data = random_rows(kind, 21, k, seed=5)
+        layer = GgmlLinear(k, [(kind, data)])
+        layer.kernels = plain
+        w = reference(kind, data, k)
+        x = torch.randn(9, k)
+        want = quantized_x(x) @ w.T
+        torch.testing.assert_close(layer(x).double(), want, rtol=1e-4, atol=1e-4 * want.abs().max())
+
+
 @needs_kernels
 def test_row_bytes_refuses_what_the_kernels_do_not_read():
     lib = kernels.get().lib

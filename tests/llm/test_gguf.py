@@ -17,10 +17,7 @@ it does without that import).
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -36,33 +33,7 @@ from bitserve.quantize.scoring import window_logits
 from tests.llm.conftest import COMMON, build_model, make_engine
 from tests.llm.test_engine import MIXED, generate, reference
 from tests.quant.conftest import HELDOUT, TINYLM
-
-CONVERTER = (
-    Path(os.environ.get("BITSERVE_LLAMA_CPP", Path.home() / ".cache/bitserve/llama.cpp"))
-    / "convert_hf_to_gguf.py"
-)
-QUANTIZE = CONVERTER.parent / "build" / "bin" / "llama-quantize"
-RUN_CONVERTER = """
-import json, runpy, sys
-from pathlib import Path
-conv = Path(sys.argv[1])
-sys.path.insert(0, str(conv.parent))
-from conversion import base
-base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "gpt-2"
-sentencepiece = base.TextModel._set_vocab_sentencepiece
-def set_vocab_sentencepiece(self, *args, **kwargs):
-    if not (self.dir_model / "tokenizer.model").is_file():
-        raise FileNotFoundError("no tokenizer.model")
-    return sentencepiece(self, *args, **kwargs)
-base.TextModel._set_vocab_sentencepiece = set_vocab_sentencepiece
-from conversion import gemma
-def gemma2_vocab(self):  # as Gemma3Model does without a tokenizer.model
-    self._set_vocab_gpt2()
-gemma.Gemma2Model.set_vocab = gemma2_vocab
-for args in json.loads(sys.argv[2]):  # several outputs, one import of torch
-    sys.argv = [str(conv), *args]
-    runpy.run_path(str(conv), run_name="__main__")
-"""
+from tools.llama_cpp import CONVERTER, QUANTIZE, convert, convert_all, quantize
 
 needs_converter = pytest.mark.skipif(
     not CONVERTER.is_file(),
@@ -80,24 +51,6 @@ needs_quantize = pytest.mark.skipif(
     reason=f"no llama.cpp converter at {CONVERTER} or no llama-quantize at {QUANTIZE}: "
     "run tools/fetch_gguf_converter.py and tools/build_llama_quantize.sh",
 )
-
-
-def convert_all(folder: Path, outs: dict[str, Path]) -> dict[str, Path]:
-    """`folder` through the converter once per outtype ({outtype: file}), one process."""
-    runs = [[str(folder), "--outtype", t, "--outfile", str(out)] for t, out in outs.items()]
-    command = [sys.executable, "-c", RUN_CONVERTER, str(CONVERTER), json.dumps(runs)]
-    subprocess.run(command, check=True, capture_output=True)
-    return outs
-
-
-def convert(folder: Path, outtype: str, out: Path) -> Path:
-    return convert_all(folder, {outtype: out})[outtype]
-
-
-def quantize(src: Path, dst: Path, kind: str) -> Path:
-    """llama-quantize, as a llama.cpp user makes a Q4_K_M from an F32 file."""
-    subprocess.run([str(QUANTIZE), str(src), str(dst), kind, "1"], check=True, capture_output=True)
-    return dst
 
 
 @pytest.fixture(scope="module")

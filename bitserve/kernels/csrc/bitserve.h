@@ -123,10 +123,17 @@ long bs_layout(const char *type, const char *field);
 /* llama.cpp's weight formats (ggml.c). A GgmlPart is `rows` consecutive output rows of one
    ggml type (0 F32, 1 F16, 30 BF16, 2 Q4_0, 6 Q5_0, 8 Q8_0, 12 Q4_K, 13 Q5_K, 14 Q6_K),
    `data` each row's blocks back to back, bs_ggml_row_bytes(type, K) bytes a row. One
-   Weight may hold parts of different types (a fused qkv of Q4_K q, k and Q6_K v). */
+   Weight may hold parts of different types (a fused qkv of Q4_K q, k and Q6_K v).
+   `tiles` NULL: fp32 activations meet the blocks dequantized on the fly. Else int8
+   activations (opt-in, ggml.c's "a8"): `tiles` the same codes as bs_ggml_a8_pack lays
+   them out (`bits` 4 or 8 a code, tiles of 16 rows), `sz` their fp32 scale and offset
+   per `group` (16 or 32) columns. */
 typedef struct {
     long type, rows;
     const void *data;
+    const uint8_t *tiles;
+    const float *sz;
+    long group, bits;
 } GgmlPart;
 
 /* bytes of one row of K weights of `type`; -1: not a type ggml.c reads, or K not a whole
@@ -135,6 +142,14 @@ long bs_ggml_row_bytes(long type, long K);
 
 /* out [rows, K] fp32 = the rows of `type` at data, dequantized as llama.cpp does */
 void bs_ggml_dequantize(long type, const void *data, long rows, long K, float *out);
+
+/* The a8 layout of `rows` rows of `type` (Q4_0, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K): fills
+   *group and *bits and returns the bytes of the tiles; with tiles and sz not NULL (sizes
+   from a first call: sz is rows16 / 16 * K / group * 32 floats), writes them. The codes
+   are the file's own, each weight w = sz scale * code + sz offset of its group (llama.cpp's
+   value up to fp32 rounding). Returns -1 for a type it does not take. */
+long bs_ggml_a8_pack(long type, const void *data, long rows, long K, uint8_t *tiles, float *sz,
+                     long *group, long *bits);
 
 /* y [M, N] = x [M, K] (row stride ldx) @ W.T + bias for a kind 4 Weight */
 void bs_ggml_gemv(const Weight *w, const float *x, long ldx, long M, float *y);

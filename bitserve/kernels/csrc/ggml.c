@@ -21,7 +21,11 @@
      and run through the packed fp32 GEMM against every row of x, so dequantization is
      paid once per weight per call, not once per row of x. (bs_linear_packed called
      from a pool task runs on that thread: the pool does not nest.)
-   Either splits the output rows over the thread pool in chunks of CHUNK rows; each
+   - Opt-in (BITSERVE_GGML_A8=1, a part with `tiles`): int8 activations, llama.cpp's
+     own scheme, on the codes repacked once at load (see "a8" below). At 16 rows the
+     two fp32 paths above are bound by fp32 FMAs (16 multiply-adds an instruction) at
+     3-5x the int4 kernel's time; this one runs VNNI (64) at 1.0-1.4x it.
+   Each splits the output rows over the thread pool in chunks of CHUNK rows; each
    thread keeps its own scratch (thread-local, grown once, never freed). */
 #include "internal.h"
 #ifdef __F16C__
@@ -419,6 +423,260 @@ void bs_ggml_dequantize(long type, const void *data, long rows, long K, float *o
     for (long r = 0; r < rows; r++) deq_row(type, (const uint8_t *)data + r * rb, K, out + r * K);
 }
 
+
+/* -- int8 activations ("a8", opt-in) ----------------------------------------------------
+   llama.cpp's own CPU scheme: x is quantized to int8 in blocks of 32 columns (absmax / 127
+   each, as its q8_0) and meets the weights' integer codes in AVX512-VNNI dot products, 64
+   multiply-adds an instruction, where fp32 FMAs do 16. The codes are the file's own,
+   repacked once at load (bs_ggml_a8_pack) as the int4 kernel's tiles (qgemm.c): 16
+   output rows a tile, each 32-bit lane one output row, so a broadcast of 4 (8-bit codes)
+   or 8 (4-bit) activations meets all 16 rows. Per group of 16 or 32 columns a weight is
+   scale * code + offset (scale d * sc and offset -dmin * m for Q4_K, -32 d sc for Q6_K,
+   -8 d for Q4_0, ...), so y = sum over groups of scale * dx * (code . x^) + offset *
+   sum(x^ of the group): exactly W . x^ for the quantized x^, W as llama.cpp dequantizes
+   it up to fp32 rounding. Its cost is x's rounding (bench.perplexity measures it), as in
+   llama.cpp. */
+
+/* one block -> its codes u [elems] and each group's scale s and offset z */
+static void a8_block(long type, const uint8_t *b, uint8_t *u, float *s, float *z) {
+    float sc, m;
+    switch (type) {
+    case T_Q4_0: {
+        float d = fp16(b);
+        for (int j = 0; j < 16; j++) u[j] = b[2 + j] & 15, u[j + 16] = b[2 + j] >> 4;
+        s[0] = d, z[0] = -8.f * d;
+        return;
+    }
+    case T_Q5_0: {
+        float d = fp16(b);
+        uint32_t qh = (uint32_t)b[2] | (uint32_t)b[3] << 8 | (uint32_t)b[4] << 16 |
+                      (uint32_t)b[5] << 24;
+        for (int j = 0; j < 16; j++) {
+            u[j] = (uint8_t)((b[6 + j] & 15) | (((qh >> j) << 4) & 0x10));
+            u[j + 16] = (uint8_t)((b[6 + j] >> 4) | ((qh >> (j + 12)) & 0x10));
+        }
+        s[0] = d, z[0] = -16.f * d;
+        return;
+    }
+    case T_Q8_0: {
+        float d = fp16(b);
+        for (int j = 0; j < 32; j++) u[j] = (uint8_t)((int)(int8_t)b[2 + j] + 128);
+        s[0] = d, z[0] = -128.f * d;
+        return;
+    }
+    case T_Q4_K: case T_Q5_K: {
+        float d = fp16(b), dmin = fp16(b + 2);
+        const uint8_t *qh = b + 16, *q = b + (type == T_Q5_K ? 48 : 16);
+        for (int j = 0; j < 4; j++, q += 32) {
+            for (int i = 0; i < 2; i++) {
+                scale_min_k4(2 * j + i, b + 4, &sc, &m);
+                s[2 * j + i] = d * sc, z[2 * j + i] = -(dmin * m);
+            }
+            for (int l = 0; l < 32; l++) {
+                int h1 = type == T_Q5_K && (qh[l] & (1 << (2 * j))) ? 16 : 0;
+                int h2 = type == T_Q5_K && (qh[l] & (2 << (2 * j))) ? 16 : 0;
+                u[64 * j + l] = (uint8_t)((q[l] & 15) + h1);
+                u[64 * j + 32 + l] = (uint8_t)((q[l] >> 4) + h2);
+            }
+        }
+        return;
+    }
+    case T_Q6_K: { /* group g of 16 (y[16 g ..]) has scale sc[g] */
+        const uint8_t *ql = b, *qh = b + 128;
+        const int8_t *scl = (const int8_t *)(b + 192);
+        float d = fp16(b + 208);
+        for (int g = 0; g < 16; g++) s[g] = d * (float)scl[g], z[g] = -32.f * s[g];
+        for (int n = 0; n < 2; n++, u += 128, ql += 64, qh += 32)
+            for (int l = 0; l < 32; l++) {
+                u[l] = (uint8_t)((ql[l] & 15) | ((qh[l] & 3) << 4));
+                u[l + 32] = (uint8_t)((ql[l + 32] & 15) | (((qh[l] >> 2) & 3) << 4));
+                u[l + 64] = (uint8_t)((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4));
+                u[l + 96] = (uint8_t)((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4));
+            }
+        return;
+    }
+    }
+}
+
+/* (group, bits) of a type's a8 layout; 0 bits: not one it takes */
+static void a8_shape(long type, long *group, long *bits) {
+    *group = type == T_Q6_K ? 16 : 32;
+    *bits = (type == T_Q4_0 || type == T_Q4_K) ? 4 : 8;
+    if (type != T_Q4_0 && type != T_Q5_0 && type != T_Q8_0 && type != T_Q4_K &&
+        type != T_Q5_K && type != T_Q6_K)
+        *bits = 0;
+}
+
+/* byte offset of row n, column k's code in the tiles (4 bits: low nibble for k % 8 < 4) */
+static inline long a8_at(long K, long bits, long n, long k) {
+    if (bits == 4) return ((n / 16 * (K / 8) + k / 8) * 16 + n % 16) * 4 + k % 4;
+    return ((n / 16 * (K / 4) + k / 4) * 16 + n % 16) * 4 + k % 4;
+}
+
+long bs_ggml_a8_pack(long type, const void *data, long rows, long K, uint8_t *tiles, float *sz,
+                     long *group, long *bits) {
+    long elems, bytes, rb = bs_ggml_row_bytes(type, K);
+    a8_shape(type, group, bits);
+    block_shape(type, &elems, &bytes);
+    if (*bits == 0 || rb < 0) return -1;
+    long rows16 = (rows + 15) / 16 * 16, G = *group, ng = K / G, total = rows16 * K * *bits / 8;
+    if (tiles == NULL || sz == NULL) return total;
+    memset(tiles, 0, (size_t)total);
+    memset(sz, 0, sizeof(float) * (size_t)(rows16 / 16 * ng * 32));
+    uint8_t u[256];
+    float s[16], z[16];
+    for (long n = 0; n < rows; n++)
+        for (long i = 0; i < K / elems; i++) {
+            a8_block(type, (const uint8_t *)data + n * rb + i * bytes, u, s, z);
+            for (long e = 0; e < elems; e++) {
+                long k = i * elems + e, at = a8_at(K, *bits, n, k);
+                tiles[at] |= *bits == 4 && k % 8 >= 4 ? (uint8_t)(u[e] << 4) : u[e];
+            }
+            for (long j = 0; j < elems / G; j++) {
+                long g = i * elems / G + j, at = ((n / 16 * ng + g) * 2) * 16 + n % 16;
+                sz[at] = s[j], sz[at + 16] = z[j];
+            }
+        }
+    return total;
+}
+
+typedef struct {
+    int8_t *xq; /* [M][K] */
+    float *dx;  /* [M][K / 32] */
+    float *xs;  /* [M][K / 16]: dx * sum of xq over each 16 columns */
+} A8X;
+
+static void a8_quantize(const float *x, long ldx, long M, long K, A8X *a) {
+    a->xq = (int8_t *)malloc((size_t)(M * K));
+    a->dx = (float *)malloc(sizeof(float) * (size_t)(M * K / 32));
+    a->xs = (float *)malloc(sizeof(float) * (size_t)(M * K / 16));
+    for (long m = 0; m < M; m++)
+        for (long b = 0; b < K / 32; b++) {
+            const float *xb = x + m * ldx + 32 * b;
+            float amax = 0.f;
+            for (int k = 0; k < 32; k++) amax = fabsf(xb[k]) > amax ? fabsf(xb[k]) : amax;
+            float d = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+            int8_t *q = a->xq + m * K + 32 * b;
+            for (int h = 0; h < 2; h++) {
+                int sum = 0;
+                for (int k = 16 * h; k < 16 * h + 16; k++) {
+                    int v = (int)nearbyintf(xb[k] * inv);
+                    q[k] = (int8_t)(v > 127 ? 127 : (v < -127 ? -127 : v));
+                    sum += q[k];
+                }
+                a->xs[m * (K / 16) + 2 * b + h] = d * (float)sum;
+            }
+            a->dx[m * (K / 32) + b] = d;
+        }
+}
+
+static void a8_free(A8X *a) {
+    free(a->xq), free(a->dx), free(a->xs);
+}
+
+#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define A8_VNNI 1
+/* rows m0 .. m0 + R - 1 of x^ against tile t of part p -> out [R][16]; BITS and G
+   constants after inlining, so the R accumulators stay in registers */
+static inline __attribute__((always_inline)) void a8_tile(const GgmlPart *p, long K,
+                                                          const A8X *a, long m0, long t,
+                                                          float *out, const long R,
+                                                          const int BITS, const int G) {
+    const uint8_t *codes = p->tiles + t * K * BITS * 2;
+    const float *sz = p->sz + t * (K / G) * 32;
+    const int8_t *xq = a->xq + m0 * K;
+    const float *dx = a->dx + m0 * (K / 32), *xs = a->xs + m0 * (K / 16);
+    const __m512i nib = _mm512_set1_epi8(15);
+    __m512 acc[8];
+    for (long r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    for (long g = 0; g < K / G; g++) {
+        __m512i dot[8];
+        for (long r = 0; r < R; r++) dot[r] = _mm512_setzero_si512();
+        if (BITS == 4) {
+            for (long j = 0; j < G / 8; j++) {
+                __m512i v = _mm512_loadu_si512(codes + (g * (G / 8) + j) * 64);
+                __m512i lo = _mm512_and_si512(v, nib);
+                __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+                for (long r = 0; r < R; r++) {
+                    const int8_t *xk = xq + r * K + g * G + 8 * j;
+                    int32_t x0, x1;
+                    memcpy(&x0, xk, 4);
+                    memcpy(&x1, xk + 4, 4);
+                    dot[r] = _mm512_dpbusd_epi32(dot[r], lo, _mm512_set1_epi32(x0));
+                    dot[r] = _mm512_dpbusd_epi32(dot[r], hi, _mm512_set1_epi32(x1));
+                }
+            }
+        } else {
+            for (long j = 0; j < G / 4; j++) {
+                __m512i v = _mm512_loadu_si512(codes + (g * (G / 4) + j) * 64);
+                for (long r = 0; r < R; r++) {
+                    int32_t x0;
+                    memcpy(&x0, xq + r * K + g * G + 4 * j, 4);
+                    dot[r] = _mm512_dpbusd_epi32(dot[r], v, _mm512_set1_epi32(x0));
+                }
+            }
+        }
+        __m512 s = _mm512_loadu_ps(sz + g * 32), z = _mm512_loadu_ps(sz + g * 32 + 16);
+        for (long r = 0; r < R; r++) {
+            float sum = G == 16 ? xs[r * (K / 16) + g] : xs[r * (K / 16) + 2 * g] + xs[r * (K / 16) + 2 * g + 1];
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]),
+                                     _mm512_mul_ps(s, _mm512_set1_ps(dx[r * (K / 32) + g * G / 32])),
+                                     acc[r]);
+            acc[r] = _mm512_fmadd_ps(z, _mm512_set1_ps(sum), acc[r]);
+        }
+    }
+    for (long r = 0; r < R; r++) _mm512_storeu_ps(out + 16 * r, acc[r]);
+}
+
+#define A8_CASES(BITS, G)                                                                    \
+    switch (R) {                                                                             \
+    case 1: a8_tile(p, K, a, m0, t, out, 1, BITS, G); break;                                 \
+    case 2: a8_tile(p, K, a, m0, t, out, 2, BITS, G); break;                                 \
+    case 3: a8_tile(p, K, a, m0, t, out, 3, BITS, G); break;                                 \
+    case 4: a8_tile(p, K, a, m0, t, out, 4, BITS, G); break;                                 \
+    case 5: a8_tile(p, K, a, m0, t, out, 5, BITS, G); break;                                 \
+    case 6: a8_tile(p, K, a, m0, t, out, 6, BITS, G); break;                                 \
+    case 7: a8_tile(p, K, a, m0, t, out, 7, BITS, G); break;                                 \
+    default: a8_tile(p, K, a, m0, t, out, 8, BITS, G); break;                                \
+    }
+#endif
+
+/* rows m0 .. m0 + R - 1 (R <= 8) against tile t -> out [R][16] */
+static void a8_tiles(const GgmlPart *p, long K, const A8X *a, long m0, long t, float *out,
+                     long R) {
+#ifdef A8_VNNI
+    if (p->bits == 4) {
+        A8_CASES(4, 32)
+    } else if (p->group == 16) {
+        A8_CASES(8, 16)
+    } else {
+        A8_CASES(8, 32)
+    }
+#else /* the same sums, one at a time */
+    long G = p->group, ng = K / G;
+    for (long r = 0; r < R; r++)
+        for (long l = 0; l < 16; l++) {
+            float acc = 0.f;
+            long n = 16 * t + l;
+            for (long g = 0; g < ng; g++) {
+                int32_t dot = 0;
+                const int8_t *xg = a->xq + (m0 + r) * K + g * G;
+                for (long k = g * G; k < g * G + G; k++) {
+                    uint8_t byte = p->tiles[a8_at(K, p->bits, n, k)];
+                    int code = p->bits == 8 ? byte : (k % 8 < 4 ? byte & 15 : byte >> 4);
+                    dot += code * xg[k - g * G];
+                }
+                long at = ((t * ng + g) * 2) * 16 + l;
+                const float *xs = a->xs + (m0 + r) * (K / 16);
+                float sum = G == 16 ? xs[g] : xs[2 * g] + xs[2 * g + 1];
+                acc += (float)dot * (p->sz[at] * a->dx[(m0 + r) * (K / 32) + g * G / 32]);
+                acc += p->sz[at + 16] * sum;
+            }
+            out[16 * r + l] = acc;
+        }
+#endif
+}
+
 /* -- y = x @ W.T ------------------------------------------------------------------------ */
 static __thread float *scratch_buf;
 static __thread long scratch_len;
@@ -437,6 +695,7 @@ typedef struct {
     const float *x;
     long ldx, M;
     float *y;
+    const A8X *a; /* x quantized, when a part has a8 tiles */
 } Job;
 
 #ifdef __AVX512F__
@@ -483,6 +742,19 @@ static void pack_panels(const float *rows, long N, long K, float *P) {
 static void part_rows(const Job *J, const GgmlPart *p, long col, long n0, long n1) {
     long K = J->w->K, N = J->w->N, M = J->M, rb = bs_ggml_row_bytes(p->type, K);
     const uint8_t *data = (const uint8_t *)p->data;
+    if (p->tiles) { /* int8 activations: whole tiles of 16 rows (CHUNK is a multiple) */
+        float out[8 * 16];
+        for (long t = n0 / 16; t * 16 < n1; t++) {
+            long nn = n1 - 16 * t < 16 ? n1 - 16 * t : 16;
+            for (long m0 = 0; m0 < M; m0 += 8) {
+                long R = M - m0 < 8 ? M - m0 : 8;
+                a8_tiles(p, K, J->a, m0, t, out, R);
+                for (long r = 0; r < R; r++)
+                    memcpy(J->y + (m0 + r) * N + col + 16 * t, out + 16 * r, sizeof(float) * nn);
+            }
+        }
+        return;
+    }
     if (M < PANEL_ROWS) {
 #ifdef VECTOR_BLOCKS
         fused_dot fused = fused_of(p->type);
@@ -529,9 +801,16 @@ static void ggml_task(void *ctx, long t) {
 void bs_ggml_gemv(const Weight *w, const float *x, long ldx, long M, float *y) {
     const GgmlPart *parts = (const GgmlPart *)w->parts;
     long tasks = 0;
-    for (long i = 0; i < w->nparts; i++) tasks += (parts[i].rows + CHUNK - 1) / CHUNK;
-    Job job = {w, x, ldx, M, y};
+    int a8 = 0;
+    for (long i = 0; i < w->nparts; i++) {
+        tasks += (parts[i].rows + CHUNK - 1) / CHUNK;
+        a8 |= parts[i].tiles != NULL;
+    }
+    A8X a = {NULL, NULL, NULL};
+    if (a8) a8_quantize(x, ldx, M, w->K, &a);
+    Job job = {w, x, ldx, M, y, &a};
     bs_parallel(ggml_task, &job, tasks);
+    a8_free(&a);
     if (w->bias)
         for (long m = 0; m < M; m++)
             for (long n = 0; n < w->N; n++) y[m * w->N + n] += w->bias[n];

@@ -201,6 +201,7 @@ static const struct {
     FIELD(Weight, lora_S),  FIELD(Weight, lora_W),     FIELD(Weight, perm),
     FIELD(Weight, parts),   FIELD(Weight, nparts),     SIZE(GgmlPart),
     FIELD(GgmlPart, type),  FIELD(GgmlPart, rows),     FIELD(GgmlPart, data),
+    FIELD(GgmlPart, tiles), FIELD(GgmlPart, sz), FIELD(GgmlPart, group), FIELD(GgmlPart, bits),
     SIZE(LayerParams),      FIELD(LayerParams, qkv),   FIELD(LayerParams, o),
     FIELD(LayerParams, gu), FIELD(LayerParams, down),  FIELD(LayerParams, ln1),
     FIELD(LayerParams, ln2), FIELD(LayerParams, qnorm), FIELD(LayerParams, knorm),

@@ -7,6 +7,13 @@ The C kernels (bitserve/kernels/csrc/ggml.c, `Weight` kind 4) dequantize blocks 
 fly and meet fp32 activations, so the layer computes x @ W.T for W exactly as llama.cpp
 dequantizes it, up to fp32 summation order. Nothing is re-quantized.
 
+Opt-in, BITSERVE_GGML_A8=1 (read when a layer's C view is built): llama.cpp's own CPU
+scheme, x rounded to int8 per 32 columns and met by the same codes, repacked once at load
+into 16-row tiles (`bs_ggml_a8_pack`, kept beside the file's bytes: 6 more bits a
+weight for Q4_0/Q4_K, 10-12 for the others) in VNNI dot products: 3-5x faster at 16
+rows, and x's rounding is the cost (tinylm perplexity: Q4_K_M 25.0067 -> 25.0076,
+llama.cpp's own figure).
+
 Invariants: each part is uint8 [rows, row_bytes], row_bytes = `bs_ggml_row_bytes(type,
 in_features)`; the parts' rows add up to out_features; the parts never change after
 load (the C view points into them). Without the C kernels (no compiler, a GPU) the layer
@@ -14,6 +21,8 @@ dequantizes once, with gguf-py's own dequantizer, and runs fp32 `F.linear`.
 """
 
 from __future__ import annotations
+
+import os
 
 import numpy as np
 import torch
@@ -90,13 +99,11 @@ class GgmlLinear(nn.Module):
             return None
         ffi = c.ffi()
         if getattr(self, "_c_parts", None) is None:  # once: every view points to it
-            self._c_parts = ffi.new(
-                "GgmlPart[]",
-                [
-                    {"type": TYPES[kind], "rows": data.shape[0], "data": c.ptr(data, "void *")}
-                    for kind, data in self.parts()
-                ],
-            )
+            parts = []
+            for kind, data in self.parts():
+                part = {"type": TYPES[kind], "rows": data.shape[0], "data": c.ptr(data, "void *")}
+                parts.append(part | (self.a8_part(kind, data) if a8() else {}))
+            self._c_parts = ffi.new("GgmlPart[]", parts)
         fields = {"kind": 4, "N": self.out_features, "K": self.in_features}
         fields |= {"parts": self._c_parts, "nparts": len(self.types)}
         fields["bias"] = c.ptr(self.bias if bias else None)
@@ -109,6 +116,23 @@ class GgmlLinear(nn.Module):
             }
             fields |= {"lora_S": a.shape[0], "lora_W": a.shape[1]}
         return ffi.new("Weight *", fields)
+
+    def a8_part(self, kind: str, data: torch.Tensor) -> dict:
+        """The GgmlPart fields of `data`'s codes repacked for int8 activations
+        (`bs_ggml_a8_pack`); {} for a type without that path (F32/F16/BF16). The tiles
+        and scales are kept on the module beside the file's bytes."""
+        lib, ffi = c.get().lib, c.ffi()
+        group, bits = ffi.new("long *"), ffi.new("long *")
+        args = (TYPES[kind], c.ptr(data, "void *"), data.shape[0], self.in_features)
+        size = lib.bs_ggml_a8_pack(*args, ffi.NULL, ffi.NULL, group, bits)
+        if size < 0:
+            return {}
+        tiles = torch.empty(size, dtype=torch.uint8)
+        sz = torch.empty(-(-data.shape[0] // 16) * (self.in_features // group[0]) * 32)
+        lib.bs_ggml_a8_pack(*args, c.ptr(tiles, "uint8_t *"), c.ptr(sz), group, bits)
+        self._a8_tensors = [*getattr(self, "_a8_tensors", []), tiles, sz]
+        fields = {"tiles": c.ptr(tiles, "uint8_t *"), "sz": c.ptr(sz)}
+        return fields | {"group": group[0], "bits": bits[0]}
 
     def dequantize(self) -> torch.Tensor:
         """W as fp32 [out, in], as llama.cpp dequantizes it (the C dequantizer, or
@@ -126,6 +150,13 @@ class GgmlLinear(nn.Module):
                 self.fallback_weight = self.dequantize().to(x.device)
             y = F.linear(rows.float(), self.fallback_weight, self.bias)
         return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
+
+
+def a8() -> bool:
+    """BITSERVE_GGML_A8=1: block-format weights meet int8 activations (llama.cpp's own
+    scheme, csrc/ggml.c's "a8"); by default fp32 activations, llama.cpp's dequantized
+    values to fp32 rounding. Read when a layer's C view is first built."""
+    return os.environ.get("BITSERVE_GGML_A8") == "1"
 
 
 def dequantize(kind: str, data: torch.Tensor, k: int) -> torch.Tensor:
