@@ -31,7 +31,7 @@ Goals (issue 21): mlp gRPC >= 1.5x HTTP/JSON, minilm gRPC >= HTTP; issue 33 asks
 unary >= 1.0x. A unary call costs grpcio's Python server more of the core than a message
 on an open stream (its own call, and four completions through grpcio's poller thread),
 which is why both ways are measured; the server keeps many ModelInfer calls requested
-from grpcio's core (grpc_server.accept_infers) so that concurrent unary calls batch.
+from grpcio's core (grpc_accept.accept_ahead) so that concurrent unary calls batch.
 `--concurrency 1` measures the single-call latency path. Prints a table, the
 goals and a final JSON line, also written to bench/results/grpc.json. A benchmark, not a
 test: it asserts nothing.

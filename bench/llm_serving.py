@@ -460,7 +460,7 @@ def run_cell(size: str, threads: int, arms: list[Arm], cfg) -> dict:
 
 def describe(arm: Arm, path: Path | str) -> dict:
     """What the JSON says of an arm: its server, formats, precision and the file."""
-    out = asdict(arm) | {"path": str(path)}
+    out = asdict(arm) | {"env": dict(arm.env), "path": str(path)}
     if isinstance(path, Path) and path.suffix == ".gguf":
         out["gguf_tensor_types"] = gguf_types(path)
     return out

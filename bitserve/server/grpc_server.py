@@ -61,7 +61,7 @@ from bitserve.api.v2 import (
 from bitserve.inference import ClientGone, InvalidRequest, text_inputs
 from bitserve.repository.repository import ModelNotFound, ModelUnavailable
 from bitserve.repository.version import ModelVersion, Ticket
-from bitserve.server import admission, shm
+from bitserve.server import admission, grpc_accept, shm
 from bitserve.server.errors import EXPECTED, headers_of, status_of
 from bitserve.server.generate import text_stream
 from bitserve.server.record import Record
@@ -79,7 +79,7 @@ EXTENSIONS = [
 ]
 HEALTH_PERIOD_S = 0.25  # as health.py's watchdog
 INFER = f"/{SERVICE}/ModelInfer"
-ACCEPTORS = 64  # ModelInfer calls grpcio's core may hand over at once (`accept_infers`)
+ACCEPTORS = 64  # ModelInfer calls grpcio's core may hand over at once (grpc_accept)
 GRACE_S = 5.0
 FINAL = "triton_final_response"
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -121,7 +121,12 @@ async def start(state: ServerState) -> list[asyncio.Task]:
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     server.add_insecure_port(address)
     await server.start()
-    acceptors = accept_infers(server, service, interceptors)
+    infer = grpc.unary_unary_rpc_method_handler(
+        service.ModelInfer,
+        request_deserializer=pb.ModelInferRequest.FromString,
+        response_serializer=pb.ModelInferResponse.SerializeToString,
+    )
+    acceptors = grpc_accept.accept_ahead(server, INFER, infer, interceptors, ACCEPTORS)
     log.info("gRPC on %s", address)
     return [asyncio.create_task(_run(server, health, state, acceptors))]
 
@@ -147,65 +152,6 @@ async def _run(
         await server.stop(GRACE_S)
         if acceptors is not None:
             acceptors.cancel()
-
-
-def accept_infers(
-    server: grpc.aio.Server, service: Service, interceptors: list
-) -> asyncio.Task | None:
-    """Keep ACCEPTORS more ModelInfer calls requested from grpcio's core than its own
-    one, so that the calls clients send together are handed over together.
-
-    grpc.aio's server asks its core for the next call of a method only once the last
-    one has reached the event loop: on one busy core each unary call costs a round trip
-    through grpcio's poller thread before the next is even accepted, so calls trickle in
-    one per loop wakeup, each finds the model idle and runs alone (1.2 rows a batch of
-    the mlp at c = 64), and a no-op ModelInfer costs ~400 us of the server a call
-    (15 context switches, on a loaded 2-core box). With calls requested ahead, a burst
-    completes in one poller batch and the loop starts its handlers in one iteration:
-    the no-op call costs ~220 us (6 switches), twice the calls a second, and the mlp
-    runs ~14 rows a batch (`python -m bench.grpc`). 32, 64 and 128 ahead measured alike
-    at c = 64.
-
-    This drives grpcio's own per-call machinery (cygrpc's `_request_registered_call`,
-    `_handle_rpc`, `_schedule_rpc_coro`: what its `_server_main_loop` runs for each
-    call), which is private: on a grpcio without it the server runs as grpcio does,
-    with a warning. The server's shutdown fails the calls still requested, which ends
-    the acceptors."""
-    try:
-        from grpc._cython import cygrpc
-
-        core = server._server  # cygrpc.AioServer
-        request_call = core._request_registered_call
-        handle, schedule = cygrpc._handle_rpc, cygrpc._schedule_rpc_coro
-        handler = grpc.unary_unary_rpc_method_handler(
-            service.ModelInfer,
-            request_deserializer=pb.ModelInferRequest.FromString,
-            response_serializer=pb.ModelInferResponse.SerializeToString,
-        )
-        resolver = cygrpc._MethodResolver([], {INFER: handler})
-        if (handle.__code__.co_argcount, schedule.__code__.co_argcount) != (6, 4):
-            raise TypeError("cygrpc's _handle_rpc or _schedule_rpc_coro changed")
-    except (ImportError, AttributeError, TypeError) as exc:
-        log.warning("gRPC: ModelInfer calls are accepted one at a time (%s)", exc)
-        return None
-    loop = asyncio.get_running_loop()
-    method, chain, calls = INFER.encode(), tuple(interceptors), set()
-
-    async def acceptor() -> None:
-        while True:
-            try:
-                rpc_state = await request_call(method)
-            except Exception:  # the server is shutting down: no call is pending
-                return
-            coro = handle(INFER, resolver, chain, rpc_state, loop, False)
-            call = loop.create_task(schedule(coro, rpc_state, loop, INFER))
-            calls.add(call)  # the loop keeps a task only weakly
-            call.add_done_callback(calls.discard)
-
-    async def accept() -> None:
-        await asyncio.gather(*(acceptor() for _ in range(ACCEPTORS)))
-
-    return asyncio.create_task(accept())
 
 
 def yield_to_loop(done: set[int]) -> None:

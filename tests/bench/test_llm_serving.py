@@ -141,8 +141,10 @@ def test_the_json_names_each_arms_precision_its_gguf_types_and_the_cpu(tmp_path)
     arm = ls.Arm("llama.cpp Q4_K_M", "llamacpp", "Q4_K_M", "float32", "f16")
     row = ls.describe(arm, path)
     assert row == {"name": "llama.cpp Q4_K_M", "server": "llamacpp", "weights": "Q4_K_M",
-                   "dtype": "float32", "kv": "f16", "path": str(path),
+                   "dtype": "float32", "kv": "f16", "env": {}, "path": str(path),
                    "gguf_tensor_types": {"F16": 1, "F32": 2}}  # fmt: skip
+    a8 = next(a for a in ls.MODES["recommended"] if a.name == "bitserve Q4_K_M a8")
+    assert ls.describe(a8, path)["env"] == {"BITSERVE_GGML_A8": "1"}  # its setting, in the JSON
     isa = ls.cpu_isa()
     assert isa["model"] and isa["cpus"] >= 1
     assert {"avx512f", "avx512_bf16", "avx512_vnni"} <= set(isa)

@@ -425,7 +425,7 @@ def test_grpc_helper_threads_do_not_preempt_the_loop(server, client):
 
 def test_concurrent_unary_calls_batch_together(server, http):
     """64 ModelInfer calls sent at once on one channel reach the batcher together
-    (grpc_server.accept_infers), so the mlp runs them several rows a batch, where
+    (grpc_accept.accept_ahead), so the mlp runs them several rows a batch, where
     grpc.aio's own accept loop hands them over one per loop wakeup and each finds the
     model idle (1.2 rows a batch); every call still gets its own row's answer."""
     rows = np.random.default_rng(7).standard_normal((64, 1, 512)).astype(np.float32)
