@@ -111,7 +111,7 @@ def model_call(model: str, version: int, ticket: Any) -> None:
     def done(result: Any) -> None:
         job = ticket.job
         if job is not None and job.batch_rows:
-            _phases(span, started, job)
+            _phases(span, started, time.time_ns(), job)
         if result.cancelled():
             span.set_status(Status(StatusCode.ERROR, "cancelled"))
         elif (error := result.exception()) is not None:
@@ -122,11 +122,15 @@ def model_call(model: str, version: int, ticket: Any) -> None:
     ticket.result.add_done_callback(done)
 
 
-def _phases(parent: Any, started: int, job: Any) -> None:
+def _phases(parent: Any, started: int, ended: int, job: Any) -> None:
+    """The queue and execute children, laid from `started` by the job's own durations and
+    kept within [started, ended]: the job's queue clock starts when it is submitted, which
+    may be a little before the span (a gRPC call's ticket), and an execute end past the
+    parent's would break the tree's nesting."""
     from opentelemetry.trace import set_span_in_context
 
     context = set_span_in_context(parent)
-    queued = started + int(job.queue_seconds * 1e9)
+    queued = min(started + int(job.queue_seconds * 1e9), ended)
     _tracer.start_span("queue", context, start_time=started).end(end_time=queued)
     execute = _tracer.start_span(
         "execute",
@@ -134,7 +138,7 @@ def _phases(parent: Any, started: int, job: Any) -> None:
         start_time=queued,
         attributes={"bitserve.batch_size": job.batch_rows, "bitserve.rows": job.rows},
     )
-    execute.end(end_time=queued + int(job.compute_seconds * 1e9))
+    execute.end(end_time=min(queued + int(job.compute_seconds * 1e9), ended))
 
 
 def generation(model: str, outputs: AsyncIterator[Any]) -> AsyncIterator[Any]:
