@@ -722,7 +722,7 @@ def verdict(
             label = "no answer"
         elif status == -2:
             label = "connection lost"
-        elif expected == "error":
+        elif expected == "error" and not (status == 503 and o["retry_after"]):
             label = "4xx" if 400 <= status < 500 else f"{status} (should be 4xx)"
         elif expected == "deadline":
             label = "deadline" if status in (200, 504) else f"{status}"
