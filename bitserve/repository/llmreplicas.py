@@ -45,7 +45,6 @@ import asyncio
 import contextlib
 import itertools
 import logging
-import math
 import os
 import time
 from collections import OrderedDict
@@ -63,6 +62,7 @@ from bitserve.llm.engine import load_tokenizer
 from bitserve.llm.outputs import CompletionOutput, RequestOutput
 from bitserve.llm.sampling_params import SamplingParams
 from bitserve.llm.scheduler import RequestTooLong
+from bitserve.repository.scaling import ScalingRule
 
 if TYPE_CHECKING:
     from prometheus_client.core import Metric
@@ -347,7 +347,7 @@ class RayLLMService(LLMService):
         self._watch: asyncio.Task | None = None
         self._spawning: dict[int, asyncio.Task] = {}  # slot -> its replica starting
         self.scaling = config.instance_group.autoscaling
-        self._since: tuple[int, float] | None = None  # (wanted count, since when)
+        self.rule = ScalingRule(self.scaling) if self.scaling is not None else None
         self._drains: set[asyncio.Task] = set()
         self._keys = itertools.count()  # one per request sent to a replica
 
@@ -440,31 +440,15 @@ class RayLLMService(LLMService):
     # ------------------------------------------------------------ autoscaling
 
     def _autoscale(self) -> None:
-        """Ray Serve's rule: ongoing requests (queued and running) over the target per
-        replica, clamped to [min, max]; a change held for its delay is made."""
-        scaling = self.scaling
-        ongoing = self.running + self.waiting
-        wanted = math.ceil(ongoing / scaling.target_ongoing_requests)
-        wanted = min(max(wanted, scaling.min_replicas), scaling.max_replicas)
+        """Ray Serve's rule (`scaling.ScalingRule`); one replica drained at a time."""
         serving = [r for r in self.replicas if not r.draining]
         have = len(serving) + sum(1 for s in self._spawning if s not in {r.slot for r in serving})
-        now = time.monotonic()
-        if wanted == have:
-            self._since = None
-            return
-        if self._since is None or self._since[0] != wanted:
-            self._since = (wanted, now)
-        delay = scaling.upscale_delay_s if wanted > have else scaling.downscale_delay_s
-        if now - self._since[1] < delay:
-            return
-        self._since = None
-        if wanted > have:
-            for _ in range(wanted - have):
-                self._grow()
-        else:
-            alive = [r for r in serving if r.dead is None]
-            if alive:  # the least-loaded goes; a dead one is being replaced, not drained
-                self._drain(min(alive, key=lambda r: self.router.load.get(r, 0)))
+        change = self.rule.change(self.running + self.waiting, have)
+        for _ in range(max(change, 0)):
+            self._grow()
+        alive = [r for r in serving if r.dead is None]
+        if change < 0 and alive:  # the least-loaded goes; a dead one is being replaced
+            self._drain(min(alive, key=lambda r: self.router.load.get(r, 0)))
 
     def _grow(self) -> None:
         slot = max([r.slot for r in self.replicas] + list(self._spawning) + [-1]) + 1

@@ -43,6 +43,7 @@ from typing import Any
 from bitserve import raycluster
 from bitserve.backends.base import LoadError
 from bitserve.config import ModelConfig
+from bitserve.repository.scaling import ScalingRule
 
 log = logging.getLogger("bitserve.repository")
 
@@ -242,8 +243,7 @@ class Autoscaler:
     start): from zero the delay is not waited."""
 
     def __init__(self, path: Any, scaling: Any):
-        self.path, self.scaling = path, scaling
-        self._since: tuple[int, float] | None = None  # (wanted count, since when)
+        self.path, self.rule = path, ScalingRule(scaling)
         self._task: Any = None
 
     def start(self) -> None:
@@ -275,29 +275,14 @@ class Autoscaler:
         return queued + sum(len(batch) for _, batch in path.running.values())
 
     def tick(self) -> None:
-        import math
-
-        scaling, path = self.scaling, self.path
+        path = self.path
         if not path._serving():
             return
-        ongoing = self.ongoing()
-        wanted = math.ceil(ongoing / scaling.target_ongoing_requests)
-        wanted = min(max(wanted, scaling.min_replicas), scaling.max_replicas)
         have = len(path.serving_slots()) + len(path.starting)
-        now = time.monotonic()
-        if wanted == have:
-            self._since = None
-            return
-        if self._since is None or self._since[0] != wanted:
-            self._since = (wanted, now)
-        delay = scaling.upscale_delay_s if wanted > have else scaling.downscale_delay_s
-        if have > 0 and now - self._since[1] < delay:
-            return
-        self._since = None
-        if wanted > have:
-            for _ in range(wanted - have):
-                path.grow()
-        else:  # one at a time, an idle one first
+        change = self.rule.change(self.ongoing(), have)
+        for _ in range(max(change, 0)):
+            path.grow()
+        if change < 0:  # one at a time, an idle one first
             slots = path.serving_slots()
             idle = [s for s in slots if s not in path.running]
             path.retire((idle or slots)[-1])

@@ -34,6 +34,13 @@ def yolo_graph(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def untrained_graph(tmp_path_factory):
+    """For the refusals: they are decided before a box is scored, so no training."""
+    torch.manual_seed(0)
+    return yolo.export(yolo.Yolo(), tmp_path_factory.mktemp("yolo0") / "yolo.onnx")
+
+
+@pytest.fixture(scope="module")
 def coco_dir(tmp_path_factory):
     return yolo.coco_folder(tmp_path_factory.mktemp("coco") / "val", count=60)
 
@@ -54,6 +61,7 @@ def optimized(tmp_path_factory, yolo_graph, coco_dir):
     return folder, json.loads((folder / "optimize" / "report.json").read_text()), result.output
 
 
+@pytest.mark.slow  # a minute of training and 20 timing rounds of each variant: make test-all
 def test_every_technique_that_applies_runs_and_reports(optimized):
     folder, doc, output = optimized
     rows = {r["name"]: r for r in doc["variants"]}
@@ -83,6 +91,7 @@ def test_every_technique_that_applies_runs_and_reports(optimized):
     assert "best combination:" in output
 
 
+@pytest.mark.slow
 def test_each_variant_serves_as_a_version_through_tritonclient(optimized, coco_dir):
     folder, doc, _ = optimized
     versions = doc["versions"]
@@ -188,8 +197,8 @@ def _refused(folder, *args):
     return result.output
 
 
-def test_malformed_coco_file_names_the_file_and_the_field(tmp_path, yolo_graph, coco_dir):
-    folder = _model(tmp_path, yolo_graph)
+def test_malformed_coco_file_names_the_file_and_the_field(tmp_path, untrained_graph, coco_dir):
+    folder = _model(tmp_path, untrained_graph)
     bad = tmp_path / "bad"
     shutil.copytree(coco_dir, bad)
     doc = json.loads((bad / "instances_val.json").read_text())
@@ -201,20 +210,20 @@ def test_malformed_coco_file_names_the_file_and_the_field(tmp_path, yolo_graph, 
     assert "not a JSON file" in _refused(folder, "--data", str(bad))
 
 
-def test_unmappable_outputs_name_the_config_and_the_field(tmp_path, yolo_graph, coco_dir):
+def test_unmappable_outputs_name_the_config_and_the_field(tmp_path, untrained_graph, coco_dir):
     config = yolo.CONFIG.replace('output = "predictions"', 'output = "detections"')
-    folder = _model(tmp_path, yolo_graph, config)
+    folder = _model(tmp_path, untrained_graph, config)
     output = _refused(folder, "--data", str(coco_dir))
     assert "parameters.outputs.output" in output and "'detections'" in output
     config = yolo.CONFIG.replace('decoder = "yolo"', 'decoder = "centernet"')
-    output = _refused(_model(tmp_path / "b", yolo_graph, config), "--data", str(coco_dir))
+    output = _refused(_model(tmp_path / "b", untrained_graph, config), "--data", str(coco_dir))
     assert "config.toml" in output and "parameters.outputs.heatmap: missing" in output
 
 
 def test_calibration_of_the_wrong_shape_names_the_file_and_the_field(
-    tmp_path, yolo_graph, coco_dir
+    tmp_path, untrained_graph, coco_dir
 ):
-    folder = _model(tmp_path, yolo_graph)
+    folder = _model(tmp_path, untrained_graph)
     wrong = tmp_path / "calibration.npy"
     np.save(wrong, np.zeros((4, 3, 64, 64), np.float32))
     output = _refused(folder, "--data", str(coco_dir), "--calibration", str(wrong))
