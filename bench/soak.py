@@ -1,7 +1,7 @@
 """Hours, not requests: a soak and chaos run against one `bitserve serve` (issue 35).
 
     python -m bench.soak --minutes 30 [--clients 3] [--concurrency 8] [--report DIR]
-                         [--no-chaos] [--plant-leak]
+                         [--no-chaos] [--plant-leak] [--ray]
 
 One server on the default repository (built into a temp copy, plus a process-isolated
 copy of `mlp` for kill -9, a second `mlp` version behind a canary split, and a spare
@@ -21,9 +21,11 @@ unload/load of the spare model; a version swap of mlp's canary (promote: version
 takes all traffic, then the canary policy again); a `bitserve batch` job over the same
 repository beside the server (every row answered); and a SIGTERM drain at the end
 (requests in flight finish, the process exits 0). Every event is logged with the
-requests that overlapped it, by model and outcome. Not here: killing a Ray replica's
-actor (a Ray cluster in the soak would not fit the 2-minute `make test` run; rayllm's
-tests kill one).
+requests that overlapped it, by model and outcome. `--ray` adds `mlp_ray`, mlp as two
+Ray replicas on a private Ray (`serve --ray local`), in the v2 JSON mix, and one more
+event: kill -9 of a replica's actor process (its batch gets 503 with Retry-After, the
+other replica serves on, a replacement starts). Not in the 2-minute `make test` run:
+Ray's start alone would take a quarter of it.
 
 Every `--sample` seconds the server's RSS (with its children), open file descriptors
 and threads, and its own metrics (KV blocks in use, queue depths, in-flight requests)
@@ -124,7 +126,7 @@ def engine_fault(seqs: list) -> None:
 
 
 # -- the repository and the server ----------------------------------------------------
-def build_repository(root: Path, plant_leak: bool) -> Path:
+def build_repository(root: Path, plant_leak: bool, ray: bool = False) -> Path:
     repo = root / "models"
     shutil.copytree(ROOT / "models", repo, symlinks=True)
     for report in repo.glob("*/report"):
@@ -146,6 +148,11 @@ def build_repository(root: Path, plant_leak: bool) -> Path:
     proc.mkdir()
     shutil.copytree(repo / "mlp" / "1", proc / "1")
     (proc / "config.toml").write_text(mlp + '\n[instance_group]\nisolation = "process"\n')
+    if ray:  # Ray actor kill target: two replicas, so one serves while the other restarts
+        shutil.copytree(repo / "mlp" / "1", repo / "mlp_ray" / "1")
+        (repo / "mlp_ray" / "config.toml").write_text(
+            mlp + '\n[instance_group]\nisolation = "ray"\ncount = 2\nnum_cpus = 0.5\n'
+        )
     # admin unload/load target
     shutil.copytree(repo / "bow_classifier", repo / "bow_spare")
     if plant_leak:
@@ -164,7 +171,7 @@ def free_port() -> int:
 
 
 def start_server(
-    repo: Path, log: Path, threads: int, faults: Path
+    repo: Path, log: Path, threads: int, faults: Path, ray: bool = False
 ) -> tuple[subprocess.Popen, str, str]:
     import httpx
 
@@ -172,6 +179,7 @@ def start_server(
     cmd = [sys.executable, "-m", "bitserve.cli", "serve", "--repository", str(repo)]
     cmd += ["--port", str(port), "--grpc-port", str(grpc_port), "--admin-token", TOKEN]
     cmd += ["--threads", str(threads), "--model-control", "explicit", "--load-model", "*"]
+    cmd += ["--ray", "local"] if ray else []
     path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(threads), PYTHONPATH=path)
     env |= {"BITSERVE_LLM_FAULT_HOOK": "bench.soak:engine_fault", FAULTS_ENV: str(faults)}
@@ -227,6 +235,16 @@ def proc_stats(pid: int) -> dict:
         except (OSError, KeyError, ValueError):
             pass  # a child that just exited
     return out
+
+
+def ray_replicas() -> list[int]:
+    """The pids of the Ray replica actors' worker processes (titled `ray::ReplicaActor`)."""
+    pids = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        with contextlib.suppress(OSError):
+            if cmdline.read_bytes().startswith(b"ray::ReplicaActor"):
+                pids.append(int(cmdline.parent.name))
+    return sorted(pids)
 
 
 def process_instance(pid: int) -> int | None:
@@ -319,7 +337,7 @@ BAD_BODIES = [
 async def one_request(client, grpc_client, kind: str, rng: random.Random, plant_leak: bool):
     """Send one request of `kind`; returns (protocol, model, response or status, expected)."""
     if kind == "v2_json":
-        model = rng.choice(["mlp", "mlp_proc"])
+        model = rng.choice(["mlp", "mlp_proc", *(["mlp_ray"] if RAY_MIX else [])])
         x = np.random.default_rng(rng.randrange(1 << 30)).standard_normal(
             (1, 512), dtype=np.float32
         )
@@ -441,6 +459,7 @@ WORDS = [
     "green",
     "pastures",
 ]
+RAY_MIX = False  # a client process sends mlp_ray its share of v2 JSON (--ray)
 MIX = {
     "v2_json": 10,
     "v2_binary": 6,
@@ -468,10 +487,14 @@ def client_main(
     seed: int,
     out: str,
     plant_leak: bool,
+    ray: bool = False,
 ):
     """One client process: `concurrency` loops sending the mix until `seconds` pass."""
     import httpx
     import tritonclient.grpc.aio as grpcclient
+
+    global RAY_MIX
+    RAY_MIX = ray
 
     mix = {k: w for k, w in MIX.items() if k != "leak" or plant_leak}
     kinds, weights = list(mix), list(mix.values())
@@ -535,6 +558,7 @@ def chaos(
     events: list[Event],
     stop: threading.Event,
     interval: float,
+    ray: bool = False,
 ) -> None:
     """One chaos event every `interval` seconds, each kind in turn, until `stop`."""
     import httpx
@@ -559,6 +583,17 @@ def chaos(
         os.kill(pid, signal.SIGKILL)  # the server replaces it: the event lasts until ready
         until(lambda: process_instance(server_pid) not in (None, pid) and ready("mlp_proc"))
         return Event("kill -9 instance", start, time.time() + 1.0, ["mlp_proc"], f"pid {pid}")
+
+    def kill_ray_replica() -> Event:
+        start, before = time.time(), ray_replicas()
+        if not before:
+            return Event(
+                "kill -9 Ray replica", start, time.time(), ["mlp_ray"], "none found", ok=False
+            )
+        os.kill(before[0], signal.SIGKILL)  # the server starts a replacement where Ray has room
+        back = until(lambda: len(set(ray_replicas()) - {before[0]}) >= len(before), 180)
+        detail = f"pid {before[0]} of {len(before)}, " + ("replaced" if back else "NOT replaced")
+        return Event("kill -9 Ray replica", start, time.time() + 1.0, ["mlp_ray"], detail, ok=back)
 
     def engine_fault() -> Event:
         start, victims = time.time(), faults / "victims"
@@ -621,6 +656,7 @@ def chaos(
 
     # the quick ones first: a 2-minute run on a loaded box may only get to four
     kinds = [engine_fault, version_swap, kill_instance, engine_loop_kill, unload_load, batch_job]
+    kinds += [kill_ray_replica] if ray else []
     turn = 0
     while not stop.wait(interval):
         try:
@@ -845,14 +881,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--plant-leak", action="store_true", help="a model that leaks 1 MiB a request"
     )
+    parser.add_argument("--ray", action="store_true", help="Ray replicas, and an actor killed")
     args = parser.parse_args(argv)
     seconds = args.minutes * 60
     args.report.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="bitserve-soak-"))
-    repo = build_repository(work, args.plant_leak)
+    repo = build_repository(work, args.plant_leak, args.ray)
     faults = work / "faults"
     faults.mkdir()
-    server, url, grpc_target = start_server(repo, args.report / "server.log", args.threads, faults)
+    server, url, grpc_target = start_server(
+        repo, args.report / "server.log", args.threads, faults, args.ray
+    )
     timeline: list[dict] = []
     events: list[Event] = []
     stop = threading.Event()
@@ -863,7 +902,7 @@ def main(argv: list[str] | None = None) -> int:
     ]
     if not args.no_chaos:
         interval = max(10.0, seconds / 16)
-        chaos_args = (server.pid, url, repo, faults, events, stop, interval)
+        chaos_args = (server.pid, url, repo, faults, events, stop, interval, args.ray)
         threads.append(threading.Thread(target=chaos, args=chaos_args, daemon=True))
     for th in threads:
         th.start()
@@ -872,7 +911,16 @@ def main(argv: list[str] | None = None) -> int:
     clients = [
         ctx.Process(
             target=client_main,
-            args=(url, grpc_target, seconds, args.concurrency, i, str(f), args.plant_leak),
+            args=(
+                url,
+                grpc_target,
+                seconds,
+                args.concurrency,
+                i,
+                str(f),
+                args.plant_leak,
+                args.ray,
+            ),
         )
         for i, f in enumerate(files)
     ]
