@@ -9,7 +9,10 @@ queue full, the event loop busy sending tokens); meanwhile bursts of `--burst` r
 arrive at once on each protocol: OpenAI chat over HTTP, v2 infer over HTTP (text_input),
 v2 ModelInfer over gRPC. A refusal's time is from its request's write to its status
 line (gRPC: to the call's end), on connections opened beforehand: a refusal, not a
-handshake, is timed. `live` is polled all along.
+handshake, is timed. `live` is polled all along. Beside the times, from the server's
+schedstat: the event loop's CPU from a burst's first send to its last refusal, and its
+time runnable but waiting for a CPU over the same span (what a loaded box adds; the CPU
+figure it does not stretch). `--unstreamed` saturates with chats not streamed.
 
 `--hostile` measures item 4 instead: the p50/p99 of normal chats (a closed loop of 4
 users, 16 tokens each) alone (clean), then beside 100 streams of 200 tokens (20 logprobs
