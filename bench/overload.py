@@ -9,7 +9,10 @@ queue full, the event loop busy sending tokens); meanwhile bursts of `--burst` r
 arrive at once on each protocol: OpenAI chat over HTTP, v2 infer over HTTP (text_input),
 v2 ModelInfer over gRPC. A refusal's time is from its request's write to its status
 line (gRPC: to the call's end), on connections opened beforehand: a refusal, not a
-handshake, is timed. `live` is polled all along.
+handshake, is timed. `live` is polled all along. Beside the times, from the server's
+schedstat: the event loop's CPU from a burst's first send to its last refusal, and its
+time runnable but waiting for a CPU over the same span (what a loaded box adds; the CPU
+figure it does not stretch). `--unstreamed` saturates with chats not streamed.
 
 `--hostile` measures item 4 instead: the p50/p99 of normal chats (a closed loop of 4
 users, 16 tokens each) alone (clean), then beside 100 streams of 200 tokens (20 logprobs
@@ -39,6 +42,7 @@ import shutil
 import socket
 import struct
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -78,9 +82,10 @@ def head_of(raw: bytes) -> tuple[int, dict[str, str]]:
 
 
 # -- the saturating streams, in a process of their own ---------------------------------
-def saturate(port: int, streams: int, seconds: float) -> None:
-    """`streams` streamed chats, each started again when it ends (or 0.2 s after a 429)."""
-    request = http_request("/v1/chat/completions", chat_body(200, True), close=True)
+def saturate(port: int, streams: int, seconds: float, stream: bool = True) -> None:
+    """`streams` streamed chats (or not streamed: their text sent once, at the end),
+    each started again when it ends (or 0.2 s after a 429)."""
+    request = http_request("/v1/chat/completions", chat_body(200, stream), close=True)
 
     async def one() -> None:
         end = time.monotonic() + seconds
@@ -116,8 +121,9 @@ def timed_clients(
     or 503 first (as the openai SDK does), then sends again.
 
     Each answer: (status, ms to the kernel's receive time of its first bytes, ms to when
-    this loop read them, Retry-After given). The first figure leaves out this client's
-    own lag (one Python loop reading hundreds of answers); both are from the send."""
+    this loop read them, Retry-After given, that kernel time in time_ns). The first
+    figure leaves out this client's own lag (one Python loop reading hundreds of
+    answers); both are from the send."""
     socks = []
     for _ in range(n):
         sock = socket.create_connection(("127.0.0.1", port))
@@ -151,7 +157,7 @@ def timed_clients(
             if state is None:
                 continue
             if not data:  # closed by the server
-                answers.append((0, 0.0, 0.0, False))
+                answers.append((0, 0.0, 0.0, False, None))
                 del pending[i]
                 continue
             if state[2] is None:
@@ -170,7 +176,7 @@ def timed_clients(
                 continue
             sent, _, kernel, read = state
             has_retry = "retry-after" in headers
-            answers.append((status, (kernel - sent) / 1e6, (read - sent) / 1e6, has_retry))
+            answers.append((status, (kernel - sent) / 1e6, (read - sent) / 1e6, has_retry, kernel))
             del pending[i]
             if retry == "once" or time.monotonic() >= end:
                 continue
@@ -232,9 +238,32 @@ async def poll_live(port: int, stop: asyncio.Event) -> list[int]:
 
 
 def loop_cpu(pid: int) -> float:
-    """Seconds of CPU the server's main thread (its event loop) has used."""
-    fields = Path(f"/proc/{pid}/task/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """Seconds of CPU the server's main thread (its event loop) has used (schedstat's
+    nanoseconds: stat's clock ticks are 10 ms, a burst's whole cost is 30-50)."""
+    return loop_sched(pid)[0] / 1e9
+
+
+def loop_sched(pid: int) -> tuple[int, int]:
+    """The event loop thread's ns on a CPU and ns waiting for one (runnable)."""
+    on_cpu, waiting = Path(f"/proc/{pid}/task/{pid}/schedstat").read_text().split()[:2]
+    return int(on_cpu), int(waiting)
+
+
+def sample_loop(pid: int, stop: threading.Event) -> list[tuple[int, int, int]]:
+    """(time_ns, loop ns on CPU, loop ns waiting for a CPU) every ~0.5 ms until `stop`:
+    what the loop did before a burst's last refusal, in its own CPU time, which the
+    box's load does not stretch as it stretches wall-clock time."""
+    samples = []
+    while not stop.is_set():
+        samples.append((time.time_ns(), *loop_sched(pid)))
+        time.sleep(0.0005)
+    return samples
+
+
+def before(samples: list[tuple[int, int, int]], when: int) -> tuple[int, int, int]:
+    """The last sample taken at or before `when` (time_ns)."""
+    earlier = [s for s in samples if s[0] <= when]
+    return earlier[-1] if earlier else samples[0]
 
 
 async def measure(
@@ -256,11 +285,19 @@ async def measure(
     rows = {}
     for name, run in protocols.items():
         cpu = loop_cpu(pid)
-        answers = [a if len(a) == 4 else (a[0], a[1], a[1], a[2]) for a in await run()]
+        stop_sampling = threading.Event()
+        sampling = asyncio.create_task(asyncio.to_thread(sample_loop, pid, stop_sampling))
+        await asyncio.sleep(0.01)
+        start = time.time_ns()
+        answers = [a if len(a) == 5 else (a[0], a[1], a[1], a[2], None) for a in await run()]
         cpu = loop_cpu(pid) - cpu
+        stop_sampling.set()
+        samples = await sampling
         await asyncio.sleep(0.5)
         refused = [a for a in answers if a[0] in (429, 503) and a[3]]
         wire, read = [a[1] for a in refused], [a[2] for a in refused]
+        last = max((a[4] for a in refused if a[4] is not None), default=None)
+        first, at_last = before(samples, start), before(samples, last or start)
         rows[name] = {
             "requests": len(answers),
             "refused": len(refused),
@@ -269,6 +306,10 @@ async def measure(
             "p99_ms": float(np.percentile(wire, 99)) if wire else None,
             "p99_read_ms": float(np.percentile(read, 99)) if read else None,
             "loop_cpu_us_per_request": cpu / max(1, len(answers)) * 1e6,
+            # from the burst's first send to its last refusal (HTTP): the event loop's
+            # CPU, and its time runnable but waiting for a CPU (the box's share)
+            "loop_cpu_ms_to_last": (at_last[1] - first[1]) / 1e6 if last else None,
+            "loop_runq_ms_to_last": (at_last[2] - first[2]) / 1e6 if last else None,
         }
     stop.set()
     codes = await live
@@ -436,7 +477,8 @@ def run_tree(tree: Path, repo: Path, args: argparse.Namespace, env: dict) -> dic
             idle = asyncio.run(measure(port, target, args, "full", pid))
         seconds = 30 + 3 * args.retry_seconds
         ctx = multiprocessing.get_context("spawn")
-        saturator = ctx.Process(target=saturate, args=(port, args.streams, seconds))
+        saturating = (port, args.streams, seconds, not args.unstreamed)
+        saturator = ctx.Process(target=saturate, args=saturating)
         saturator.start()
         time.sleep(3.0)  # the streams are running and the queue is full
         try:
@@ -468,6 +510,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--retry-seconds", type=float, default=10.0, help="how long they retry")
     parser.add_argument("--alone", action="store_true", help="also refusals with an idle engine")
+    parser.add_argument(
+        "--unstreamed",
+        action="store_true",
+        help="the saturating chats are not streamed (what the streams' sends cost refusals)",
+    )
     parser.add_argument("--grpc", action="store_true", help="also v2 gRPC (a burst)")
     parser.add_argument("--hostile", action="store_true", help="slow and hostile clients")
     parser.add_argument("--seconds", type=float, default=20.0, help="--hostile: per phase")
@@ -511,7 +558,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{load}; clients: {args.burst}, {args.retry}")
     print(
         f"{'variant':34s} {'phase':9s} {'protocol':12s} {'refused':>9s}  p50 ms (min-max)"
-        f"       p99 ms (min-max)     p99 read ms  loop us/req"
+        f"       p99 ms (min-max)     p99 read ms  loop us/req  to the last refusal: loop"
+        f" CPU ms, loop waiting for a CPU ms"
     )
     results = []
     for i, (tree, env) in enumerate(variants):
@@ -522,9 +570,13 @@ def main(argv: list[str] | None = None) -> int:
                 refused = f"{sum(x['refused'] for x in rows)}/{sum(x['requests'] for x in rows)}"
                 cols = [_spread([x[k] for x in rows]) for k in ("p50_ms", "p99_ms", "p99_read_ms")]
                 cpu = np.median([x["loop_cpu_us_per_request"] for x in rows])
+                to_last = [
+                    _spread([x.get(k) for x in rows])
+                    for k in ("loop_cpu_ms_to_last", "loop_runq_ms_to_last")
+                ]
                 print(
                     f"{label:34s} {phase:9s} {name:12s} {refused:>9s} {cols[0]:>22s} "
-                    f"{cols[1]:>22s} {cols[2]:>16s} {cpu:8.0f}"
+                    f"{cols[1]:>22s} {cols[2]:>16s} {cpu:8.0f}  {to_last[0]:>20s} {to_last[1]:>20s}"
                 )
         live = all(run["live_all_200"] for run in runs[i])
         probes = sum(run["live_probes"] for run in runs[i])

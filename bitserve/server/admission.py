@@ -30,6 +30,7 @@ bodies at once are refused, not an out-of-memory.
 from __future__ import annotations
 
 import re
+import time
 from typing import Any
 
 import orjson
@@ -62,6 +63,7 @@ class Admission:
         self.max_body = state.options.max_body
         self.body_memory = state.options.body_memory or 4 * self.max_body
         self.bodies = 0  # bytes of the bodies admitted and not yet done
+        self._responses: dict[tuple, Response] = {}  # refusals by message (_response)
 
     async def __call__(self, app: Any, scope: dict, receive: Any, send: Any) -> None:
         length = _content_length(scope)
@@ -146,15 +148,28 @@ class Admission:
                 return None  # the route says what is wrong with it
             version = self._version(model, None) if isinstance(model, str) else None
             if version is not None and (refused := _refusal(version)) is not None:
-                return openai_body(refused)
+                return self._response(openai_body, refused)
             return None
         if (m := V2_INFER.fullmatch(path)) is not None:
             pinned = m[2] or _header(scope, VERSION_KEY)
             version = self._version(m[1], pinned)
             if version is not None and (refused := _refusal(version)) is not None:
                 Record(self.state, version, None).close(refused)  # counted as the v2 path does
-                return v2_body(refused)
+                return self._response(v2_body, refused)
         return None
+
+    def _response(self, shape: Any, refused: Overloaded) -> Response:
+        """The refusal's response, built once per distinct message (a burst's refusals
+        say the same thing: the queue is as full for the last as for the first), and
+        the time of the latest refusal (`ServerState.quiet`)."""
+        self.state.refused_at = time.monotonic()
+        key = (shape, str(refused), refused.retry_after)
+        response = self._responses.get(key)
+        if response is None:
+            if len(self._responses) >= 64:  # messages carry queue counts: a few at a time
+                self._responses.clear()
+            response = self._responses[key] = shape(refused)
+        return response
 
     def _version(self, model: str, pinned: str | None) -> ModelVersion | None:
         """The version a request for `model` reaches, when it is found without routing
@@ -174,7 +189,11 @@ def _refusal(version: ModelVersion) -> Overloaded | None:
     try:
         check(version)
     except Overloaded as refusal:
-        return refusal
+        # without its traceback: the traceback holds this frame, whose local holds the
+        # exception, a cycle that only the garbage collector frees. A burst's refusals
+        # left thousands of frames to it, and its young collections on the event loop
+        # took 2-11 ms each, in the middle of the burst.
+        return refusal.with_traceback(None)
     return None
 
 
