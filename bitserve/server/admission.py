@@ -30,7 +30,6 @@ bodies at once are refused, not an out-of-memory.
 from __future__ import annotations
 
 import re
-import time
 from typing import Any
 
 import orjson
@@ -160,9 +159,7 @@ class Admission:
 
     def _response(self, shape: Any, refused: Overloaded) -> Response:
         """The refusal's response, built once per distinct message (a burst's refusals
-        say the same thing: the queue is as full for the last as for the first), and
-        the time of the latest refusal (`ServerState.quiet`)."""
-        self.state.refused_at = time.monotonic()
+        say the same thing: the queue is as full for the last as for the first)."""
         key = (shape, str(refused), refused.retry_after)
         response = self._responses.get(key)
         if response is None:

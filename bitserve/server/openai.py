@@ -35,7 +35,7 @@ from bitserve.api.openai import (
     parse,
 )
 from bitserve.backends.llm import EngineRequest, Hold, LLMService
-from bitserve.inference import ClientGone, Overloaded
+from bitserve.inference import ClientGone
 from bitserve.llm import tools
 from bitserve.llm.outputs import RequestOutput
 from bitserve.repository.version import ModelVersion
@@ -135,19 +135,13 @@ class OpenAI:
         encoding of all the requests ahead of it. Then the turn to render (`_turn`, the
         caller releases it): one template per pass of the event loop, so requests that
         arrive meanwhile are read, and refused, between two templates rather than after
-        all of them; and not while requests are being refused (`ServerState.quiet`).
-        Looked up again after these awaits: no await may come between the lookup and
-        the lease (a drain must not miss it)."""
+        all of them. Looked up again after these awaits: no await may come between the
+        lookup and the lease (a drain must not miss it)."""
         await self.state.repository.ensure_loaded(model)
         _, llm = self._llm(model)
-        try:
-            hold = llm.hold()
-        except Overloaded:
-            self.state.refused_at = time.monotonic()
-            raise
+        hold = llm.hold()
         try:
             await asyncio.sleep(0)
-            await self.state.quiet()
             await self._turn.acquire()
         except BaseException:
             hold.release()

@@ -24,8 +24,6 @@ from bitserve.server.shm import SharedMemory
 log = logging.getLogger("bitserve.server")
 
 DEFAULT_MAX_BODY = 64 * 1024 * 1024  # Triton's --http-max-input-size
-QUIET_S = 0.03  # quiet(): a burst's refusals come closer together than this
-QUIET_MAX_S = 0.25  # quiet(): refusals that never stop do not hold an admitted request longer
 
 
 @dataclass
@@ -57,20 +55,6 @@ class ServerState:
         self.inflight = 0
         self._idle = asyncio.Event()
         self._idle.set()
-        self.refused_at = 0.0  # time.monotonic() of the latest overload refusal (admission.py)
-
-    async def quiet(self) -> None:
-        """Wait until no request has been refused for QUIET_S (at most QUIET_MAX_S): the
-        front door of a request admitted during a burst (its chat template and
-        tokenization, ~0.7 ms of the event loop on tinylm) comes after the burst's
-        refusals, not between them. It holds its place in the queue meanwhile, and
-        it would wait there anyway: the queue is full when requests are refused."""
-        deadline = time.monotonic() + QUIET_MAX_S
-        while (now := time.monotonic()) < deadline:
-            since = now - self.refused_at
-            if since >= QUIET_S:
-                return
-            await asyncio.sleep(min(QUIET_S - since, deadline - now))
 
     def problems(self) -> list[str]:
         """Why the process is not live: each loaded version's problem (none: live)."""
