@@ -111,7 +111,7 @@ def served_perplexity(arm: Arm, path: Path, tokens: list[int], cfg) -> dict:
     if arm.server == "bitserve":
         config = f'backend = "llm"\n\n[parameters]\nmax_model_len = {cfg.ctx + 1}\n'
         repo = bitserve_repository(RESULTS / "perplexity-repo", arm, path, config)
-        server = Server.bitserve(repo, threads=cfg.threads, timeout=900, env=dict(arm.env))
+        server = Server.bitserve(repo, threads=cfg.threads, timeout=900)
         logprobs = bitserve_logprobs
     else:
         python = vllm_python(cfg.vllm_python)

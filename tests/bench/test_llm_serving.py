@@ -110,7 +110,11 @@ def test_bitserve_serves_the_gguf_file_itself_and_bf16_asks_for_it(tmp_path):
     version = repo / "llama" / "1"
     assert [p.name for p in version.iterdir()] == [gguf.name]
     assert (version / gguf.name).resolve() == gguf.resolve()
-    assert "dtype" not in (repo / "llama" / "config.toml").read_text()
+    text = (repo / "llama" / "config.toml").read_text()
+    assert "dtype" not in text and "gguf_activations" not in text  # the default: int8 x
+    repo = ls.bitserve_repository(tmp_path / "repo", arms["bitserve Q4_K_M x fp32"], gguf)
+    config = tomllib.loads((repo / "llama" / "config.toml").read_text())
+    assert config["parameters"]["gguf_activations"] == "fp32"
     hf = tmp_path / "hf"
     hf.mkdir()
     (hf / "config.json").write_text("{}")
@@ -141,10 +145,10 @@ def test_the_json_names_each_arms_precision_its_gguf_types_and_the_cpu(tmp_path)
     arm = ls.Arm("llama.cpp Q4_K_M", "llamacpp", "Q4_K_M", "float32", "f16")
     row = ls.describe(arm, path)
     assert row == {"name": "llama.cpp Q4_K_M", "server": "llamacpp", "weights": "Q4_K_M",
-                   "dtype": "float32", "kv": "f16", "env": {}, "path": str(path),
+                   "dtype": "float32", "kv": "f16", "params": {}, "path": str(path),
                    "gguf_tensor_types": {"F16": 1, "F32": 2}}  # fmt: skip
-    a8 = next(a for a in ls.MODES["recommended"] if a.name == "bitserve Q4_K_M a8")
-    assert ls.describe(a8, path)["env"] == {"BITSERVE_GGML_A8": "1"}  # its setting, in the JSON
+    exact = next(a for a in ls.MODES["recommended"] if a.name == "bitserve Q4_K_M x fp32")
+    assert ls.describe(exact, path)["params"] == {"gguf_activations": "fp32"}  # in the JSON
     isa = ls.cpu_isa()
     assert isa["model"] and isa["cpus"] >= 1
     assert {"avx512f", "avx512_bf16", "avx512_vnni"} <= set(isa)
