@@ -171,3 +171,39 @@ def test_score_counts_only_the_second_half_of_each_window():
     assert out["ppl"] == pytest.approx(math.exp(1.5))
     with pytest.raises(ValueError):
         pp.score([[None] * 6], 6)
+
+
+def test_score_keeps_each_scored_tokens_nll():
+    logprobs = [[None, -1.0, -2.0, -0.5], [None, -0.1, -3.0, -0.2]]
+    result = pp.score(logprobs, 4)
+    assert result["nll"] == [0.5, 0.2]  # tokens ctx/2 + 1 .. ctx - 1 of each window
+    assert result["ppl"] == pytest.approx(math.exp(0.35))
+
+
+def test_paired_comparison_of_two_arms_on_the_same_tokens():
+    """A paired bootstrap over windows (scipy) against a paired t-interval of the
+    windows' mean NLLs carried to perplexity (ppl x the NLL difference, to first order):
+    two methods, one answer; an arm 1% worse in NLL shows, a copy with noise does not."""
+    from scipy import stats
+
+    rng = np.random.default_rng(0)
+    windows, per = 160, 63
+    base = rng.gamma(2.0, 1.6, (windows, per))  # per-token NLLs, mean ~3.2 (ppl ~25)
+    worse = base + 0.03 + rng.normal(0, 0.05, base.shape)
+    c = pp.paired(worse.ravel().tolist(), base.ravel().tolist(), windows)
+    wa, wb = worse.mean(1), base.mean(1)
+    assert c["difference"] == pytest.approx(math.exp(wa.mean()) - math.exp(wb.mean()))
+    t = stats.ttest_rel(wa, wb)
+    half = stats.t.ppf(0.975, windows - 1) * (wa - wb).std(ddof=1) / math.sqrt(windows)
+    ppl = math.exp(wb.mean())
+    want = [ppl * ((wa - wb).mean() - half), ppl * ((wa - wb).mean() + half)]
+    assert c["ci95"] == pytest.approx(want, rel=0.1)
+    assert c["ci95"][0] > 0 and c["p"] == pytest.approx(t.pvalue)
+    same = base + rng.normal(0, 0.05, base.shape)
+    d = pp.paired(same.ravel().tolist(), base.ravel().tolist(), windows)
+    assert d["ci95"][0] < 0 < d["ci95"][1] and d["p"] > 0.05
+    with pytest.raises(ValueError, match="different tokens"):
+        pp.paired([1.0, 2.0], [1.0], 1)
+    rows = {"x": {"ppl": 3.0}, "y": {"nll": [1.0], "windows": 1}}
+    with pytest.raises(ValueError, match="x: no per-token NLL"):
+        pp.compare(rows, "x", "y")
