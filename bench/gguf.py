@@ -8,8 +8,11 @@ GQA 16/4, intermediate 2816 = 11 x 256, so every K-quant row is whole super-bloc
 vocab 32000, untied head) is built in a temp dir and made into: bitserve's own int8 and
 int4 (`bitserve quantize`'s functions, as bench/quant.py), and GGUF files by llama.cpp's
 converter (F32) and `llama-quantize` (Q8_0, Q4_K_M), which bitserve serves through
-`GgmlLinear` (kernels/csrc/ggml.c). Its tokenizer is the tests' small byte-level BPE
-(the converter pads the vocab to 32000); prompts are token ids. Each variant decodes
+`GgmlLinear` (kernels/csrc/ggml.c): by default with int8 activations (its tiles, every
+batch size, batch 1 included), and as "Q8_0 x fp32" / "Q4_K_M x fp32" on the fp32
+parity path; the weights column counts what each holds (the tiles, not the file's
+bytes). Its tokenizer is the tests' small byte-level BPE (the converter pads the vocab
+to 32000); prompts are token ids. Each variant decodes
 greedily at batch 1 and 16 through the engine, the variants taking turns in each round,
 best of `--repeats` (bench/quant.py's `measure`). "x read" is batch-1 decode's bytes
 read per second (each weight once a step, one row of the embedding) against a plain
@@ -29,9 +32,10 @@ above 4 rows x rounded per row in the GGUF kernel's tiles, and torch._int_mm on 
 rounding, which it replaced) and int4 (group 32), and each GGUF block type (random codes,
 finite scales) with int8 activations (the default, `gguf_activations = "int8"`, the
 "a8" tiles: csrc/ggml.c's microkernel) and with fp32 ones ("fp32", the parity path).
-Milliseconds per call, median of --repeats rounds, the variants taking turns in each
-round (the order rotated by one a round); the min-max spread beside each, and the ratio
-to int4 on the same shape and rows. Each round also times this core's peak (12
+Milliseconds per call (process CPU time, which a descheduled spell on a loaded box does
+not count; --clock wall for wall time), median of --repeats rounds, the variants taking
+turns in each round (the order rotated by one a round); the min-max spread beside each,
+and the ratio to int4 on the same shape and rows. Each round also times this core's peak (12
 independent chains of vpdpbusd, vdpbf16ps and vfmadd231ps, 512-bit: `bs_isa_peak`), so
 a second table gives each variant's multiply-adds per second as a fraction of the VNNI
 peak measured in the same round (median over rounds; the peaks themselves are printed).
@@ -48,7 +52,14 @@ from pathlib import Path
 
 import torch
 
-from bench.quant import against_fp32, load_engine, make_variants, measure, print_table
+from bench.quant import (
+    against_fp32,
+    decode_tok_s,
+    load_engine,
+    make_variants,
+    measure,
+    print_table,
+)
 from tests.llm.conftest import build_tokenizer
 from tools.llama_cpp import CONVERTER, QUANTIZE, convert, quantize
 
@@ -58,7 +69,8 @@ SIZES = {  # bench/llm_serving.py's 246m and 1b
     "1b": dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32,
                num_key_value_heads=8, intermediate_size=5632),
 }  # fmt: skip
-VARIANTS = ("fp32", "int8", "int4", "Q8_0", "Q4_K_M")
+VARIANTS = ("fp32", "int8", "int4", "Q8_0", "Q4_K_M", "Q8_0 x fp32", "Q4_K_M x fp32")
+X_FP32 = " x fp32"  # a GGUF variant's suffix: its blocks meet fp32 activations (parity path)
 GGUF_TYPES = ("Q8_0", "Q4_K_M", "Q4_0", "Q5_K_M", "Q6_K", "Q5_0")
 
 
@@ -90,12 +102,25 @@ def make_files(root: Path, size: str, variants: list[str]) -> dict[str, tuple[Pa
     hf = build_hf(root / "hf", size)
     own = [v for v in variants if v in ("fp32", "bf16", "int8", "int4")]
     folders = make_variants(root, hf, own)
-    ggufs = [v for v in variants if v in GGUF_TYPES]
+    ggufs = sorted({v.removesuffix(X_FP32) for v in variants} & set(GGUF_TYPES))
     if ggufs:
         f32 = convert(hf, "f32", root / "f32.gguf")
         for kind in ggufs:
             folders[kind] = (quantize(f32, root / f"{kind}.gguf", kind), "float32")
-    return {v: folders[v] for v in variants}
+    return {v: folders[v.removesuffix(X_FP32)] for v in variants}
+
+
+def gguf_engine(name: str, path: Path, dtype: str, max_batch: int):
+    """bench.quant's engine, with `gguf_activations` "fp32" for an " x fp32" variant."""
+    from bitserve.llm import LLMEngine
+
+    if not name.endswith(X_FP32):
+        return load_engine(path, dtype, max_batch)
+    engine = LLMEngine(path, dtype=dtype, device="cpu", max_model_len=1024,
+                       num_kv_blocks=max_batch * 8 + 8, max_num_seqs=max_batch,
+                       gguf_activations="fp32")  # fmt: skip
+    decode_tok_s(engine, 1, 16, 4)  # warm-up, as load_engine
+    return engine
 
 
 SHAPES = {"qkv": (1536, 1024), "o": (1024, 1024), "gate_up": (5632, 1024)}
@@ -181,25 +206,26 @@ def kernel_variants(n: int, k: int) -> dict[str, object]:
 PEAKS = {"vnni": (0, 768), "bf16": (1, 384), "fma": (2, 192)}  # bs_isa_peak kind, MACs a pass
 
 
-def isa_peaks(iters: int = 2_000_000) -> dict[str, float]:
-    """This core's multiply-adds per second for each instruction, 12 chains each."""
+def isa_peaks(iters: int = 2_000_000, clock=None) -> dict[str, float]:
+    """This core's multiply-adds per second for each instruction, 12 chains each (per
+    second of `clock`: CPU time by default, which a descheduled spell does not count)."""
     import time
 
     from bitserve import kernels
 
+    clock = clock or time.thread_time
     lib = kernels.get().lib
     out = {}
     for name, (kind, macs) in PEAKS.items():
-        start = time.perf_counter()
+        start = clock()
         if lib.bs_isa_peak(kind, iters) < 0:
             continue
-        out[name] = iters * macs / (time.perf_counter() - start)
+        out[name] = iters * macs / (clock() - start)
     return out
 
 
-def kernel_bench(rows: list[int], repeats: int) -> dict:
-    import time
-
+def kernel_bench(rows: list[int], repeats: int, clock) -> dict:
+    """ms a call per layer, rows and variant, by `clock` (each round's peaks too)."""
     results: dict = {"peaks": {name: [] for name in PEAKS}}
     for shape, (n, k) in SHAPES.items():
         variants = kernel_variants(n, k)
@@ -209,15 +235,15 @@ def kernel_bench(rows: list[int], repeats: int) -> dict:
             calls = max(1, int(2e7 / (n * k)))
             times: dict[str, list[float]] = {name: [] for name in names}
             for r in range(repeats):
-                for name, rate in isa_peaks().items():
+                for name, rate in isa_peaks(clock=clock).items():
                     results["peaks"][name].append(rate)
                 for name in names[r % len(names) :] + names[: r % len(names)]:
                     fn = variants[name]
                     fn(x)
-                    start = time.perf_counter()
+                    start = clock()
                     for _ in range(calls):
                         fn(x)
-                    times[name].append((time.perf_counter() - start) / calls * 1e3)
+                    times[name].append((clock() - start) / calls * 1e3)
             results[f"{shape} {n}x{k} M={m}"] = times
     return results
 
@@ -278,6 +304,9 @@ def main() -> None:
     parser.add_argument("--kernels", action="store_true", help="one layer's kernels alone")
     parser.add_argument("--rows", default="1,4,16,64,256", help="--kernels: rows of x")
     parser.add_argument("--against", help="--kernels: also the a8 tiles on csrc/ at this git ref")
+    parser.add_argument("--clock", choices=("cpu", "wall"), default="cpu",
+                        help="--kernels: process CPU time (default: robust to a loaded box, "
+                        "counts the pool's threads too) or wall time")  # fmt: skip
     args = parser.parse_args()
     if args.kernels:
         torch.set_num_threads(args.threads)
@@ -290,13 +319,18 @@ def main() -> None:
             BASELINE[1].lib.bs_set_threads(args.threads)
         rows = [int(m) for m in args.rows.split(",")]
         load = os.getloadavg()[0]
+        import time
+
+        clock = time.process_time if args.clock == "cpu" else time.perf_counter
         with torch.inference_mode():  # as the engine runs them (int8's C paths want it)
-            results = kernel_bench(rows, args.repeats)
+            results = kernel_bench(rows, args.repeats, clock)
         where = cpu()
-        print(f"{args.threads} thread(s), {where['model']} ({' '.join(where['avx512'])})")
+        print(f"{args.threads} thread(s), {args.clock} time, {where['model']} "
+              f"({' '.join(where['avx512'])})")  # fmt: skip
         print(f"load average (1 min) before {load:.2f}, after {os.getloadavg()[0]:.2f}")
         print_kernels(results, rows, args.threads)
-        print(json.dumps({"bench": "gguf-kernels", "cpu": where, "results": results}))
+        out = {"bench": "gguf-kernels", "clock": args.clock, "threads": args.threads}
+        print(json.dumps(out | {"cpu": where, "results": results}))
         return
     if not (CONVERTER.is_file() and QUANTIZE.is_file()):
         raise SystemExit(f"needs {CONVERTER} and {QUANTIZE} (tools/build_llama_quantize.sh)")
@@ -307,7 +341,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         print(f"building the {args.size} model and its variants ...", file=sys.stderr)
         files = make_files(Path(tmp), args.size, variants)
-        engines = {name: load_engine(*files[name], max(batches)) for name in variants}
+        engines = {name: gguf_engine(name, *files[name], max(batches)) for name in variants}
         print("measuring (the variants take turns) ...", file=sys.stderr)
         results = measure(engines, batches, args.tokens, args.repeats)
     against_fp32(results, batches)

@@ -161,6 +161,8 @@ class GgmlLinear(nn.Module):
             tiles = torch.empty(size, dtype=torch.uint8)
             sz = torch.empty(-(-data.shape[0] // 16) * (self.in_features // group[0]) * 32)
             lib.bs_ggml_a8_pack(*args, c.ptr(tiles, "uint8_t *"), c.ptr(sz), group, bits)
+            self.register_buffer(f"tiles{i}", tiles, persistent=False)  # (counted as weights)
+            self.register_buffer(f"sz{i}", sz, persistent=False)
             self.tiles[i] = (tiles, sz, group[0], bits[0])
             self.register_buffer(f"part{i}", data.new_empty(data.shape[0], 0), persistent=False)
 

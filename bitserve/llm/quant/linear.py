@@ -198,7 +198,8 @@ class Int8Linear(QuantLinear):
         sz = torch.empty(-(-n // 16) * 32)
         args = (c.ptr(self.qweight, "int8_t *"), n, k, c.ptr(self.scales))
         lib.bs_i8_a8_pack(*args, c.ptr(tiles, "uint8_t *"), c.ptr(sz))
-        self.a8_tensors = (tiles, sz)
+        self.register_buffer("a8_codes", tiles, persistent=False)  # (counted as weights)
+        self.register_buffer("a8_scales", sz, persistent=False)
         part = {"type": 24, "rows": n, "tiles": c.ptr(tiles, "uint8_t *"), "sz": c.ptr(sz)}
         self.a8_parts = ffi.new("GgmlPart[]", [part | {"group": k, "bits": 8}])
         fields = {"kind": 4, "N": n, "K": k, "parts": self.a8_parts, "nparts": 1}
