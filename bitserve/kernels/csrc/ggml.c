@@ -964,8 +964,9 @@ static void part_rows(const Job *J, const GgmlPart *p, long col, long n0, long n
     const uint8_t *data = (const uint8_t *)p->data;
     if (p->tiles) { /* int8 activations: whole tiles of 16 rows, two at a time (CHUNK 32) */
         float out[A8_ROWS * 32];
-        for (long t0 = n0 / 16; t0 * 16 < n1; t0 += 2) {
-            long T = n1 - 16 * t0 > 16 ? 2 : 1;
+        long pair = M > 1 ? 2 : 1; /* one row: a tile at a time (measured faster) */
+        for (long t0 = n0 / 16; t0 * 16 < n1; t0 += pair) {
+            long T = n1 - 16 * t0 > 16 ? pair : 1;
             for (long m0 = 0; m0 < M; m0 += A8_ROWS) {
                 long R = M - m0 < A8_ROWS ? M - m0 : A8_ROWS;
                 a8_tiles(p, K, J->a, m0, t0, out, R, T);
