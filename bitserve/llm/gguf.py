@@ -246,10 +246,13 @@ def unpermute(w: torch.Tensor, heads: int) -> torch.Tensor:
     return w.reshape(heads, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def load_weights(model: nn.Module, file: Path, hf: dict[str, Any]) -> None:
+def load_weights(
+    model: nn.Module, file: Path, hf: dict[str, Any], activations: str = "int8"
+) -> None:
     """Fill `model` (fp32, built from the companion config) from `file`. Linear layers
-    with a block-format tensor become `GgmlLinear`s over the file's bytes; everything
-    else (norms, biases, F32/F16/BF16 linears, the token embedding) is loaded as fp32."""
+    with a block-format tensor become `GgmlLinear`s over the file's bytes, meeting
+    `activations` ("int8" or "fp32": EngineConfig.gguf_activations); everything else
+    (norms, biases, F32/F16/BF16 linears, the token embedding) is loaded as fp32."""
     reader = open_reader(file)
     arch = hf.get("gguf", {}).get("architecture", hf.get("model_type"))
     params = dict(model.named_parameters())
@@ -276,7 +279,8 @@ def load_weights(model: nn.Module, file: Path, hf: dict[str, Any]) -> None:
             continue
         if model.parallel.tp.size > 1:
             raise ValueError(f"{file}: block formats are not served under tensor parallelism")
-        set_module(model, module, ggml_linear(model.get_submodule(module), parts, arch, hf))
+        old = model.get_submodule(module)
+        set_module(model, module, ggml_linear(old, parts, arch, hf, activations))
 
 
 def prepared(tensor, name: str, arch: str, hf: dict[str, Any]) -> torch.Tensor:
@@ -295,7 +299,9 @@ def heads_of(name: str, hf: dict[str, Any]) -> int:
     return heads if "q_proj" in name else hf.get("num_key_value_heads") or heads
 
 
-def ggml_linear(old: nn.Module, parts: list, arch: str, hf: dict[str, Any]) -> GgmlLinear:
+def ggml_linear(
+    old: nn.Module, parts: list, arch: str, hf: dict[str, Any], activations: str = "int8"
+) -> GgmlLinear:
     """The parts (q, k, v or gate, up, or one tensor) as one GgmlLinear, in their own
     types; the old layer's bias (loaded as fp32 already) carried over."""
     blocks = []
@@ -307,4 +313,4 @@ def ggml_linear(old: nn.Module, parts: list, arch: str, hf: dict[str, Any]) -> G
         blocks.append((kind, rows))
     bias = getattr(old, "bias", None)
     in_features = int(parts[0][1].shape[0])  # ggml lists the innermost dimension first
-    return GgmlLinear(in_features, blocks, None if bias is None else bias.data)
+    return GgmlLinear(in_features, blocks, None if bias is None else bias.data, activations)

@@ -110,7 +110,11 @@ def test_bitserve_serves_the_gguf_file_itself_and_bf16_asks_for_it(tmp_path):
     version = repo / "llama" / "1"
     assert [p.name for p in version.iterdir()] == [gguf.name]
     assert (version / gguf.name).resolve() == gguf.resolve()
-    assert "dtype" not in (repo / "llama" / "config.toml").read_text()
+    text = (repo / "llama" / "config.toml").read_text()
+    assert "dtype" not in text and "gguf_activations" not in text  # the default: int8 x
+    repo = ls.bitserve_repository(tmp_path / "repo", arms["bitserve Q4_K_M x fp32"], gguf)
+    config = tomllib.loads((repo / "llama" / "config.toml").read_text())
+    assert config["parameters"]["gguf_activations"] == "fp32"
     hf = tmp_path / "hf"
     hf.mkdir()
     (hf / "config.json").write_text("{}")
@@ -141,10 +145,10 @@ def test_the_json_names_each_arms_precision_its_gguf_types_and_the_cpu(tmp_path)
     arm = ls.Arm("llama.cpp Q4_K_M", "llamacpp", "Q4_K_M", "float32", "f16")
     row = ls.describe(arm, path)
     assert row == {"name": "llama.cpp Q4_K_M", "server": "llamacpp", "weights": "Q4_K_M",
-                   "dtype": "float32", "kv": "f16", "env": {}, "path": str(path),
+                   "dtype": "float32", "kv": "f16", "params": {}, "path": str(path),
                    "gguf_tensor_types": {"F16": 1, "F32": 2}}  # fmt: skip
-    a8 = next(a for a in ls.MODES["recommended"] if a.name == "bitserve Q4_K_M a8")
-    assert ls.describe(a8, path)["env"] == {"BITSERVE_GGML_A8": "1"}  # its setting, in the JSON
+    exact = next(a for a in ls.MODES["recommended"] if a.name == "bitserve Q4_K_M x fp32")
+    assert ls.describe(exact, path)["params"] == {"gguf_activations": "fp32"}  # in the JSON
     isa = ls.cpu_isa()
     assert isa["model"] and isa["cpus"] >= 1
     assert {"avx512f", "avx512_bf16", "avx512_vnni"} <= set(isa)
@@ -167,3 +171,39 @@ def test_score_counts_only_the_second_half_of_each_window():
     assert out["ppl"] == pytest.approx(math.exp(1.5))
     with pytest.raises(ValueError):
         pp.score([[None] * 6], 6)
+
+
+def test_score_keeps_each_scored_tokens_nll():
+    logprobs = [[None, -1.0, -2.0, -0.5], [None, -0.1, -3.0, -0.2]]
+    result = pp.score(logprobs, 4)
+    assert result["nll"] == [0.5, 0.2]  # tokens ctx/2 + 1 .. ctx - 1 of each window
+    assert result["ppl"] == pytest.approx(math.exp(0.35))
+
+
+def test_paired_comparison_of_two_arms_on_the_same_tokens():
+    """A paired bootstrap over windows (scipy) against a paired t-interval of the
+    windows' mean NLLs carried to perplexity (ppl x the NLL difference, to first order):
+    two methods, one answer; an arm 1% worse in NLL shows, a copy with noise does not."""
+    from scipy import stats
+
+    rng = np.random.default_rng(0)
+    windows, per = 160, 63
+    base = rng.gamma(2.0, 1.6, (windows, per))  # per-token NLLs, mean ~3.2 (ppl ~25)
+    worse = base + 0.03 + rng.normal(0, 0.05, base.shape)
+    c = pp.paired(worse.ravel().tolist(), base.ravel().tolist(), windows)
+    wa, wb = worse.mean(1), base.mean(1)
+    assert c["difference"] == pytest.approx(math.exp(wa.mean()) - math.exp(wb.mean()))
+    t = stats.ttest_rel(wa, wb)
+    half = stats.t.ppf(0.975, windows - 1) * (wa - wb).std(ddof=1) / math.sqrt(windows)
+    ppl = math.exp(wb.mean())
+    want = [ppl * ((wa - wb).mean() - half), ppl * ((wa - wb).mean() + half)]
+    assert c["ci95"] == pytest.approx(want, rel=0.1)
+    assert c["ci95"][0] > 0 and c["p"] == pytest.approx(t.pvalue)
+    same = base + rng.normal(0, 0.05, base.shape)
+    d = pp.paired(same.ravel().tolist(), base.ravel().tolist(), windows)
+    assert d["ci95"][0] < 0 < d["ci95"][1] and d["p"] > 0.05
+    with pytest.raises(ValueError, match="different tokens"):
+        pp.paired([1.0, 2.0], [1.0], 1)
+    rows = {"x": {"ppl": 3.0}, "y": {"nll": [1.0], "windows": 1}}
+    with pytest.raises(ValueError, match="x: no per-token NLL"):
+        pp.compare(rows, "x", "y")

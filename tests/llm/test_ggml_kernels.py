@@ -72,7 +72,7 @@ def test_gemv_is_dequantize_then_matmul(kind):
     """1-8 rows (dequantized in registers) and 16 (panels); odd row counts, 2-3 super-blocks."""
     for n, k in [(37, 512), (70, 768)]:
         data = random_rows(kind, n, k, seed=n)
-        layer = GgmlLinear(k, [(kind, data)])
+        layer = GgmlLinear(k, [(kind, data)], activations="fp32")
         layer.kernels = kernels.get()
         w = reference(kind, data, k)
         for m in (1, 3, 8, 16):
@@ -90,7 +90,7 @@ def test_blocks_of_32_take_any_whole_number_of_blocks(kind):
     data = random_rows(kind, n, k, seed=7)
     for m in (1, 5):
         x = torch.randn(m, k)
-        layer = GgmlLinear(k, [(kind, data)])
+        layer = GgmlLinear(k, [(kind, data)], activations="fp32")
         layer.kernels = kernels.get()
         want = x.double() @ reference(kind, data, k).T
         torch.testing.assert_close(layer(x).double(), want, rtol=1e-4, atol=1e-4)
@@ -104,7 +104,7 @@ def test_mixed_parts_with_bias_on_the_pool(m):
     parts = [("Q4_K", random_rows("Q4_K", 64, k, 1)), ("Q4_K", random_rows("Q4_K", 33, k, 2))]
     parts += [("Q6_K", random_rows("Q6_K", 40, k, 3)), ("F16", random_rows("F16", 5, k, 4))]
     bias = torch.randn(142)
-    layer = GgmlLinear(k, parts, bias)
+    layer = GgmlLinear(k, parts, bias, activations="fp32")
     layer.kernels = kernels.get()
     w = torch.cat([reference(kind, data, k) for kind, data in parts])
     x = torch.randn(m, k)
@@ -118,7 +118,7 @@ def test_mixed_parts_with_bias_on_the_pool(m):
             lib.bs_set_threads(1)
         torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4 * want.abs().max())
     # and the torch fallback (no kernels) agrees
-    plain = GgmlLinear(k, parts, bias)
+    plain = GgmlLinear(k, parts, bias, activations="fp32")
     torch.testing.assert_close(plain(x).double(), want, rtol=1e-4, atol=1e-4 * want.abs().max())
 
 
@@ -132,20 +132,22 @@ def quantized_x(x: torch.Tensor) -> torch.Tensor:
 
 @needs_kernels
 @pytest.mark.parametrize("kind", QUANTS)
-def test_int8_activations_are_the_dequantized_weights_times_rounded_x(kind, monkeypatch):
-    """BITSERVE_GGML_A8=1: the codes repacked, x rounded to int8 per 32 columns; the result
-    is gguf-py's W against that rounded x, to fp32 rounding (not to x's rounding)."""
-    monkeypatch.setenv("BITSERVE_GGML_A8", "1")
+def test_int8_activations_are_the_dequantized_weights_times_rounded_x(kind):
+    """The default (gguf_activations "int8"): the codes repacked into tiles, x rounded to
+    int8 per 32 columns; the result is gguf-py's W against that rounded x, to fp32
+    rounding (not to x's rounding). 1..64 rows (the microkernel's 4-row blocks and their
+    tails), 1-2 tiles a task, 1-2 threads; an F16 part and a bias beside it."""
     k = 512
     parts = [(kind, random_rows(kind, 37, k, seed=3)), ("F16", random_rows("F16", 3, k, 4))]
     bias = torch.randn(40)
     layer = GgmlLinear(k, parts, bias)
-    layer.kernels = kernels.get()
-    assert layer._c_parts[0].tiles != kernels.ffi().NULL  # the a8 path, not the default
     w = reference(kind, parts[0][1], k)
     f16 = reference("F16", parts[1][1], k)
+    layer.kernels = kernels.get()
+    assert layer._c_parts[0].tiles != kernels.ffi().NULL  # the a8 path, not fp32
+    assert layer.part0.numel() == 0 and layer.part1.numel() > 0  # the file's bytes dropped
     lib = kernels.get().lib
-    for m, threads in [(1, 1), (3, 2), (9, 1), (16, 2)]:
+    for m, threads in [(1, 1), (2, 2), (3, 2), (5, 1), (9, 1), (16, 2), (31, 1), (64, 2)]:
         x = torch.randn(m, k + 3, generator=torch.Generator().manual_seed(m))[:, :k]
         want = torch.cat([quantized_x(x) @ w.T, x.double() @ f16.T], 1) + bias.double()
         lib.bs_set_threads(threads)
@@ -156,6 +158,55 @@ def test_int8_activations_are_the_dequantized_weights_times_rounded_x(kind, monk
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max())
         plain = x.double() @ w.T  # and x's rounding shows: this is not the fp32 path
         assert (got[:, :37] - plain).abs().max() > 1e-4 * plain.abs().max()
+    # the weights read back from the tiles (the torch fallback's) are gguf-py's
+    torch.testing.assert_close(layer.dequantize()[:37].double(), w, rtol=1e-5, atol=1e-6)
+
+
+@needs_kernels
+def test_int8_activations_at_odd_shapes():
+    """Output rows not a multiple of 16 or 32 (a tile's tail), three blocks of 32 a row
+    (no multiple of 64 or 256) and a Q4_K part of 2 super-blocks: every row count 1..9."""
+    for kind, n, k in [("Q8_0", 19, 96), ("Q4_0", 50, 96), ("Q4_K", 45, 512), ("Q6_K", 17, 256)]:
+        data = random_rows(kind, n, k, seed=n)
+        layer = GgmlLinear(k, [(kind, data)])
+        layer.kernels = kernels.get()
+        w = reference(kind, data, k)
+        for m in range(1, 10):
+            x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+            want = quantized_x(x) @ w.T
+            got = layer(x).double()
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max())
+
+
+@needs_kernels
+def test_bitserves_int8_layers_take_the_same_tiles_with_x_rounded_per_row():
+    """Int8Linear above SMALL_M rows: its int8 weights in the tiles (a part of type I8)
+    against x rounded per row equal torch._int_mm on the same rounding (its own W8A8
+    path) to fp32 rounding: 5..64 rows, 37 outputs (a tile's tail), 100 inputs (no
+    multiple of 32), 1-2 threads."""
+    from bitserve.llm.quant.linear import Int8Linear
+
+    torch.manual_seed(0)
+    layer = Int8Linear.from_float(torch.nn.Linear(100, 37))
+    kernels.attach(layer, kernels.get())
+    layer.prepare()
+    layer.prepared_for = layer.device
+    assert layer.a8_weight is not None
+    lib = kernels.get().lib
+    for m, threads in [(5, 1), (6, 2), (13, 1), (16, 2), (64, 1)]:
+        x = torch.randn(m, 103)[:, :100]
+        want = layer.int_mm_matmul(x.contiguous()).double()  # torch._int_mm, x per row
+        lib.bs_set_threads(threads)
+        try:
+            got = layer.matmul(x).double()
+        finally:
+            lib.bs_set_threads(1)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max())
+
+
+def test_gguf_activations_must_be_int8_or_fp32():
+    with pytest.raises(ValueError, match="gguf_activations must be 'int8' or 'fp32', got 'int4'"):
+        GgmlLinear(256, [("Q4_K", torch.zeros(1, 144, dtype=torch.uint8))], activations="int4")
 
 
 @pytest.mark.slow
@@ -166,16 +217,25 @@ def test_int8_activations_without_avx512_give_the_same_sums(tmp_path, monkeypatc
     monkeypatch.setenv("BITSERVE_KERNEL_CACHE", str(tmp_path))
     monkeypatch.setattr(kernels, "COMPILE_FLAGS", ["-O2", "-march=x86-64-v3", "-fPIC"])
     plain = kernels.Kernels(kernels.build(kernels.compiler()))
-    monkeypatch.setenv("BITSERVE_GGML_A8", "1")
     k = 256
     for kind in QUANTS:
         data = random_rows(kind, 21, k, seed=5)
         layer = GgmlLinear(k, [(kind, data)])
         layer.kernels = plain
         w = reference(kind, data, k)
-        x = torch.randn(9, k)
-        want = quantized_x(x) @ w.T
-        torch.testing.assert_close(layer(x).double(), want, rtol=1e-4, atol=1e-4 * want.abs().max())
+        for m in (1, 6, 9):
+            x = torch.randn(m, k)
+            want = quantized_x(x) @ w.T
+            got = layer(x).double()
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max())
+    from bitserve.llm.quant.linear import Int8Linear  # and an int8 layer's I8 part
+
+    layer = Int8Linear.from_float(torch.nn.Linear(100, 37))
+    layer.prepare()
+    x = torch.randn(9, 100)
+    want = layer.int_mm_matmul(x).double()
+    got = plain.gemv(layer.a8_weight, x).double()  # the view, through the plain build
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max())
 
 
 @needs_kernels

@@ -145,7 +145,7 @@ def block_types(model) -> set[str]:
 @pytest.mark.parametrize("kind", CONVERTED + QUANTIZED)
 def test_every_type_is_llama_cpps_dequantized_model(k_files, kind):
     file = k_files[kind]
-    engine = make_engine(file, num_kv_blocks=64)
+    engine = make_engine(file, num_kv_blocks=64, gguf_activations="fp32")  # the parity path
     model = engine.runner.model
     # the blocks stay as the file has them (Q4_K_M mixes Q4_K and Q6_K); floats are fp32
     assert block_types(model) - {"F32", "F16"} == BLOCK_TYPES.get(kind, set())
@@ -165,13 +165,44 @@ def test_every_type_is_llama_cpps_dequantized_model(k_files, kind):
 
 
 @needs_quantize
+@pytest.mark.parametrize("kind", ["Q4_K_M", "Q8_0"])
+def test_int8_activations_by_default(k_files, kind):
+    """`bitserve serve FILE.gguf` as it comes: the block-format layers meet int8
+    activations (llama.cpp's own scheme), their codes in tiles and the file's bytes
+    dropped. x's rounding moves the logits a little off llama.cpp's dequantized model
+    (transformers on gguf-py's tensors, fp32 x): within 3% of the largest, the greedy
+    tokens mostly the same; "fp32" is the exact path (the test above)."""
+    engine = make_engine(k_files[kind], num_kv_blocks=64)
+    assert engine.config.gguf_activations == "int8"
+    layers = [m for m in engine.runner.model.modules() if isinstance(m, GgmlLinear)]
+    assert layers and all(m.activations == "int8" for m in layers)
+    blocks = [(m, i) for m in layers for i, t in enumerate(m.types) if t not in ("F32", "F16")]
+    assert blocks and all(i in m.tiles and m.parts()[i][1].numel() == 0 for m, i in blocks)
+    hf = llama_cpp_reference(k_files[kind])
+    prompt = MIXED[2]
+    with torch.inference_mode():
+        want = hf(torch.tensor([prompt])).logits[0].float()
+        got = window_logits(engine.runner.model, prompt)
+    error = float((got - want).abs().max() / want.abs().max())
+    assert 1e-5 < error < 3e-2, f"{kind}: logits off by {error:.2e} of the largest"
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.9
+
+
+def test_gguf_activations_is_checked_naming_the_field(llama_dir):
+    with pytest.raises(ValueError, match="gguf_activations must be 'int8' or 'fp32', got 'int4'"):
+        make_engine(llama_dir, num_kv_blocks=8, gguf_activations="int4")
+    with pytest.raises(ValueError, match="gguf_activations must be str, got 8"):
+        make_engine(llama_dir, num_kv_blocks=8, gguf_activations=8)
+
+
+@needs_quantize
 def test_a_tied_head_reads_the_quantized_embedding(tmp_path):
     """A tied head (no output.weight): llama.cpp reads token_embd (Q4_K here) as the
     output matrix, and so does bitserve, while the embedding itself is dequantized once."""
     folder = build_model(tmp_path / "hf", k_config(tie_word_embeddings=True), seed=4)
     f32 = convert(folder, "f32", tmp_path / "f32.gguf")
     file = quantize(f32, tmp_path / "q4_k_m.gguf", "Q4_K_M")
-    engine = make_engine(file, num_kv_blocks=64)
+    engine = make_engine(file, num_kv_blocks=64, gguf_activations="fp32")
     head = engine.runner.model.lm_head
     assert isinstance(head, GgmlLinear) and head.types != ["F32"]
     hf = llama_cpp_reference(file)
@@ -220,7 +251,7 @@ def test_gemma_and_phi3_files(family, tmp_path):
         reference(folder, prompt)
     ]
     file = quantize(f32, tmp_path / "q4_k_m.gguf", "Q4_K_M")
-    engine = make_engine(file, num_kv_blocks=64)
+    engine = make_engine(file, num_kv_blocks=64, gguf_activations="fp32")
     assert block_types(engine.runner.model) == {"Q4_K", "Q6_K"}
     assert engine.runner.model.fuse_rows > 0
     scale = {"query_pre_attn_scalar": 64} if family.startswith("gemma") else {}

@@ -125,7 +125,7 @@ long bs_layout(const char *type, const char *field);
    `data` each row's blocks back to back, bs_ggml_row_bytes(type, K) bytes a row. One
    Weight may hold parts of different types (a fused qkv of Q4_K q, k and Q6_K v).
    `tiles` NULL: fp32 activations meet the blocks dequantized on the fly. Else int8
-   activations (opt-in, ggml.c's "a8"): `tiles` the same codes as bs_ggml_a8_pack lays
+   activations (the default, ggml.c's "a8"): `tiles` the same codes as bs_ggml_a8_pack lays
    them out (`bits` 4 or 8 a code, tiles of 16 rows), `sz` their fp32 scale and offset
    per `group` (16 or 32) columns. */
 typedef struct {
@@ -150,6 +150,22 @@ void bs_ggml_dequantize(long type, const void *data, long rows, long K, float *o
    value up to fp32 rounding). Returns -1 for a type it does not take. */
 long bs_ggml_a8_pack(long type, const void *data, long rows, long K, uint8_t *tiles, float *sz,
                      long *group, long *bits);
+
+/* bitserve's own int8 weights w [rows, K] (a scale per row) as a GgmlPart of type 24 (I8,
+   group K, bits 8) for the same int8-activation kernel, x then rounded per row (as
+   torch._int_mm's path): returns the tiles' bytes, or -1 unless K % 4 == 0; with tiles
+   and sz (rows16 / 16 * 32 floats) not NULL, writes them */
+long bs_i8_a8_pack(const int8_t *w, long rows, long K, const float *scale, uint8_t *tiles,
+                   float *sz);
+
+/* out [rows, K] fp32 = a part's weights read back from its tiles (scale * code + offset) */
+void bs_ggml_a8_dequantize(const uint8_t *tiles, const float *sz, long rows, long K, long group,
+                           long bits, float *out);
+
+/* bench only: `iters` passes of 12 independent chains of one instruction (0 vpdpbusd,
+   1 vdpbf16ps, 2 vfmadd231ps, all 512-bit; multiply-adds a pass: 768, 384, 192), so
+   MACs / seconds is this core's peak; returns -1 where the build lacks the instruction */
+long bs_isa_peak(long kind, long iters);
 
 /* y [M, N] = x [M, K] (row stride ldx) @ W.T + bias for a kind 4 Weight */
 void bs_ggml_gemv(const Weight *w, const float *x, long ldx, long M, float *y);

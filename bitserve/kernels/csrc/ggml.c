@@ -21,10 +21,11 @@
      and run through the packed fp32 GEMM against every row of x, so dequantization is
      paid once per weight per call, not once per row of x. (bs_linear_packed called
      from a pool task runs on that thread: the pool does not nest.)
-   - Opt-in (BITSERVE_GGML_A8=1, a part with `tiles`): int8 activations, llama.cpp's
-     own scheme, on the codes repacked once at load (see "a8" below). At 16 rows the
-     two fp32 paths above are bound by fp32 FMAs (16 multiply-adds an instruction) at
-     3-5x the int4 kernel's time; this one runs VNNI (64) at 1.0-1.4x it.
+   - The default (`gguf_activations = "int8"`, a part with `tiles`): int8 activations,
+     llama.cpp's own scheme, on the codes repacked once at load (see "a8" below), every
+     row count. At 16 rows the two fp32 paths above are bound by fp32 FMAs (16
+     multiply-adds an instruction) at 3-5x the int4 kernel's time; this one runs VNNI
+     (64) at 1.0-1.4x it.
    Each splits the output rows over the thread pool in chunks of CHUNK rows; each
    thread keeps its own scratch (thread-local, grown once, never freed). */
 #include "internal.h"
@@ -34,7 +35,7 @@
 
 enum {
     T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q5_0 = 6, T_Q8_0 = 8,
-    T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_BF16 = 30,
+    T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_I8 = 24, T_BF16 = 30,
 };
 
 #define CHUNK 32      /* output rows a task (two packed panels) */
@@ -424,7 +425,7 @@ void bs_ggml_dequantize(long type, const void *data, long rows, long K, float *o
 }
 
 
-/* -- int8 activations ("a8", opt-in) ----------------------------------------------------
+/* -- int8 activations ("a8", the default) ------------------------------------------------
    llama.cpp's own CPU scheme: x is quantized to int8 in blocks of 32 columns (absmax / 127
    each, as its q8_0) and meets the weights' integer codes in AVX512-VNNI dot products, 64
    multiply-adds an instruction, where fp32 FMAs do 16. The codes are the file's own,
@@ -435,7 +436,16 @@ void bs_ggml_dequantize(long type, const void *data, long rows, long K, float *o
    -8 d for Q4_0, ...), so y = sum over groups of scale * dx * (code . x^) + offset *
    sum(x^ of the group): exactly W . x^ for the quantized x^, W as llama.cpp dequantizes
    it up to fp32 rounding. Its cost is x's rounding (bench.perplexity measures it), as in
-   llama.cpp. */
+   llama.cpp (which rounds x per 256 for the K-quants, its q8_K; here per 32 for all).
+
+   The microkernel (a8_micro) takes up to A8_ROWS rows of x against two tiles (32 output
+   rows, a pool task): each code vector is loaded once for all rows, each 4 bytes of x
+   are a broadcast operand of the instruction for both tiles. What it cannot shed is the
+   per-group float work, one convert and two multiply-adds a row, tile and group against
+   8 VNNI instructions (4 for Q6_K's groups of 16), on the same two vector pipes of this
+   class of core (AMD Zen 4: `python -m bench.gguf --kernels` prints the fraction of the
+   VNNI peak each reaches); the constant offsets (Q4_0, Q5_0, Q8_0, Q6_K) start the
+   integer dot at - c * sum(x^) instead of a third multiply-add. */
 
 /* one block -> its codes u [elems] and each group's scale s and offset z */
 static void a8_block(long type, const uint8_t *b, uint8_t *u, float *s, float *z) {
@@ -540,16 +550,38 @@ long bs_ggml_a8_pack(long type, const void *data, long rows, long K, uint8_t *ti
     return total;
 }
 
+/* bitserve's own int8 weights (Int8Linear: a scale per output row) in the same tiles, as
+   a part of type I8 (ggml's id for plain int8): codes w + 128, one group of K columns
+   with scale s = scale[n] and offset -128 s; their x is rounded per row, not per 32
+   (see a8_quantize_rows). K a multiple of 4; returns the bytes of the tiles, sz is
+   rows16 / 16 * 32 floats. */
+long bs_i8_a8_pack(const int8_t *w, long rows, long K, const float *scale, uint8_t *tiles,
+                   float *sz) {
+    long rows16 = (rows + 15) / 16 * 16, total = rows16 * K;
+    if (K % 4) return -1;
+    if (tiles == NULL || sz == NULL) return total;
+    memset(tiles, 128, (size_t)total);
+    memset(sz, 0, sizeof(float) * (size_t)(rows16 / 16 * 32));
+    for (long n = 0; n < rows; n++) {
+        for (long k = 0; k < K; k++) tiles[a8_at(K, 8, n, k)] = (uint8_t)(w[n * K + k] + 128);
+        long at = n / 16 * 32 + n % 16;
+        sz[at] = scale[n], sz[at + 16] = -128.f * scale[n];
+    }
+    return total;
+}
+
 typedef struct {
     int8_t *xq; /* [M][K] */
-    float *dx;  /* [M][K / 32] */
-    float *xs;  /* [M][K / 16]: dx * sum of xq over each 16 columns */
+    float *dx;  /* [M][K / 32]: each block's scale */
+    float *xs;  /* [M][K / 32]: dx * the block's sum of xq */
+    int32_t *is; /* [M][K / 16]: the sum of xq over each 16 columns */
 } A8X;
 
 static void a8_quantize(const float *x, long ldx, long M, long K, A8X *a) {
     a->xq = (int8_t *)malloc((size_t)(M * K));
     a->dx = (float *)malloc(sizeof(float) * (size_t)(M * K / 32));
-    a->xs = (float *)malloc(sizeof(float) * (size_t)(M * K / 16));
+    a->xs = (float *)malloc(sizeof(float) * (size_t)(M * K / 32));
+    a->is = (int32_t *)malloc(sizeof(int32_t) * (size_t)(M * K / 16));
     for (long m = 0; m < M; m++)
         for (long b = 0; b < K / 32; b++) {
             const float *xb = x + m * ldx + 32 * b;
@@ -557,6 +589,7 @@ static void a8_quantize(const float *x, long ldx, long M, long K, A8X *a) {
             for (int k = 0; k < 32; k++) amax = fabsf(xb[k]) > amax ? fabsf(xb[k]) : amax;
             float d = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
             int8_t *q = a->xq + m * K + 32 * b;
+            int total = 0;
             for (int h = 0; h < 2; h++) {
                 int sum = 0;
                 for (int k = 16 * h; k < 16 * h + 16; k++) {
@@ -564,100 +597,272 @@ static void a8_quantize(const float *x, long ldx, long M, long K, A8X *a) {
                     q[k] = (int8_t)(v > 127 ? 127 : (v < -127 ? -127 : v));
                     sum += q[k];
                 }
-                a->xs[m * (K / 16) + 2 * b + h] = d * (float)sum;
+                a->is[m * (K / 16) + 2 * b + h] = sum;
+                total += sum;
             }
             a->dx[m * (K / 32) + b] = d;
+            a->xs[m * (K / 32) + b] = d * (float)total;
         }
 }
 
+/* x rounded per row (absmax / 127, torch's round half to even), as Int8Linear's
+   `quantize_activations` and `torch._int_mm` path: dx [M] and is [M] one a row */
+static void a8_quantize_rows(const float *x, long ldx, long M, long K, A8X *a) {
+    a->xq = (int8_t *)malloc((size_t)(M * K));
+    a->dx = (float *)malloc(sizeof(float) * (size_t)M);
+    a->xs = NULL;
+    a->is = (int32_t *)malloc(sizeof(int32_t) * (size_t)M);
+    for (long m = 0; m < M; m++) {
+        const float *xm = x + m * ldx;
+        float amax = 0.f;
+        for (long k = 0; k < K; k++) amax = fabsf(xm[k]) > amax ? fabsf(xm[k]) : amax;
+        float d = (amax > 1e-12f ? amax : 1e-12f) / 127.f;
+        int sum = 0;
+        for (long k = 0; k < K; k++) {
+            float v = nearbyintf(xm[k] / d);
+            int q = v > 127.f ? 127 : (v < -127.f ? -127 : (int)v);
+            a->xq[m * K + k] = (int8_t)q;
+            sum += q;
+        }
+        a->dx[m] = d, a->is[m] = sum;
+    }
+}
+
 static void a8_free(A8X *a) {
-    free(a->xq), free(a->dx), free(a->xs);
+    free(a->xq), free(a->dx), free(a->xs), free(a->is);
+}
+
+/* the offset c of a type whose weights are s * (code - c), 0 for Q4_K/Q5_K (their own
+   offset per group): the offset then folds into the integer dot product as - c * sum(x^) */
+static inline int a8_offset(long type) {
+    switch (type) {
+    case T_Q4_0: return 8;
+    case T_Q5_0: return 16;
+    case T_Q8_0: return 128;
+    case T_Q6_K: return 32;
+    }
+    return 0;
 }
 
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define A8_VNNI 1
-/* rows m0 .. m0 + R - 1 of x^ against tile t of part p -> out [R][16]; BITS and G
-   constants after inlining, so the R accumulators stay in registers */
-static inline __attribute__((always_inline)) void a8_tile(const GgmlPart *p, long K,
-                                                          const A8X *a, long m0, long t,
-                                                          float *out, const long R,
-                                                          const int BITS, const int G) {
-    const uint8_t *codes = p->tiles + t * K * BITS * 2;
-    const float *sz = p->sz + t * (K / G) * 32;
+#define A8_ROWS 6 /* rows of x a microkernel pass takes (at least 2) */
+/* acc += codes (u8) . the 4 int8 at x broadcast to every lane: the broadcast an operand
+   of the instruction ({1to16}), so the codes stay in a register across rows and tiles
+   (left to itself the compiler reloads them for every row: a 64-byte load each) */
+static inline __attribute__((always_inline)) __m512i dp_bcast(__m512i acc, __m512i codes,
+                                                              const int8_t *x) {
+    __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(codes), "m"(*(const int32_t *)x));
+    return acc;
+}
+/* The microkernel: rows m0 .. m0 + R - 1 of x^ against tiles t0 .. t0 + T - 1 of part p
+   -> out [R][T * 16]. R x T int32 dot products per group (each code vector loaded once
+   for R rows, each broadcast of x^ used for T tiles), then per group one convert and two
+   multiply-adds a row and tile: the scale s * dx, and for Q4_K/Q5_K the offset times
+   the block's sum of x^ (the other types start their dot at - c * sum(x^) instead).
+   BITS, G, R, T and Z are constants after inlining, so everything stays in registers. */
+static inline __attribute__((always_inline)) void a8_micro(const GgmlPart *p, long K,
+                                                           const A8X *a, long m0, long t0,
+                                                           float *out, const long R,
+                                                           const long T, const int BITS,
+                                                           const int G, const int Z) {
+    const long tile_bytes = K * BITS * 2, tile_sz = (K / G) * 32;
+    const uint8_t *codes = p->tiles + t0 * tile_bytes;
+    const float *sz = p->sz + t0 * tile_sz;
     const int8_t *xq = a->xq + m0 * K;
-    const float *dx = a->dx + m0 * (K / 32), *xs = a->xs + m0 * (K / 16);
+    const float *dx = a->dx + m0 * (K / 32), *xs = a->xs + m0 * (K / 32);
+    const int32_t *is = a->is + m0 * (K / 16);
+    const int c = a8_offset(p->type);
     const __m512i nib = _mm512_set1_epi8(15);
-    __m512 acc[8];
-    for (long r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    __m512 acc[A8_ROWS][2];
+    for (long r = 0; r < R; r++)
+        for (long t = 0; t < T; t++) acc[r][t] = _mm512_setzero_ps();
     for (long g = 0; g < K / G; g++) {
-        __m512i dot[8];
-        for (long r = 0; r < R; r++) dot[r] = _mm512_setzero_si512();
+        __m512i dot[A8_ROWS][2];
+        for (long r = 0; r < R; r++) {
+            int sum = G == 16 ? is[r * (K / 16) + g]
+                              : is[r * (K / 16) + 2 * g] + is[r * (K / 16) + 2 * g + 1];
+            __m512i init = Z ? _mm512_setzero_si512() : _mm512_set1_epi32(-c * sum);
+            for (long t = 0; t < T; t++) dot[r][t] = init;
+        }
+        /* one row: odd steps into a second chain (rows slot 1), so 2 T chains hide the
+           instruction's latency */
+        const long S = R == 1 ? 2 : 1;
+        if (S == 2)
+            for (long t = 0; t < T; t++) dot[1][t] = _mm512_setzero_si512();
         if (BITS == 4) {
             for (long j = 0; j < G / 8; j++) {
-                __m512i v = _mm512_loadu_si512(codes + (g * (G / 8) + j) * 64);
-                __m512i lo = _mm512_and_si512(v, nib);
-                __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+                __m512i lo[2], hi[2];
+                for (long t = 0; t < T; t++) {
+                    __m512i v = _mm512_loadu_si512(codes + t * tile_bytes + (g * (G / 8) + j) * 64);
+                    lo[t] = _mm512_and_si512(v, nib);
+                    hi[t] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+                }
                 for (long r = 0; r < R; r++) {
                     const int8_t *xk = xq + r * K + g * G + 8 * j;
-                    int32_t x0, x1;
-                    memcpy(&x0, xk, 4);
-                    memcpy(&x1, xk + 4, 4);
-                    dot[r] = _mm512_dpbusd_epi32(dot[r], lo, _mm512_set1_epi32(x0));
-                    dot[r] = _mm512_dpbusd_epi32(dot[r], hi, _mm512_set1_epi32(x1));
+                    long c = S == 2 ? (j & 1) : r;
+                    for (long t = 0; t < T; t++) {
+                        dot[c][t] = dp_bcast(dot[c][t], lo[t], xk);
+                        dot[c][t] = dp_bcast(dot[c][t], hi[t], xk + 4);
+                    }
                 }
             }
         } else {
             for (long j = 0; j < G / 4; j++) {
-                __m512i v = _mm512_loadu_si512(codes + (g * (G / 4) + j) * 64);
-                for (long r = 0; r < R; r++) {
-                    int32_t x0;
-                    memcpy(&x0, xq + r * K + g * G + 4 * j, 4);
-                    dot[r] = _mm512_dpbusd_epi32(dot[r], v, _mm512_set1_epi32(x0));
-                }
+                __m512i v[2];
+                for (long t = 0; t < T; t++)
+                    v[t] = _mm512_loadu_si512(codes + t * tile_bytes + (g * (G / 4) + j) * 64);
+                for (long r = 0; r < R; r++)
+                    for (long t = 0; t < T; t++) {
+                        long c = S == 2 ? (j & 1) : r;
+                        dot[c][t] = dp_bcast(dot[c][t], v[t], xq + r * K + g * G + 4 * j);
+                    }
             }
         }
-        __m512 s = _mm512_loadu_ps(sz + g * 32), z = _mm512_loadu_ps(sz + g * 32 + 16);
+        if (S == 2)
+            for (long t = 0; t < T; t++) dot[0][t] = _mm512_add_epi32(dot[0][t], dot[1][t]);
+        __m512 s[2], z[2];
+        for (long t = 0; t < T; t++) {
+            s[t] = _mm512_loadu_ps(sz + t * tile_sz + g * 32);
+            if (Z) z[t] = _mm512_loadu_ps(sz + t * tile_sz + g * 32 + 16);
+        }
         for (long r = 0; r < R; r++) {
-            float sum = G == 16 ? xs[r * (K / 16) + g] : xs[r * (K / 16) + 2 * g] + xs[r * (K / 16) + 2 * g + 1];
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]),
-                                     _mm512_mul_ps(s, _mm512_set1_ps(dx[r * (K / 32) + g * G / 32])),
-                                     acc[r]);
-            acc[r] = _mm512_fmadd_ps(z, _mm512_set1_ps(sum), acc[r]);
+            __m512 d = _mm512_set1_ps(dx[r * (K / 32) + g * G / 32]);
+            for (long t = 0; t < T; t++) {
+                acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r][t]), _mm512_mul_ps(s[t], d),
+                                            acc[r][t]);
+                if (Z) acc[r][t] = _mm512_fmadd_ps(z[t], _mm512_set1_ps(xs[r * (K / 32) + g]),
+                                                   acc[r][t]);
+            }
         }
     }
-    for (long r = 0; r < R; r++) _mm512_storeu_ps(out + 16 * r, acc[r]);
+    for (long r = 0; r < R; r++)
+        for (long t = 0; t < T; t++) _mm512_storeu_ps(out + (r * T + t) * 16, acc[r][t]);
 }
 
-#define A8_CASES(BITS, G)                                                                    \
-    switch (R) {                                                                             \
-    case 1: a8_tile(p, K, a, m0, t, out, 1, BITS, G); break;                                 \
-    case 2: a8_tile(p, K, a, m0, t, out, 2, BITS, G); break;                                 \
-    case 3: a8_tile(p, K, a, m0, t, out, 3, BITS, G); break;                                 \
-    case 4: a8_tile(p, K, a, m0, t, out, 4, BITS, G); break;                                 \
-    case 5: a8_tile(p, K, a, m0, t, out, 5, BITS, G); break;                                 \
-    case 6: a8_tile(p, K, a, m0, t, out, 6, BITS, G); break;                                 \
-    case 7: a8_tile(p, K, a, m0, t, out, 7, BITS, G); break;                                 \
-    default: a8_tile(p, K, a, m0, t, out, 8, BITS, G); break;                                \
+#define A8_RT(BITS, G, Z)                                                                    \
+    switch (R * 2 + T - 1) {                                                                 \
+    case 2: a8_micro(p, K, a, m0, t0, out, 1, 1, BITS, G, Z); break;                         \
+    case 3: a8_micro(p, K, a, m0, t0, out, 1, 2, BITS, G, Z); break;                         \
+    case 4: a8_micro(p, K, a, m0, t0, out, 2, 1, BITS, G, Z); break;                         \
+    case 5: a8_micro(p, K, a, m0, t0, out, 2, 2, BITS, G, Z); break;                         \
+    case 6: a8_micro(p, K, a, m0, t0, out, 3, 1, BITS, G, Z); break;                         \
+    case 7: a8_micro(p, K, a, m0, t0, out, 3, 2, BITS, G, Z); break;                         \
+    case 8: a8_micro(p, K, a, m0, t0, out, 4, 1, BITS, G, Z); break;                         \
+    case 9: a8_micro(p, K, a, m0, t0, out, 4, 2, BITS, G, Z); break;                         \
+    case 10: a8_micro(p, K, a, m0, t0, out, 5, 1, BITS, G, Z); break;                        \
+    case 11: a8_micro(p, K, a, m0, t0, out, 5, 2, BITS, G, Z); break;                        \
+    case 12: a8_micro(p, K, a, m0, t0, out, 6, 1, BITS, G, Z); break;                        \
+    default: a8_micro(p, K, a, m0, t0, out, 6, 2, BITS, G, Z); break;                        \
     }
+/* The same for an I8 part: one group of K columns, x^ rounded per row, so the float
+   work (convert, scale) is once a row and tile, after K / 4 VNNI instructions */
+static inline __attribute__((always_inline)) void i8_micro(const GgmlPart *p, long K,
+                                                           const A8X *a, long m0, long t0,
+                                                           float *out, const long R,
+                                                           const long T) {
+    const long tile_bytes = K * 16;
+    const uint8_t *codes = p->tiles + t0 * tile_bytes;
+    const int8_t *xq = a->xq + m0 * K;
+    __m512i dot[A8_ROWS][2];
+    for (long r = 0; r < R; r++) {
+        __m512i init = _mm512_set1_epi32(-128 * a->is[m0 + r]);
+        for (long t = 0; t < T; t++) dot[r][t] = init;
+    }
+    /* 32 columns a step into fresh accumulators, added after (kept across the loop
+       behind the instruction's asm, the compiler spilled them to the stack) */
+    for (long k0 = 0; k0 < K; k0 += 32) {
+        long steps = K - k0 >= 32 ? 8 : (K - k0) / 4;
+        __m512i part[A8_ROWS][2];
+        for (long r = 0; r < R; r++)
+            for (long t = 0; t < T; t++) part[r][t] = _mm512_setzero_si512();
+        if (steps == 8) {
+            for (long j = k0 / 4; j < k0 / 4 + 8; j++) {
+                __m512i v[2];
+                for (long t = 0; t < T; t++)
+                    v[t] = _mm512_loadu_si512(codes + t * tile_bytes + j * 64);
+                for (long r = 0; r < R; r++)
+                    for (long t = 0; t < T; t++)
+                        part[r][t] = dp_bcast(part[r][t], v[t], xq + r * K + 4 * j);
+            }
+        } else {
+            for (long j = k0 / 4; j < k0 / 4 + steps; j++) {
+                __m512i v[2];
+                for (long t = 0; t < T; t++)
+                    v[t] = _mm512_loadu_si512(codes + t * tile_bytes + j * 64);
+                for (long r = 0; r < R; r++)
+                    for (long t = 0; t < T; t++)
+                        part[r][t] = dp_bcast(part[r][t], v[t], xq + r * K + 4 * j);
+            }
+        }
+        for (long r = 0; r < R; r++)
+            for (long t = 0; t < T; t++) dot[r][t] = _mm512_add_epi32(dot[r][t], part[r][t]);
+    }
+    for (long r = 0; r < R; r++)
+        for (long t = 0; t < T; t++) {
+            __m512 s = _mm512_mul_ps(_mm512_loadu_ps(p->sz + (t0 + t) * 32),
+                                     _mm512_set1_ps(a->dx[m0 + r]));
+            _mm512_storeu_ps(out + (r * T + t) * 16, _mm512_mul_ps(_mm512_cvtepi32_ps(dot[r][t]), s));
+        }
+}
+
+#define I8_RT                                                                                \
+    switch (R * 2 + T - 1) {                                                                 \
+    case 2: i8_micro(p, K, a, m0, t0, out, 1, 1); break;                                     \
+    case 3: i8_micro(p, K, a, m0, t0, out, 1, 2); break;                                     \
+    case 4: i8_micro(p, K, a, m0, t0, out, 2, 1); break;                                     \
+    case 5: i8_micro(p, K, a, m0, t0, out, 2, 2); break;                                     \
+    case 6: i8_micro(p, K, a, m0, t0, out, 3, 1); break;                                     \
+    case 7: i8_micro(p, K, a, m0, t0, out, 3, 2); break;                                     \
+    case 8: i8_micro(p, K, a, m0, t0, out, 4, 1); break;                                     \
+    case 9: i8_micro(p, K, a, m0, t0, out, 4, 2); break;                                     \
+    case 10: i8_micro(p, K, a, m0, t0, out, 5, 1); break;                                    \
+    case 11: i8_micro(p, K, a, m0, t0, out, 5, 2); break;                                    \
+    case 12: i8_micro(p, K, a, m0, t0, out, 6, 1); break;                                    \
+    default: i8_micro(p, K, a, m0, t0, out, 6, 2); break;                                    \
+    }
+#else
+#define A8_ROWS 6
 #endif
 
-/* rows m0 .. m0 + R - 1 (R <= 8) against tile t -> out [R][16] */
-static void a8_tiles(const GgmlPart *p, long K, const A8X *a, long m0, long t, float *out,
-                     long R) {
+/* rows m0 .. m0 + R - 1 (R <= A8_ROWS) against tiles t0 .. t0 + T - 1 (T <= 2) -> out
+   [R][T * 16] */
+static void a8_tiles(const GgmlPart *p, long K, const A8X *a, long m0, long t0, float *out,
+                     long R, long T) {
 #ifdef A8_VNNI
-    if (p->bits == 4) {
-        A8_CASES(4, 32)
+    int z = a8_offset(p->type) == 0;
+    if (p->type == T_I8) {
+        I8_RT
+    } else if (p->bits == 4) {
+        if (z) {
+            A8_RT(4, 32, 1)
+        } else {
+            A8_RT(4, 32, 0)
+        }
     } else if (p->group == 16) {
-        A8_CASES(8, 16)
+        A8_RT(8, 16, 0)
+    } else if (z) {
+        A8_RT(8, 32, 1)
     } else {
-        A8_CASES(8, 32)
+        A8_RT(8, 32, 0)
     }
 #else /* the same sums, one at a time */
+    if (p->type == T_I8) {
+        for (long r = 0; r < R; r++)
+            for (long l = 0; l < 16 * T; l++) {
+                long t = t0 + l / 16, n = 16 * t + l % 16;
+                int32_t dot = -128 * a->is[m0 + r];
+                for (long k = 0; k < K; k++)
+                    dot += p->tiles[a8_at(K, 8, n, k)] * a->xq[(m0 + r) * K + k];
+                out[16 * T * r + l] = (float)dot * (p->sz[t * 32 + l % 16] * a->dx[m0 + r]);
+            }
+        return;
+    }
     long G = p->group, ng = K / G;
     for (long r = 0; r < R; r++)
-        for (long l = 0; l < 16; l++) {
+        for (long l = 0; l < 16 * T; l++) {
             float acc = 0.f;
-            long n = 16 * t + l;
+            long t = t0 + l / 16, n = 16 * t + l % 16;
             for (long g = 0; g < ng; g++) {
                 int32_t dot = 0;
                 const int8_t *xg = a->xq + (m0 + r) * K + g * G;
@@ -666,15 +871,30 @@ static void a8_tiles(const GgmlPart *p, long K, const A8X *a, long m0, long t, f
                     int code = p->bits == 8 ? byte : (k % 8 < 4 ? byte & 15 : byte >> 4);
                     dot += code * xg[k - g * G];
                 }
-                long at = ((t * ng + g) * 2) * 16 + l;
-                const float *xs = a->xs + (m0 + r) * (K / 16);
-                float sum = G == 16 ? xs[g] : xs[2 * g] + xs[2 * g + 1];
-                acc += (float)dot * (p->sz[at] * a->dx[(m0 + r) * (K / 32) + g * G / 32]);
-                acc += p->sz[at + 16] * sum;
+                long at = ((t * ng + g) * 2) * 16 + l % 16;
+                const int32_t *is = a->is + (m0 + r) * (K / 16);
+                int sum = G == 16 ? is[g] : is[2 * g] + is[2 * g + 1];
+                float d = a->dx[(m0 + r) * (K / 32) + g * G / 32];
+                acc += (float)dot * (p->sz[at] * d);
+                acc += p->sz[at + 16] * (d * (float)sum);
             }
-            out[16 * r + l] = acc;
+            out[16 * T * r + l] = acc;
         }
 #endif
+}
+
+/* W [rows, K] fp32 from a part's tiles: scale * code + offset, llama.cpp's values up to
+   fp32 rounding (the layer's weights when the file's bytes were dropped after packing) */
+void bs_ggml_a8_dequantize(const uint8_t *tiles, const float *sz, long rows, long K, long group,
+                           long bits, float *out) {
+    long ng = K / group;
+    for (long n = 0; n < rows; n++)
+        for (long k = 0; k < K; k++) {
+            uint8_t byte = tiles[a8_at(K, bits, n, k)];
+            int code = bits == 8 ? byte : (k % 8 < 4 ? byte & 15 : byte >> 4);
+            long at = ((n / 16 * ng + k / group) * 2) * 16 + n % 16;
+            out[n * K + k] = sz[at] * (float)code + sz[at + 16];
+        }
 }
 
 /* -- y = x @ W.T ------------------------------------------------------------------------ */
@@ -742,15 +962,20 @@ static void pack_panels(const float *rows, long N, long K, float *P) {
 static void part_rows(const Job *J, const GgmlPart *p, long col, long n0, long n1) {
     long K = J->w->K, N = J->w->N, M = J->M, rb = bs_ggml_row_bytes(p->type, K);
     const uint8_t *data = (const uint8_t *)p->data;
-    if (p->tiles) { /* int8 activations: whole tiles of 16 rows (CHUNK is a multiple) */
-        float out[8 * 16];
-        for (long t = n0 / 16; t * 16 < n1; t++) {
-            long nn = n1 - 16 * t < 16 ? n1 - 16 * t : 16;
-            for (long m0 = 0; m0 < M; m0 += 8) {
-                long R = M - m0 < 8 ? M - m0 : 8;
-                a8_tiles(p, K, J->a, m0, t, out, R);
+    if (p->tiles) { /* int8 activations: whole tiles of 16 rows, two at a time (CHUNK 32) */
+        float out[A8_ROWS * 32];
+        long pair = M > 1 ? 2 : 1; /* one row: a tile at a time (measured faster) */
+        for (long t0 = n0 / 16; t0 * 16 < n1; t0 += pair) {
+            long T = n1 - 16 * t0 > 16 ? pair : 1;
+            for (long m0 = 0; m0 < M; m0 += A8_ROWS) {
+                long R = M - m0 < A8_ROWS ? M - m0 : A8_ROWS;
+                a8_tiles(p, K, J->a, m0, t0, out, R, T);
                 for (long r = 0; r < R; r++)
-                    memcpy(J->y + (m0 + r) * N + col + 16 * t, out + 16 * r, sizeof(float) * nn);
+                    for (long t = 0; t < T; t++) {
+                        long n = 16 * (t0 + t), nn = n1 - n < 16 ? n1 - n : 16;
+                        memcpy(J->y + (m0 + r) * N + col + n, out + (r * T + t) * 16,
+                               sizeof(float) * nn);
+                    }
             }
         }
         return;
@@ -806,12 +1031,58 @@ void bs_ggml_gemv(const Weight *w, const float *x, long ldx, long M, float *y) {
         tasks += (parts[i].rows + CHUNK - 1) / CHUNK;
         a8 |= parts[i].tiles != NULL;
     }
-    A8X a = {NULL, NULL, NULL};
-    if (a8) a8_quantize(x, ldx, M, w->K, &a);
+    A8X a = {NULL, NULL, NULL, NULL};
+    if (a8 && parts[0].type == T_I8)
+        a8_quantize_rows(x, ldx, M, w->K, &a);
+    else if (a8)
+        a8_quantize(x, ldx, M, w->K, &a);
     Job job = {w, x, ldx, M, y, &a};
     bs_parallel(ggml_task, &job, tasks);
     a8_free(&a);
     if (w->bias)
         for (long m = 0; m < M; m++)
             for (long n = 0; n < w->N; n++) y[m * w->N + n] += w->bias[n];
+}
+
+#define PEAK_CHAINS(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11)
+long bs_isa_peak(long kind, long iters) {
+    long sink = 0;
+#if defined(__AVX512F__) && defined(__AVX512VNNI__)
+    if (kind == 0) {
+        __m512i b = _mm512_set1_epi8((char)(iters & 1)), c = _mm512_set1_epi8(2);
+#define PI(i) __m512i a##i = _mm512_set1_epi32(i);
+#define PS(i) a##i = _mm512_dpbusd_epi32(a##i, b, c);
+#define PR(i) sink += _mm512_reduce_add_epi32(a##i);
+        PEAK_CHAINS(PI)
+        for (long n = 0; n < iters; n++) { PEAK_CHAINS(PS) }
+        PEAK_CHAINS(PR)
+        return sink & 1;
+    }
+#endif
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+    if (kind == 1) {
+        __m512bh b = (__m512bh)_mm512_set1_epi16((short)0x3f80);
+#define FI(i) __m512 f##i = _mm512_set1_ps((float)i);
+#define FS(i) f##i = _mm512_dpbf16_ps(f##i, b, b);
+#define FR(i) sink += (long)_mm512_reduce_add_ps(f##i);
+        PEAK_CHAINS(FI)
+        for (long n = 0; n < iters; n++) { PEAK_CHAINS(FS) }
+        PEAK_CHAINS(FR)
+        return sink & 1;
+    }
+#endif
+#ifdef __AVX512F__
+    if (kind == 2) {
+        __m512 x = _mm512_set1_ps(1e-9f * (float)(iters & 1));
+#define GI(i) __m512 e##i = _mm512_set1_ps((float)i);
+#define GS(i) e##i = _mm512_fmadd_ps(e##i, x, x);
+#define GR(i) sink += (long)_mm512_reduce_add_ps(e##i);
+        PEAK_CHAINS(GI)
+        for (long n = 0; n < iters; n++) { PEAK_CHAINS(GS) }
+        PEAK_CHAINS(GR)
+        return sink & 1;
+    }
+#endif
+    (void)iters;
+    return kind >= 0 ? -1 : sink;
 }

@@ -81,7 +81,7 @@ def load_model(config: EngineConfig, parallel: Parallel = SINGLE) -> nn.Module:
     elif config.gguf_file is not None:
         from bitserve.llm import gguf
 
-        gguf.load_weights(model, config.gguf_file, config.hf_config)
+        gguf.load_weights(model, config.gguf_file, config.hf_config, config.gguf_activations)
     else:
         load_safetensors(model, Path(config.model))
     if config.weight_dtype is not config.torch_dtype:  # bfloat16 on the CPU

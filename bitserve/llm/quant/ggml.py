@@ -7,22 +7,26 @@ The C kernels (bitserve/kernels/csrc/ggml.c, `Weight` kind 4) dequantize blocks 
 fly and meet fp32 activations, so the layer computes x @ W.T for W exactly as llama.cpp
 dequantizes it, up to fp32 summation order. Nothing is re-quantized.
 
-Opt-in, BITSERVE_GGML_A8=1 (read when a layer's C view is built): llama.cpp's own CPU
-scheme, x rounded to int8 per 32 columns and met by the same codes, repacked once at load
-into 16-row tiles (`bs_ggml_a8_pack`, kept beside the file's bytes: 6 more bits a
-weight for Q4_0/Q4_K, 10-12 for the others) in VNNI dot products: 3-5x faster at 16
-rows, and x's rounding is the cost (tinylm perplexity: Q4_K_M 25.0067 -> 25.0076,
-llama.cpp's own figure).
+Activations (`activations`, the model parameter `gguf_activations`):
+  - "int8" (the default, llama.cpp's own CPU scheme): x rounded to int8 per 32 columns
+    meets the same codes, repacked once when the kernels attach into 16-row tiles
+    (`bs_ggml_a8_pack`), in VNNI dot products; the file's bytes of those parts are then
+    dropped (the tiles hold the codes: 4 bits a weight for Q4_0/Q4_K, 8 for the others,
+    plus an fp32 scale and offset per 32 columns, per 16 for Q6_K). Every row count runs
+    on the tiles, batch-1 decode included. x's rounding is the cost (tinylm perplexity:
+    Q4_K_M 25.0067 -> 25.0076, llama.cpp's own figure).
+  - "fp32": the file's blocks dequantized on the fly against fp32 x, W exactly as
+    llama.cpp dequantizes it up to fp32 summation order (the parity path).
+F32/F16/BF16 parts always take the fp32 path.
 
 Invariants: each part is uint8 [rows, row_bytes], row_bytes = `bs_ggml_row_bytes(type,
-in_features)`; the parts' rows add up to out_features; the parts never change after
-load (the C view points into them). Without the C kernels (no compiler, a GPU) the layer
-dequantizes once, with gguf-py's own dequantizer, and runs fp32 `F.linear`.
+in_features)`, until int8 tiles replace it (then [rows, 0]); the parts' rows add up to
+out_features; parts and tiles never change once the C view is built (it points into
+them). Without the C kernels (no compiler, a GPU) the layer dequantizes once (gguf-py's
+own dequantizer, or the tiles read back) and runs fp32 `F.linear`.
 """
 
 from __future__ import annotations
-
-import os
 
 import numpy as np
 import torch
@@ -45,6 +49,7 @@ TYPES = {  # ggml type ids (gguf.GGMLQuantizationType) the kernels read
 BLOCKS = {"F32": (1, 4), "F16": (1, 2), "BF16": (1, 2), "Q4_0": (32, 18), "Q5_0": (32, 22)}
 BLOCKS |= {"Q8_0": (32, 34), "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210)}
 FUSE_ROWS = 256  # the C decode layer takes up to this many rows (panels above 4 rows)
+ACTIVATIONS = ("int8", "fp32")  # what x meets the block-format weights as
 
 
 def row_bytes(kind: str, k: int) -> int:
@@ -60,8 +65,17 @@ class GgmlLinear(nn.Module):
 
     fuse_rows = FUSE_ROWS
 
-    def __init__(self, in_features: int, parts: list[tuple[str, torch.Tensor]], bias=None):
+    def __init__(
+        self,
+        in_features: int,
+        parts: list[tuple[str, torch.Tensor]],
+        bias=None,
+        activations: str = "int8",
+    ):
         super().__init__()
+        if activations not in ACTIVATIONS:
+            raise ValueError(f"gguf_activations must be 'int8' or 'fp32', got {activations!r}")
+        self.activations = activations
         self.in_features = in_features
         self.types = [kind for kind, _ in parts]
         for i, (kind, data) in enumerate(parts):
@@ -73,9 +87,13 @@ class GgmlLinear(nn.Module):
         self.out_features = sum(data.shape[0] for _, data in parts)
         self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
         self.c_weight = self.fallback_weight = None
+        self.tiles: dict[int, tuple[torch.Tensor, torch.Tensor, int, int]] = {}  # part -> a8
 
     def extra_repr(self) -> str:
-        return f"in={self.in_features}, out={self.out_features}, types={'+'.join(self.types)}"
+        types = "+".join(self.types)
+        return (
+            f"in={self.in_features}, out={self.out_features}, types={types}, x={self.activations}"
+        )
 
     def parts(self) -> list[tuple[str, torch.Tensor]]:
         return [(kind, getattr(self, f"part{i}")) for i, kind in enumerate(self.types)]
@@ -90,6 +108,8 @@ class GgmlLinear(nn.Module):
     def kernels(self, kernels: c.Kernels | None) -> None:
         """Set once at load (kernels.attach): the C view, or the torch fallback's weight."""
         self._kernels = kernels
+        if kernels is not None and self.activations == "int8" and self.part0.is_cpu:
+            self.pack_tiles()
         self.c_weight = self.c_view(bias=True) if kernels is not None else None
 
     def c_view(self, lora=None, bias: bool = True):
@@ -100,9 +120,14 @@ class GgmlLinear(nn.Module):
         ffi = c.ffi()
         if getattr(self, "_c_parts", None) is None:  # once: every view points to it
             parts = []
-            for kind, data in self.parts():
-                part = {"type": TYPES[kind], "rows": data.shape[0], "data": c.ptr(data, "void *")}
-                parts.append(part | (self.a8_part(kind, data) if a8() else {}))
+            for i, (kind, data) in enumerate(self.parts()):
+                part = {"type": TYPES[kind], "rows": self.rows(i)}
+                part["data"] = c.ptr(data if data.numel() else None, "void *")
+                if i in self.tiles:
+                    tiles, sz, group, bits = self.tiles[i]
+                    part |= {"tiles": c.ptr(tiles, "uint8_t *"), "sz": c.ptr(sz)}
+                    part |= {"group": group, "bits": bits}
+                parts.append(part)
             self._c_parts = ffi.new("GgmlPart[]", parts)
         fields = {"kind": 4, "N": self.out_features, "K": self.in_features}
         fields |= {"parts": self._c_parts, "nparts": len(self.types)}
@@ -117,27 +142,51 @@ class GgmlLinear(nn.Module):
             fields |= {"lora_S": a.shape[0], "lora_W": a.shape[1]}
         return ffi.new("Weight *", fields)
 
-    def a8_part(self, kind: str, data: torch.Tensor) -> dict:
-        """The GgmlPart fields of `data`'s codes repacked for int8 activations
-        (`bs_ggml_a8_pack`); {} for a type without that path (F32/F16/BF16). The tiles
-        and scales are kept on the module beside the file's bytes."""
+    def rows(self, i: int) -> int:
+        return getattr(self, f"part{i}").shape[0]
+
+    def pack_tiles(self) -> None:
+        """int8 activations: each block-format part's codes repacked into 16-row tiles
+        (`bs_ggml_a8_pack`), once; the file's bytes of that part are then dropped (the
+        tiles hold the same codes). F32/F16/BF16 parts keep their rows."""
+        if self.tiles or getattr(self, "_c_parts", None) is not None:
+            return
         lib, ffi = c.get().lib, c.ffi()
-        group, bits = ffi.new("long *"), ffi.new("long *")
-        args = (TYPES[kind], c.ptr(data, "void *"), data.shape[0], self.in_features)
-        size = lib.bs_ggml_a8_pack(*args, ffi.NULL, ffi.NULL, group, bits)
-        if size < 0:
-            return {}
-        tiles = torch.empty(size, dtype=torch.uint8)
-        sz = torch.empty(-(-data.shape[0] // 16) * (self.in_features // group[0]) * 32)
-        lib.bs_ggml_a8_pack(*args, c.ptr(tiles, "uint8_t *"), c.ptr(sz), group, bits)
-        self._a8_tensors = [*getattr(self, "_a8_tensors", []), tiles, sz]
-        fields = {"tiles": c.ptr(tiles, "uint8_t *"), "sz": c.ptr(sz)}
-        return fields | {"group": group[0], "bits": bits[0]}
+        for i, (kind, data) in enumerate(self.parts()):
+            group, bits = ffi.new("long *"), ffi.new("long *")
+            args = (TYPES[kind], c.ptr(data, "void *"), data.shape[0], self.in_features)
+            size = lib.bs_ggml_a8_pack(*args, ffi.NULL, ffi.NULL, group, bits)
+            if size < 0:
+                continue
+            tiles = torch.empty(size, dtype=torch.uint8)
+            sz = torch.empty(-(-data.shape[0] // 16) * (self.in_features // group[0]) * 32)
+            lib.bs_ggml_a8_pack(*args, c.ptr(tiles, "uint8_t *"), c.ptr(sz), group, bits)
+            self.register_buffer(f"tiles{i}", tiles, persistent=False)  # (counted as weights)
+            self.register_buffer(f"sz{i}", sz, persistent=False)
+            self.tiles[i] = (tiles, sz, group[0], bits[0])
+            self.register_buffer(f"part{i}", data.new_empty(data.shape[0], 0), persistent=False)
 
     def dequantize(self) -> torch.Tensor:
         """W as fp32 [out, in], as llama.cpp dequantizes it (the C dequantizer, or
         gguf-py's without the kernels)."""
-        return torch.cat([dequantize(kind, data, self.in_features) for kind, data in self.parts()])
+        out = []
+        for i, (kind, data) in enumerate(self.parts()):
+            if i not in self.tiles:
+                out.append(dequantize(kind, data, self.in_features))
+                continue
+            tiles, sz, group, bits = self.tiles[i]
+            w = torch.empty(data.shape[0], self.in_features)
+            c.get().lib.bs_ggml_a8_dequantize(
+                c.ptr(tiles, "uint8_t *"),
+                c.ptr(sz),
+                data.shape[0],
+                self.in_features,
+                group,
+                bits,
+                c.ptr(w),
+            )
+            out.append(w)
+        return torch.cat(out)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
@@ -150,13 +199,6 @@ class GgmlLinear(nn.Module):
                 self.fallback_weight = self.dequantize().to(x.device)
             y = F.linear(rows.float(), self.fallback_weight, self.bias)
         return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
-
-
-def a8() -> bool:
-    """BITSERVE_GGML_A8=1: block-format weights meet int8 activations (llama.cpp's own
-    scheme, csrc/ggml.c's "a8"); by default fp32 activations, llama.cpp's dequantized
-    values to fp32 rounding. Read when a layer's C view is first built."""
-    return os.environ.get("BITSERVE_GGML_A8") == "1"
 
 
 def dequantize(kind: str, data: torch.Tensor, k: int) -> torch.Tensor:
