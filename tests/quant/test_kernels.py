@@ -75,12 +75,11 @@ def test_layers_use_the_gemv_for_few_rows(monkeypatch) -> None:
         layer(x)
     assert layer.c_weight is not None
     calls = []
-    gemv = lambda w, x: calls.append(w) or x[:, :32]  # noqa: E731
-    monkeypatch.setattr(layer.c_kernels, "gemv", gemv)
+    monkeypatch.setattr(layer.c_kernels, "gemv", lambda w, x: calls.append(1) or x[:, :32])
     with torch.inference_mode():
         layer(x)
-        layer(torch.randn(16, 64))  # more rows: the I8 tiles (csrc/ggml.c), not _int_mm
-    assert calls == [layer.c_weight, layer.a8_weight]
+        layer(torch.randn(16, 64))  # more rows: _int_mm
+    assert calls == [1]
 
 
 @pytest.mark.parametrize("method", ["int8", "int4"])
