@@ -28,10 +28,10 @@ tools/build_llama_quantize.sh).
 One linear layer alone, each of the 246m model's shapes (qkv 1536 x 1024, o, gate_up
 5632 x 1024, down 1024 x 2816, the 32000 x 1024 head), at 1..256 rows of x: the packed
 fp32 GEMM, bf16 weights (csrc/bf16.c, vdpbf16ps), bitserve's own int8 (per-channel;
-above 4 rows x rounded per row in the GGUF kernel's tiles, and torch._int_mm on the same
-rounding, which it replaced) and int4 (group 32), and each GGUF block type (random codes,
-finite scales) with int8 activations (the default, `gguf_activations = "int8"`, the
-"a8" tiles: csrc/ggml.c's microkernel) and with fp32 ones ("fp32", the parity path).
+above 4 rows x rounded per row through torch._int_mm) and int4 (group 32), and each
+GGUF block type (random codes, finite scales) with int8 activations (the default,
+`gguf_activations = "int8"`, the "a8" tiles: csrc/ggml.c's microkernel) and with fp32
+ones ("fp32", the parity path).
 Milliseconds per call (process CPU time, which a descheduled spell on a loaded box does
 not count; --clock wall for wall time), median of --repeats rounds, the variants taking
 turns in each round (the order rotated by one a round); the min-max spread beside each,
@@ -189,7 +189,6 @@ def kernel_variants(n: int, k: int) -> dict[str, object]:
         layer.prepare()
         layer.prepared_for = layer.device
         out[name] = layer.matmul
-    out["int8 _int_mm"] = out["int8"].__self__.int_mm_matmul  # its torch path, rows > 4 before
     for kind in KERNEL_TYPES:
         data = random_blocks(kind, n, k)
         for activations in ("int8", "fp32"):

@@ -178,32 +178,6 @@ def test_int8_activations_at_odd_shapes():
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max())
 
 
-@needs_kernels
-def test_bitserves_int8_layers_take_the_same_tiles_with_x_rounded_per_row():
-    """Int8Linear above SMALL_M rows: its int8 weights in the tiles (a part of type I8)
-    against x rounded per row equal torch._int_mm on the same rounding (its own W8A8
-    path) to fp32 rounding: 5..64 rows, 37 outputs (a tile's tail), 100 inputs (no
-    multiple of 32), 1-2 threads."""
-    from bitserve.llm.quant.linear import Int8Linear
-
-    torch.manual_seed(0)
-    layer = Int8Linear.from_float(torch.nn.Linear(100, 37))
-    kernels.attach(layer, kernels.get())
-    layer.prepare()
-    layer.prepared_for = layer.device
-    assert layer.a8_weight is not None
-    lib = kernels.get().lib
-    for m, threads in [(5, 1), (6, 2), (13, 1), (16, 2), (64, 1)]:
-        x = torch.randn(m, 103)[:, :100]
-        want = layer.int_mm_matmul(x.contiguous()).double()  # torch._int_mm, x per row
-        lib.bs_set_threads(threads)
-        try:
-            got = layer.matmul(x).double()
-        finally:
-            lib.bs_set_threads(1)
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max())
-
-
 def test_gguf_activations_must_be_int8_or_fp32():
     with pytest.raises(ValueError, match="gguf_activations must be 'int8' or 'fp32', got 'int4'"):
         GgmlLinear(256, [("Q4_K", torch.zeros(1, 144, dtype=torch.uint8))], activations="int4")
@@ -228,14 +202,6 @@ def test_int8_activations_without_avx512_give_the_same_sums(tmp_path, monkeypatc
             want = quantized_x(x) @ w.T
             got = layer(x).double()
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max())
-    from bitserve.llm.quant.linear import Int8Linear  # and an int8 layer's I8 part
-
-    layer = Int8Linear.from_float(torch.nn.Linear(100, 37))
-    layer.prepare()
-    x = torch.randn(9, 100)
-    want = layer.int_mm_matmul(x).double()
-    got = plain.gemv(layer.a8_weight, x).double()  # the view, through the plain build
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max())
 
 
 @needs_kernels

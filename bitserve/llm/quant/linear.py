@@ -173,37 +173,10 @@ class Int8Linear(QuantLinear):
             self.row_sums = self.qweight.sum(dim=1, dtype=torch.int32)
             self.a8_rows = SMALL_M + 1
         self.prepare_c()
-        self.a8_weight = self.a8_tiles() if self.int8_activations else None
         self.scales_bf16 = self.scales.to(torch.bfloat16)
         w = self.int8_weight()
         self.use_pack = probe(self, "int8pack", self.pack_matmul, w)
         self.use_int_mm = probe(self, "_int_mm", self.int_mm_matmul, w, rows=32)
-
-    def a8_tiles(self):
-        """Above SMALL_M rows on the CPU: the weights repacked into the GGUF kernel's
-        16-row tiles (csrc/ggml.c, a part of type I8: `bs_i8_a8_pack`) and met by x
-        rounded per row, as `int_mm_matmul` computes (register-blocked VNNI, measured
-        faster than torch._int_mm: bench.gguf --kernels). The tiles sit beside qweight
-        (the weight-only path below reads its rows): one more byte a weight. None where
-        it does not apply (no kernels, not the CPU, in_features not a multiple of 4)."""
-        if (
-            getattr(self, "c_weight", None) is None
-            or type(self) is not Int8Linear
-            or self.in_features % 4
-        ):
-            return None
-        lib, ffi = self.c_kernels.lib, c.ffi()
-        n, k = self.out_features, self.in_features
-        tiles = torch.empty(-(-n // 16) * 16 * k, dtype=torch.uint8)
-        sz = torch.empty(-(-n // 16) * 32)
-        args = (c.ptr(self.qweight, "int8_t *"), n, k, c.ptr(self.scales))
-        lib.bs_i8_a8_pack(*args, c.ptr(tiles, "uint8_t *"), c.ptr(sz))
-        self.register_buffer("a8_codes", tiles, persistent=False)  # (counted as weights)
-        self.register_buffer("a8_scales", sz, persistent=False)
-        part = {"type": 24, "rows": n, "tiles": c.ptr(tiles, "uint8_t *"), "sz": c.ptr(sz)}
-        self.a8_parts = ffi.new("GgmlPart[]", [part | {"group": k, "bits": 8}])
-        fields = {"kind": 4, "N": n, "K": k, "parts": self.a8_parts, "nparts": 1}
-        return ffi.new("Weight *", fields | {"bias": c.ptr(None)})
 
     def pack_matmul(self, x: torch.Tensor) -> torch.Tensor:
         return aten._weight_int8pack_mm(x.to(torch.bfloat16), self.qweight, self.scales_bf16)
@@ -218,15 +191,6 @@ class Int8Linear(QuantLinear):
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         m = x.shape[0]
-        a8 = getattr(self, "a8_weight", None)
-        if (
-            m > SMALL_M
-            and a8 is not None
-            and x.dtype is torch.float32
-            and x.is_cpu
-            and (not torch.is_grad_enabled())
-        ):
-            return self.c_kernels.gemv(a8, x if x.stride(1) == 1 else x.contiguous())
         c_rows = C_A8_MAX_M if self.int8_activations else SMALL_M
         if m <= c_rows and (y := self.c_matmul(x)) is not None:
             return y
