@@ -32,6 +32,11 @@ def configure(address: str | None) -> None:
     joins the same cluster."""
     global _address
     _address = address or None
+    if _address:
+        # Ray's driver would install absl's failure handler for SIGTERM too: it printed
+        # a stack and sometimes aborted (exit -6) the server's own SIGTERM drain (the
+        # soak's `--ray` runs). Read when Ray is imported, so set before any import.
+        os.environ.setdefault("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "1")
     if _address and _address != "local":
         os.environ.setdefault("RAY_ADDRESS", _address)
 
