@@ -61,12 +61,7 @@ def connect() -> None:
         except ImportError:
             raise RayUnavailable("Ray is not installed: pip install 'bitserve[ray]'") from None
         if not ray.is_initialized():
-            ray.init(
-                address=_address,
-                include_dashboard=False,
-                log_to_driver=False,
-                logging_level=logging.WARNING,
-            )
+            _init_on_a_lasting_thread(ray)
         resources = ray.cluster_resources()
         log.info(
             "joined Ray at %s: %g CPU, %g GPU",
@@ -75,3 +70,30 @@ def connect() -> None:
             resources.get("GPU", 0),
         )
         _connected = True
+
+
+def _init_on_a_lasting_thread(ray) -> None:
+    """ray.init on a thread that lives as long as the process. A `local` Ray's head
+    processes (GCS, raylet) are started with PR_SET_PDEATHSIG = SIGKILL, which the
+    kernel sends when the *thread* that forked them ends: called from a model
+    instance's worker thread, replacing that instance (a replica killed) killed the
+    whole Ray, and 60 s later Ray ended the server (found by `bench.soak --ray`)."""
+    done, failed = threading.Event(), []
+
+    def driver() -> None:
+        try:
+            ray.init(
+                address=_address,
+                include_dashboard=False,
+                log_to_driver=False,
+                logging_level=logging.WARNING,
+            )
+        except BaseException as e:  # raised again on the caller's thread
+            failed.append(e)
+        done.set()
+        threading.Event().wait()  # never ends: see above
+
+    threading.Thread(target=driver, name="ray-driver", daemon=True).start()
+    done.wait()
+    if failed:
+        raise failed[0]
