@@ -508,11 +508,14 @@ class Speculator:
         counts = [1 + len(seq.spec_token_ids) for seq in seqs]
         self.mask(logits, seqs, counts)
         values, argmax = logits.max(-1)  # max propagates NaN: it finds broken rows too
-        parts = [argmax.double(), values.isnan().double()]
+        argmax = argmax.masked_fill_(values.isnan(), -1)  # -1: a NaN row
         sampled = [i for i, seq in enumerate(seqs) if not seq.sampling_params.greedy]
         if sampled:
-            parts += self.rejection(logits, seqs, counts, sampled)
-        out = self.decide(seqs, counts, set(sampled), to_host(torch.cat(parts)))
+            parts = [argmax.double(), *self.rejection(logits, seqs, counts, sampled)]
+            host = to_host(torch.cat(parts))
+        else:  # greedy rows only: their argmax, read as ints
+            host = to_host(argmax)
+        out = self.decide(seqs, counts, set(sampled), host)
         self.logprobs(logits, seqs, counts, out)
         return out
 
@@ -593,9 +596,9 @@ class Speculator:
     def decide(self, seqs, counts, sampled: set[int], host) -> list[list[int] | SamplingFailed]:
         """Per sequence: the proposals kept, then the target's token (plain Python)."""
         total = sum(counts)
-        argmax, nan = host[:total], host[total : 2 * total]
-        rs = (len(host) - 2 * total) // 3
-        keep, drawn, valid = (host[2 * total + j * rs : 2 * total + (j + 1) * rs] for j in range(3))
+        argmax = host[:total]  # -1: a NaN row
+        rs = (len(host) - total) // 3
+        keep, drawn, valid = (host[total + j * rs : total + (j + 1) * rs] for j in range(3))
         out: list[list[int] | SamplingFailed] = []
         at = sub = 0
         for i, (seq, c) in enumerate(zip(seqs, counts, strict=True)):
@@ -608,7 +611,7 @@ class Speculator:
                 last = drawn[sub + a]
                 sub += c
             else:
-                bad = any(nan[at : at + c])
+                bad = -1 in argmax[at : at + c]
                 while a < c - 1 and tokens[a] == argmax[at + a]:
                     a += 1
                 last = argmax[at + a]
