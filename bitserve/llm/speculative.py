@@ -74,11 +74,11 @@ class SpeculativeConfig:
     method: str
     num_tokens: int = 4
     model: str | None = None  # the draft's folder: absolute, or next to the target's
-    # the suffix lengths the n-gram proposer matches. bench/speculative.py, tinylm, k = 4,
-    # one thread, 5 rounds, CPU-time ratios to the plain engine: 2..5 gave 1.51x on the
-    # copy-heavy prompts and 1.76x on held-out verses, 1..3 1.53x and 1.63x (a one-token
-    # match is right less often and spends verification rows)
-    ngram_min: int = 2
+    # the suffix lengths the n-gram proposer matches (a match of n proposes at most n + 1
+    # tokens). bench/speculative.py, tinylm, k = 4, one thread, 5 rounds, CPU-time ratios
+    # to the plain engine (load 5-7): 1..5 gave 1.41x on the copy-heavy prompts, 1.28x
+    # on 8 more of them and 1.62x on held-out verses, 2..5 1.40x, 1.25x and 1.55x
+    ngram_min: int = 1
     ngram_max: int = 5
     max_batch: int = MAX_BATCH  # more running requests than this: no speculation
     folder: Path | None = field(default=None, repr=False)  # the draft's, resolved
@@ -150,7 +150,11 @@ class Proposer(Protocol):
 
 class NgramProposer:
     """Prompt lookup: the longest suffix of n tokens (ngram_max down to ngram_min) that
-    occurred before in the sequence; its latest earlier occurrence's next k tokens.
+    occurred before in the sequence; its latest earlier occurrence's next tokens, at most
+    n + 1 of them (and k): a short match is right less often, and on the CPU every
+    proposal costs a verification row whether it is kept or not (tinylm, greedy: a
+    one-token match's next tokens were kept 32/18/13/10% of the time, those after a
+    match of 5 or more 94/89/85/85%; a row costs ~8% of a plain step).
 
     Each request keeps an index of its n-grams (n-gram -> the latest position it ends
     at), extended by the tokens appended since the last step (a sequence's tokens are
@@ -179,7 +183,7 @@ class NgramProposer:
         for n in range(min(high, last), low - 1, -1):
             end = index.get(tuple(tokens[last - n + 1 :]))
             if end is not None:
-                return tokens[end + 1 : end + 1 + k]
+                return tokens[end + 1 : end + 1 + min(k, n + 1)]
         return []
 
     def lookup(self, token_ids: list[int], k: int) -> list[int]:
@@ -197,7 +201,7 @@ class NgramProposer:
         if best < self.low:
             return []
         end = int(ends[np.flatnonzero(length == best)[-1]])  # the latest of the longest
-        return tokens[end + 1 : end + 1 + k].tolist()
+        return tokens[end + 1 : end + 1 + min(k, best + 1)].tolist()
 
     def release(self, seq: Sequence) -> None:
         self.indexes.pop(id(seq), None)
@@ -461,7 +465,8 @@ class Speculator:
         else:
             self.proposer = DraftProposer(config, engine, num_blocks)
         self.rng = random.Random(engine.seed ^ SALT_ACCEPT)
-        self.stats = SpecStats()
+        k = config.num_tokens  # every position's counters from the start (0 until used)
+        self.stats = SpecStats(proposed_at=[0] * k, accepted_at=[0] * k)
 
     def reset(self) -> None:
         self.proposer.reset()

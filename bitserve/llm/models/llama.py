@@ -223,10 +223,10 @@ class LlamaForCausalLM(nn.Module):
         call (the unpacked kernel does not), so a decode row scores alike alone and in a
         verification chunk. Both paths read the same head."""
         head, embed = self.lm_head, self.embed_tokens
-        if head is None or embed is None or head.weight is not embed.weight:
-            return
+        if type(head) is not Linear or type(embed) is not nn.Embedding or head.kernels is None:
+            return  # (a quantized head reads the quantized embedding)
         weight = embed.weight
-        if type(head) is not Linear or head.kernels is None or weight.dtype is not torch.float32:
+        if head.weight is not weight or weight.dtype is not torch.float32:
             return
         if weight.numel() * weight.element_size() > TIED_HEAD_COPY or weight.shape[0] % 16:
             return
