@@ -58,12 +58,13 @@ from bitserve.llm.structured import apply_masks
 
 METHODS = ("ngram", "draft")
 MAX_NUM_TOKENS = 16
-# above this many running requests nobody speculates. bench/speculative.py, tinylm,
-# n-gram k = 4 forced on, copy-heavy prompts (acceptance 31-37%), one thread of the
-# 2-core EPYC, 5 rounds: x plain 0.99 at 2 streams, 0.87 at 4, 0.84 at 8, 0.80 at 16
-# (an earlier, noisier run: 0.97 / 1.06 / 0.95 at 2-4, 0.80 at 6): past 2 the extra
-# rows cost more than the tokens they save (batch 1: 1.30x)
-MAX_BATCH = 2
+# above this many running requests nobody speculates. bench/speculative.py --parts
+# streams, tinylm, n-gram k = 4 (1..5-token matches) forced on, the copy-heavy prompts
+# n at once, one thread of the 2-core EPYC at load 4-5, 15 rounds, CPU-time ratio to the
+# plain engine (min-max): 1.16 (1.00-1.44) at 2 streams, 1.13 (0.90-1.34) at 3, 0.99
+# (0.81-1.18) at 4, 0.92 at 6, 0.90 at 8 (batch 1: 1.28-1.45): past 3 the extra rows
+# cost more than the tokens they save
+MAX_BATCH = 3
 SALT_ACCEPT, SALT_RESIDUAL, SALT_DRAFT = 0xACCE, 0x2E51, 0xD2AF
 
 
