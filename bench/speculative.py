@@ -20,11 +20,12 @@ same with speculation), so a part's ratio is below the decode steps' own.
 1. demo pair, batch 1: models/tinylm and its draft models/tinylm/draft (tools/train_lm.py
    --draft-of, the same corpus; "draft" its int8 version 2, "draft-fp32" version 1), on
    held-out verses (models/tinylm/heldout.txt, never trained on): the first words of a
-   verse as the prompt, `--tokens` new tokens.
-2. copy-heavy, batch 1, n-gram: a held-out passage (three verses) and the start of its
-   first verse again, so that the answer repeats spans of the prompt; n-gram (1..5-token
-   matches) also without one-token matches (ngram_min 2, the default before) and with
-   k = 6.
+   verse as the prompt, `--tokens` new tokens. Drafts propose `--k` tokens, n-gram its
+   defaults (k = 6, 1..5-token matches).
+2. copy-heavy, batch 1: a held-out passage (three verses) and the start of its first
+   verse again, so that the answer repeats spans of the prompt; n-gram with its
+   defaults, without one-token matches (ngram_min 2, the default before) and with
+   k = `--k`; the draft.
 3. streams: the copy-heavy prompts 1, 2, 4, 8, 16 at once (`--streams`) with n-gram
    speculation forced on (max_batch 64): where it stops paying (speculative.MAX_BATCH
    comes from here); and 16 at once with the default configuration (speculation off
@@ -225,7 +226,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--prompts", type=int, default=8)
-    parser.add_argument("--k", type=int, default=4)
+    parser.add_argument("--k", type=int, default=4, help="the drafts' k (and ngram-k's)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--parts", default="demo,copy,streams,default,1b")
     parser.add_argument("--streams", default="1,2,4,8,16", help="part 3's stream counts")
@@ -236,11 +237,11 @@ def main() -> None:
     k, r, t = args.k, args.rounds, args.tokens
     draft = {"method": "draft", "model": "draft", "num_tokens": k}
     fp32 = {"method": "draft", "model": "draft/1", "num_tokens": k}
-    ngram = {"method": "ngram", "num_tokens": k}  # 1..5-token matches
+    ngram = {"method": "ngram"}  # the defaults: k = 6, 1..5-token matches
     # no one-token matches (the default before): fewer speculative steps, right more often
-    ngram2 = {"method": "ngram", "num_tokens": k, "ngram_min": 2, "ngram_max": 5}
-    ngram6 = {"method": "ngram", "num_tokens": 6}
-    forced = {"method": "ngram", "num_tokens": k, "max_batch": 64}
+    ngram2 = {"method": "ngram", "ngram_min": 2}
+    ngram_k = {"method": "ngram", "num_tokens": k}
+    forced = {"method": "ngram", "max_batch": 64}
     results: dict = {"cpu": cpu(), "threads": args.threads, "k": k, "tokens": t, "rounds": r}
     parts = set(args.parts.split(",")) - ({"1b"} if args.no_1b else set())
     if "demo" in parts:
@@ -251,7 +252,7 @@ def main() -> None:
     copy = copy_prompts(16)
     if "copy" in parts:
         results["copy_b1"] = compare(
-            {"plain": None, "ngram": ngram, "ngram-2..5": ngram2, "ngram-k6": ngram6,
+            {"plain": None, "ngram": ngram, "ngram-2..5": ngram2, f"ngram-k{k}": ngram_k,
              "draft": draft},
             copy[: args.prompts], t, False, r,
         )  # fmt: skip
