@@ -60,11 +60,11 @@ METHODS = ("ngram", "draft")
 MAX_NUM_TOKENS = 16
 NGRAM_TOKENS, DRAFT_TOKENS = 6, 4  # num_tokens's defaults
 # above this many running requests nobody speculates. bench/speculative.py --parts
-# streams, tinylm, n-gram k = 4 (1..5-token matches) forced on, the copy-heavy prompts
-# n at once, one thread of the 2-core EPYC at load 4-5, 15 rounds, CPU-time ratio to the
-# plain engine (min-max): 1.16 (1.00-1.44) at 2 streams, 1.13 (0.90-1.34) at 3, 0.99
-# (0.81-1.18) at 4, 0.92 at 6, 0.90 at 8 (batch 1: 1.28-1.45): past 3 the extra rows
-# cost more than the tokens they save
+# streams, tinylm, n-gram (1..5-token matches) forced on, the copy-heavy prompts n at
+# once, one thread of the 2-core EPYC, 15 rounds, CPU-time ratio to the plain engine
+# (min-max): k = 6 at load 11: 1.18 (1.07-1.43) at 2 streams, 1.18 (1.09-1.21) at 3,
+# 1.02 (0.86-1.16) at 4, 0.94 at 8; k = 4 at load 4-5: 1.16, 1.13, 0.99, 0.90 at 2, 3,
+# 4, 8 streams: past 3 the extra rows cost about what the tokens they save do
 MAX_BATCH = 3
 SALT_ACCEPT, SALT_RESIDUAL, SALT_DRAFT = 0xACCE, 0x2E51, 0xD2AF
 
