@@ -76,7 +76,8 @@ class SpeculativeConfig:
     method: str
     # k, the most proposals a step: by default 4 for a draft (each one a draft step), 6
     # for n-gram, whose proposals cost nothing to make (bench/speculative.py, copy-heavy
-    # prompts, 15 rounds at load 5-11, CPU-time ratio to plain: 1.61x at k = 6, 1.54x at 4)
+    # prompts, CPU-time ratio to plain: 1.61x at k = 6, 1.51x at 4 over 15 rounds at load
+    # 7-11; 1.43x and 1.40x over 5 rounds at load 4-5)
     num_tokens: int | None = None
     model: str | None = None  # the draft's folder: absolute, or next to the target's
     # the suffix lengths the n-gram proposer matches (a match of n proposes at most n + 1
