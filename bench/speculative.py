@@ -5,23 +5,31 @@
 Same weights and prompts for every variant, greedy (so each speculative variant's tokens
 are checked equal to the plain engine's), prefix caching off (a later round would hit
 an earlier one's prompts), the engine's offline API (`LLMEngine`, what serve runs).
-Every round runs all variants of a part one after another (A/B interleaved, the order
-rotated from round to round) and the ratios are taken within the round; the table shows
-the median ratio over the rounds and its spread (min-max), by wall-clock time ("x plain")
-and by the engine thread's CPU time ("x cpu": what other processes on a shared box took
-of the core is left out; cache and memory-bandwidth contention is not). The machine is
-shared and noisy: read the spreads.
+One engine per part: each variant is a speculator set on it (none for "plain"), so every
+variant reads the same weights and KV pool at the same addresses. In every round each
+prompt (batch 1; a part's whole batch when its prompts run together) goes through all
+variants one after another, the order rotated from prompt to prompt and round to round
+(a burst of load on the shared box lands on all of them), and the ratios are taken
+within the round; the table shows the median ratio over the rounds and its spread
+(min-max), by wall-clock time ("x plain") and by the engine thread's CPU time ("x cpu":
+what other processes on a shared box took of the core is left out; cache and
+memory-bandwidth contention is not). The machine is shared and noisy: read the spreads.
+Batch-1 rates include each request's prefill (~14% of a plain request on tinylm, the
+same with speculation), so a part's ratio is below the decode steps' own.
 
 1. demo pair, batch 1: models/tinylm and its draft models/tinylm/draft (tools/train_lm.py
    --draft-of, the same corpus; "draft" its int8 version 2, "draft-fp32" version 1), on
    held-out verses (models/tinylm/heldout.txt, never trained on): the first words of a
-   verse as the prompt, `--tokens` new tokens.
-2. copy-heavy, batch 1, n-gram: a held-out passage (three verses) and the start of its
-   first verse again, so that the answer repeats spans of the prompt; n-gram (2..5-token
-   matches) also with one-token matches (ngram_min 1, ngram_max 3) and with k = 6.
-3. streams: the copy-heavy prompts 2, 4, 8, 16 at once with n-gram speculation forced on
-   (max_batch 64): where it stops paying (speculative.MAX_BATCH comes from here); and 16
-   at once with the default configuration (speculation off above MAX_BATCH).
+   verse as the prompt, `--tokens` new tokens. Drafts propose `--k` tokens, n-gram its
+   defaults (k = 6, 1..5-token matches).
+2. copy-heavy, batch 1: a held-out passage (three verses) and the start of its first
+   verse again, so that the answer repeats spans of the prompt; n-gram with its
+   defaults, without one-token matches (ngram_min 2, the default before) and with
+   k = `--k`; the draft.
+3. streams: the copy-heavy prompts 1, 2, 4, 8, 16 at once (`--streams`) with n-gram
+   speculation forced on (max_batch 64): where it stops paying (speculative.MAX_BATCH
+   comes from here); and 16 at once with the default configuration (speculation off
+   above MAX_BATCH: what that costs, ~1.0 if nothing).
 4. overhead bound: a ~1B random-weight Llama (TinyLlama's shape, fp32), batch 1; the
    draft is the target itself, so all k = 4 proposals are accepted and every step scores
    5 tokens. Per step: a plain decode against the verification step (the target's
@@ -44,10 +52,11 @@ import torch
 
 from bitserve.llm.engine import LLM
 from bitserve.llm.sampling_params import SamplingParams
-from bitserve.llm.speculative import SpecStats
+from bitserve.llm.speculative import SpecStats, SpeculativeConfig, Speculator
 
 ROOT = Path(__file__).resolve().parents[1]
 TINYLM = ROOT / "models" / "tinylm"
+TARGET = TINYLM / "1"
 ENGINE = dict(kv_cache_memory=64 << 20, enable_prefix_caching=False, max_model_len=256)
 
 
@@ -67,9 +76,9 @@ def copy_prompts(n: int) -> list[str]:
 
 
 def run(llm: LLM, prompts: list[str], tokens: int, together: bool) -> tuple[float, float, list]:
-    """(generated tokens per second, per CPU second of this thread, token ids): all
-    prompts at once, or one by one. The CPU rate leaves out the time other processes
-    held the core (the engine's step loop is this one thread at --threads 1)."""
+    """(seconds, CPU seconds of this thread, token ids): all prompts at once, or one by
+    one. The CPU time leaves out the time other processes held the core (the engine's
+    step loop is this one thread at --threads 1)."""
     params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
     start, cpu = time.perf_counter(), time.thread_time()
     if together:
@@ -77,13 +86,10 @@ def run(llm: LLM, prompts: list[str], tokens: int, together: bool) -> tuple[floa
     else:
         outs = [llm.generate(p, params)[0] for p in prompts]
     seconds, cpu = time.perf_counter() - start, time.thread_time() - cpu
-    ids = [o.outputs[0].token_ids for o in outs]
-    n = sum(map(len, ids))
-    return n / seconds, n / cpu, ids
+    return seconds, cpu, [o.outputs[0].token_ids for o in outs]
 
 
-def acceptance(llm: LLM) -> dict:
-    stats = llm.engine.speculator.stats
+def acceptance(stats: SpecStats) -> dict:
     pairs = zip(stats.accepted_at, stats.proposed_at, strict=True)
     return {
         "acceptance": stats.accepted / max(stats.proposed, 1),
@@ -92,35 +98,72 @@ def acceptance(llm: LLM) -> dict:
     }
 
 
-def compare(variants: dict, prompts, tokens, together, rounds) -> dict:
-    """Each variant's tok/s per round (interleaved), ratios to "plain" within rounds."""
-    llms = {name: LLM(folder, **ENGINE, **kw) for name, (folder, kw) in variants.items()}
-    for llm in llms.values():  # warm-up, neither timed nor counted
-        run(llm, prompts[:2], 8, together)
-        if llm.engine.speculator is not None:
-            llm.engine.speculator.stats = SpecStats()
-    speeds: dict[str, list[float]] = {name: [] for name in llms}
-    cpus: dict[str, list[float]] = {name: [] for name in llms}
-    names = list(llms)
-    reference = run(llms["plain"], prompts, tokens, together)[2]
+def compare(variants: dict, prompts, tokens, together, rounds, target: Path = TARGET) -> dict:
+    """Each variant's tok/s per round (interleaved), ratios to "plain" within rounds.
+
+    One engine for every variant: a variant is the speculator set on it (None: plain),
+    swapped between runs, so all of them read the same weights and KV pool at the same
+    addresses (an engine per variant measured the one loaded first 1.1-1.2x faster in
+    its plain steps on this box: where its pages landed, not what it computed)."""
+    llm = LLM(target, **ENGINE)
+    engine = llm.engine
+    specs = {
+        name: None
+        if spec is None
+        else Speculator(
+            SpeculativeConfig.parse(spec, engine.config.model),
+            engine.config,
+            engine.runner.num_blocks,
+        )
+        for name, spec in variants.items()
+    }
+
+    def go(name: str, n_prompts: list[str], n_tokens: int):
+        engine.speculator = specs[name]
+        try:
+            return run(llm, n_prompts, n_tokens, together)
+        finally:
+            engine.speculator = None
+
+    for name, spec in specs.items():  # warm-up, neither timed nor counted
+        go(name, prompts[:2], 8)
+        if spec is not None:
+            spec.stats = SpecStats()
+    speeds: dict[str, list[float]] = {name: [] for name in specs}
+    cpus: dict[str, list[float]] = {name: [] for name in specs}
+    names = list(specs)
+    # batch 1: the variants take turns prompt by prompt (a load burst on the shared box
+    # lands on all of them), each round's sums giving its rates; together: batch by batch
+    groups = [prompts] if together else [[p] for p in prompts]
+    reference = [ids for group in groups for ids in go("plain", group, tokens)[2]]
     for r in range(rounds):
-        for name in names[r % len(names) :] + names[: r % len(names)]:  # order rotated
-            rate, cpu, ids = run(llms[name], prompts, tokens, together)
-            speeds[name].append(rate)
-            cpus[name].append(cpu)
-            if ids != reference:
+        seconds = {name: 0.0 for name in names}
+        cpu = {name: 0.0 for name in names}
+        ids: dict[str, list] = {name: [] for name in names}
+        for g, group in enumerate(groups):
+            turn = (r + g) % len(names)
+            for name in names[turn:] + names[:turn]:  # order rotated
+                wall, thread, got = go(name, group, tokens)
+                seconds[name] += wall
+                cpu[name] += thread
+                ids[name] += got
+        n = sum(map(len, reference))
+        for name in names:
+            if ids[name] != reference:
                 raise AssertionError(f"{name}: greedy tokens differ from the plain engine's")
+            speeds[name].append(n / seconds[name])
+            cpus[name].append(n / cpu[name])
     out = {}
-    for name, llm in llms.items():
+    for name, spec in specs.items():
         ratios = [s / p for s, p in zip(speeds[name], speeds["plain"], strict=True)]
         row = {"tok_s": statistics.median(speeds[name]), "ratio": statistics.median(ratios)}
         row["spread"] = [min(ratios), max(ratios)]
         cpu = [s / p for s, p in zip(cpus[name], cpus["plain"], strict=True)]
         row |= {"cpu_ratio": statistics.median(cpu), "cpu_spread": [min(cpu), max(cpu)]}
-        if llm.engine.speculator is not None:
-            row |= acceptance(llm)
+        if spec is not None:
+            row |= acceptance(spec.stats)
         out[name] = row
-        llm.shutdown()
+    llm.shutdown()
     return out
 
 
@@ -183,46 +226,44 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--prompts", type=int, default=8)
-    parser.add_argument("--k", type=int, default=4)
+    parser.add_argument("--k", type=int, default=4, help="the drafts' k (and ngram-k's)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--parts", default="demo,copy,streams,default,1b")
-    parser.add_argument("--streams", default="2,4,8,16", help="part 3's stream counts")
+    parser.add_argument("--streams", default="1,2,4,8,16", help="part 3's stream counts")
     parser.add_argument("--no-1b", action="store_true")
     parser.add_argument("--model-1b", type=Path, help="a ~1B HF folder (default: built)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    target, k, r, t = TINYLM / "1", args.k, args.rounds, args.tokens
-    draft = {"speculative": {"method": "draft", "model": "draft", "num_tokens": k}}
-    ngram = {"speculative": {"method": "ngram", "num_tokens": k}}  # 2..5-token matches
-    # one-token matches too (the default before): more speculative rows, less often right
-    ngram1 = {"speculative": {"method": "ngram", "num_tokens": k, "ngram_min": 1, "ngram_max": 3}}
-    ngram6 = {"speculative": {"method": "ngram", "num_tokens": 6}}
-    forced = {"speculative": {"method": "ngram", "num_tokens": k, "max_batch": 64}}
+    k, r, t = args.k, args.rounds, args.tokens
+    draft = {"method": "draft", "model": "draft", "num_tokens": k}
+    fp32 = {"method": "draft", "model": "draft/1", "num_tokens": k}
+    ngram = {"method": "ngram"}  # the defaults: k = 6, 1..5-token matches
+    # no one-token matches (the default before): fewer speculative steps, right more often
+    ngram2 = {"method": "ngram", "ngram_min": 2}
+    ngram_k = {"method": "ngram", "num_tokens": k}
+    forced = {"method": "ngram", "max_batch": 64}
     results: dict = {"cpu": cpu(), "threads": args.threads, "k": k, "tokens": t, "rounds": r}
     parts = set(args.parts.split(",")) - ({"1b"} if args.no_1b else set())
-    fp32 = {"speculative": {"method": "draft", "model": "draft/1", "num_tokens": k}}
     if "demo" in parts:
         results["demo_b1"] = compare(
-            {"plain": (target, {}), "draft": (target, draft), "draft-fp32": (target, fp32),
-             "ngram": (target, ngram)},
+            {"plain": None, "draft": draft, "draft-fp32": fp32, "ngram": ngram},
             demo_prompts(args.prompts), t, False, r,
         )  # fmt: skip
     copy = copy_prompts(16)
     if "copy" in parts:
         results["copy_b1"] = compare(
-            {"plain": (target, {}), "ngram": (target, ngram), "ngram-1..3": (target, ngram1),
-             "ngram-k6": (target, ngram6), "draft": (target, draft)},
+            {"plain": None, "ngram": ngram, "ngram-2..5": ngram2, f"ngram-k{k}": ngram_k,
+             "draft": draft},
             copy[: args.prompts], t, False, r,
         )  # fmt: skip
     for n in map(int, args.streams.split(",")) if "streams" in parts else []:
         results[f"copy_x{n}_forced"] = compare(
-            {"plain": (target, {}), "ngram": (target, forced)}, copy[:n], t, True, r
+            {"plain": None, "ngram": forced}, copy[:n], t, True, r
         )
     if "default" in parts:
         results["copy_x16_default"] = compare(
-            {"plain": (target, {}), "ngram": (target, ngram), "draft": (target, draft)},
-            copy, t, True, r,
-        )  # fmt: skip
+            {"plain": None, "ngram": ngram, "draft": draft}, copy, t, True, r
+        )
     if "1b" in parts:
         results["overhead_1b"] = overhead_1b(args.model_1b, steps=8)
     print(table(results))

@@ -399,14 +399,14 @@ class LLMEngine:
         if not spec:
             return output, []
         plain = [i for i, seq in enumerate(seqs) if not seq.spec_token_ids]
-        logits = output.logits
-        rows = torch.tensor(spec, device=logits.device)
+        logits = spec_logits = output.logits
         kept = ModelOutput([seqs[i] for i in plain], prompt_logits=output.prompt_logits)
         if plain:
             kept.logits = logits.index_select(0, torch.tensor(plain, device=logits.device))
+            spec_logits = logits.index_select(0, torch.tensor(spec, device=logits.device))
         ordered = list(dict.fromkeys(seqs[i] for i in spec))
         try:
-            verified = self.speculator.verify(logits.index_select(0, rows), ordered)
+            verified = self.speculator.verify(spec_logits, ordered)
         except Exception as error:  # (a grammar, a device): each row fails alone
             log.warning("verifying %d speculative row(s) failed (%r)", len(ordered), error)
             verified = [SamplingFailed(f"{type(error).__name__}: {error}")] * len(ordered)

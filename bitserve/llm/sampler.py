@@ -200,7 +200,8 @@ class Sampler:
             constrain(logits, [seqs[i] for i in guided], guided, masks)
         vocab = logits.shape[-1]
         plan = Plan(seqs, vocab, eos_token_ids, self.rng)
-        d = plan.send(logits.device)
+        # all plain greedy rows without logprobs (a batch-1 greedy decode): nothing to send
+        d = plan.send(logits.device) if plan.special or plan.logprobs else {}
         values, tokens = logits.max(-1)  # max propagates NaN: it finds broken rows too
         parts = [tokens, values.isnan()]
         if plan.special:

@@ -58,12 +58,14 @@ from bitserve.llm.structured import apply_masks
 
 METHODS = ("ngram", "draft")
 MAX_NUM_TOKENS = 16
-# above this many running requests nobody speculates. bench/speculative.py, tinylm,
-# n-gram k = 4 forced on, copy-heavy prompts (acceptance 31-37%), one thread of the
-# 2-core EPYC, 5 rounds: x plain 0.99 at 2 streams, 0.87 at 4, 0.84 at 8, 0.80 at 16
-# (an earlier, noisier run: 0.97 / 1.06 / 0.95 at 2-4, 0.80 at 6): past 2 the extra
-# rows cost more than the tokens they save (batch 1: 1.30x)
-MAX_BATCH = 2
+NGRAM_TOKENS, DRAFT_TOKENS = 6, 4  # num_tokens's defaults
+# above this many running requests nobody speculates. bench/speculative.py --parts
+# streams, tinylm, n-gram (1..5-token matches) forced on, the copy-heavy prompts n at
+# once, one thread of the 2-core EPYC, 15 rounds, CPU-time ratio to the plain engine
+# (min-max): k = 6 at load 11: 1.18 (1.07-1.43) at 2 streams, 1.18 (1.09-1.21) at 3,
+# 1.02 (0.86-1.16) at 4, 0.94 at 8; k = 4 at load 4-5: 1.16, 1.13, 0.99, 0.90 at 2, 3,
+# 4, 8 streams: past 3 the extra rows cost about what the tokens they save do
+MAX_BATCH = 3
 SALT_ACCEPT, SALT_RESIDUAL, SALT_DRAFT = 0xACCE, 0x2E51, 0xD2AF
 
 
@@ -72,16 +74,24 @@ class SpeculativeConfig:
     """`speculative = { method = "ngram" | "draft", model = ..., num_tokens = k }`."""
 
     method: str
-    num_tokens: int = 4
+    # k, the most proposals a step: by default 4 for a draft (each one a draft step), 6
+    # for n-gram, whose proposals cost nothing to make (bench/speculative.py, copy-heavy
+    # prompts, CPU-time ratio to plain: 1.61x at k = 6, 1.51x at 4 over 15 rounds at load
+    # 7-11; 1.43x and 1.40x over 5 rounds at load 4-5)
+    num_tokens: int | None = None
     model: str | None = None  # the draft's folder: absolute, or next to the target's
-    # the suffix lengths the n-gram proposer matches. bench/speculative.py, tinylm, k = 4,
-    # one thread, 5 rounds, CPU-time ratios to the plain engine: 2..5 gave 1.51x on the
-    # copy-heavy prompts and 1.76x on held-out verses, 1..3 1.53x and 1.63x (a one-token
-    # match is right less often and spends verification rows)
-    ngram_min: int = 2
+    # the suffix lengths the n-gram proposer matches (a match of n proposes at most n + 1
+    # tokens). bench/speculative.py, tinylm, k = 4, one thread, 5 rounds, CPU-time ratios
+    # to the plain engine (load 5-7): 1..5 gave 1.41x on the copy-heavy prompts, 1.28x
+    # on 8 more of them and 1.62x on held-out verses, 2..5 1.40x, 1.25x and 1.55x
+    ngram_min: int = 1
     ngram_max: int = 5
     max_batch: int = MAX_BATCH  # more running requests than this: no speculation
     folder: Path | None = field(default=None, repr=False)  # the draft's, resolved
+
+    def __post_init__(self) -> None:
+        if self.num_tokens is None:
+            self.num_tokens = NGRAM_TOKENS if self.method == "ngram" else DRAFT_TOKENS
 
     @classmethod
     def parse(cls, value: Any, target: Path | None) -> SpeculativeConfig:
@@ -150,7 +160,11 @@ class Proposer(Protocol):
 
 class NgramProposer:
     """Prompt lookup: the longest suffix of n tokens (ngram_max down to ngram_min) that
-    occurred before in the sequence; its latest earlier occurrence's next k tokens.
+    occurred before in the sequence; its latest earlier occurrence's next tokens, at most
+    n + 1 of them (and k): a short match is right less often, and on the CPU every
+    proposal costs a verification row whether it is kept or not (tinylm, greedy: a
+    one-token match's next tokens were kept 32/18/13/10% of the time, those after a
+    match of 5 or more 94/89/85/85%; a row costs ~8% of a plain step).
 
     Each request keeps an index of its n-grams (n-gram -> the latest position it ends
     at), extended by the tokens appended since the last step (a sequence's tokens are
@@ -179,7 +193,7 @@ class NgramProposer:
         for n in range(min(high, last), low - 1, -1):
             end = index.get(tuple(tokens[last - n + 1 :]))
             if end is not None:
-                return tokens[end + 1 : end + 1 + k]
+                return tokens[end + 1 : end + 1 + min(k, n + 1)]
         return []
 
     def lookup(self, token_ids: list[int], k: int) -> list[int]:
@@ -197,7 +211,7 @@ class NgramProposer:
         if best < self.low:
             return []
         end = int(ends[np.flatnonzero(length == best)[-1]])  # the latest of the longest
-        return tokens[end + 1 : end + 1 + k].tolist()
+        return tokens[end + 1 : end + 1 + min(k, best + 1)].tolist()
 
     def release(self, seq: Sequence) -> None:
         self.indexes.pop(id(seq), None)
@@ -461,7 +475,8 @@ class Speculator:
         else:
             self.proposer = DraftProposer(config, engine, num_blocks)
         self.rng = random.Random(engine.seed ^ SALT_ACCEPT)
-        self.stats = SpecStats()
+        k = config.num_tokens  # every position's counters from the start (0 until used)
+        self.stats = SpecStats(proposed_at=[0] * k, accepted_at=[0] * k)
 
     def reset(self) -> None:
         self.proposer.reset()
@@ -508,11 +523,14 @@ class Speculator:
         counts = [1 + len(seq.spec_token_ids) for seq in seqs]
         self.mask(logits, seqs, counts)
         values, argmax = logits.max(-1)  # max propagates NaN: it finds broken rows too
-        parts = [argmax.double(), values.isnan().double()]
+        argmax = argmax.masked_fill_(values.isnan(), -1)  # -1: a NaN row
         sampled = [i for i, seq in enumerate(seqs) if not seq.sampling_params.greedy]
         if sampled:
-            parts += self.rejection(logits, seqs, counts, sampled)
-        out = self.decide(seqs, counts, set(sampled), to_host(torch.cat(parts)))
+            parts = [argmax.double(), *self.rejection(logits, seqs, counts, sampled)]
+            host = to_host(torch.cat(parts))
+        else:  # greedy rows only: their argmax, read as ints
+            host = to_host(argmax)
+        out = self.decide(seqs, counts, set(sampled), host)
         self.logprobs(logits, seqs, counts, out)
         return out
 
@@ -593,9 +611,9 @@ class Speculator:
     def decide(self, seqs, counts, sampled: set[int], host) -> list[list[int] | SamplingFailed]:
         """Per sequence: the proposals kept, then the target's token (plain Python)."""
         total = sum(counts)
-        argmax, nan = host[:total], host[total : 2 * total]
-        rs = (len(host) - 2 * total) // 3
-        keep, drawn, valid = (host[2 * total + j * rs : 2 * total + (j + 1) * rs] for j in range(3))
+        argmax = host[:total]  # -1: a NaN row
+        rs = (len(host) - total) // 3
+        keep, drawn, valid = (host[total + j * rs : total + (j + 1) * rs] for j in range(3))
         out: list[list[int] | SamplingFailed] = []
         at = sub = 0
         for i, (seq, c) in enumerate(zip(seqs, counts, strict=True)):
@@ -608,7 +626,7 @@ class Speculator:
                 last = drawn[sub + a]
                 sub += c
             else:
-                bad = any(nan[at : at + c])
+                bad = -1 in argmax[at : at + c]
                 while a < c - 1 and tokens[a] == argmax[at + a]:
                     a += 1
                 last = argmax[at + a]

@@ -325,7 +325,10 @@ def test_per_request_opt_out_and_the_metrics(model_dirs):
     assert m.spec_proposed_tokens == engine.speculator.stats.proposed > 0
     assert m.spec_accepted_tokens == sum(m.spec_accepted_per_position)
     assert m.spec_emitted_tokens >= m.spec_accepted_tokens
-    assert len(m.spec_proposed_per_position) == 3
+    # a counter for every position; position j is proposed only after j - 1
+    proposed = m.spec_proposed_per_position
+    assert len(proposed) == 3 and proposed == sorted(proposed, reverse=True)
+    assert sum(proposed) == m.spec_proposed_tokens
     with pytest.raises(SamplingError, match="speculative"):
         SamplingParams(speculative="no")
 
@@ -356,7 +359,8 @@ def test_ngram_proposes_the_tokens_after_the_latest_match():
     config = speculative.SpeculativeConfig("ngram", ngram_min=1, ngram_max=3)
     proposer = speculative.NgramProposer(config)
     assert proposer.lookup([5, 6, 7, 8, 1, 5, 6, 7, 9, 5, 6, 7], 3) == [9, 5, 6]
-    assert proposer.lookup([5, 6, 7, 8, 5, 6], 4) == [7, 8, 5, 6]
+    assert proposer.lookup([5, 6, 7, 8, 5, 6], 4) == [7, 8, 5]  # a 2-token match: 3 at most
+    assert proposer.lookup([5, 6, 7, 8, 5, 6, 7], 4) == [8, 5, 6, 7]
     assert proposer.lookup([1, 2, 3], 2) == []
     assert proposer.lookup([4, 4], 3) == [4]
 

@@ -71,6 +71,9 @@ def test_the_bench_report_shows_the_acceptance(server):
     assert httpx.post(server.url + "/v1/completions", json=body).status_code == 200
     view = server_view.difference(before, server_view.scrape(server.url, "spec"))
     rates = [float(r) for r in view["spec_acceptance_by_position"].split("/")]
-    assert len(rates) == 3 and 0 <= view["spec_acceptance"] <= 1
+    # the positions this request reached (num_tokens 3; a match of n proposes n + 1 at
+    # most, and this random model's answer repeats little)
+    assert 1 <= len(rates) <= 3 and all(0 <= r <= 1 for r in rates)
+    assert 0 <= view["spec_acceptance"] <= 1
     text = report.table([{"load": "c=1", "completed": 1, "failed": 0, "server": view}])
     assert "spec accept" in text and view["spec_acceptance_by_position"] in text
