@@ -48,9 +48,15 @@ def weight_bytes(shape: ModelShape, dtype: str, quant: str | None) -> int:
     or, for int4, its own int4 copy; MoE experts at the quantized width like any linear
     layer; norms and biases stay in the model dtype."""
     width = DTYPE_BYTES[dtype]
-    if quant is None:
-        return (shape.layer_matrix_params() + shape.other_params()) * width
     table = shape.vocab * shape.hidden  # one embedding (or LM head) matrix
+    if quant is None:
+        from bitserve.llm.models.llama import TIED_HEAD_COPY
+
+        weights = (shape.layer_matrix_params() + shape.other_params()) * width
+        # a small fp32 tied head gets its own packed copy (llama.py: pack_tied_head)
+        small = table * width <= TIED_HEAD_COPY and shape.vocab % 16 == 0
+        copy = shape.family != "gpt2" and shape.tied_embeddings and dtype == "float32" and small
+        return weights + (table * width if copy else 0)
     tables = table * (1 if shape.tied_embeddings else 2)
     rest = shape.other_params() - tables  # norms, biases, learned positions
     matrices = shape.layer_matrix_params()
