@@ -91,7 +91,8 @@ def _init_on_a_lasting_thread(ray) -> None:
         except BaseException as e:  # raised again on the caller's thread
             failed.append(e)
         done.set()
-        threading.Event().wait()  # never ends: see above
+        if not failed:
+            threading.Event().wait()  # never ends: see above
 
     threading.Thread(target=driver, name="ray-driver", daemon=True).start()
     done.wait()
