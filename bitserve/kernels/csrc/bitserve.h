@@ -151,13 +151,6 @@ void bs_ggml_dequantize(long type, const void *data, long rows, long K, float *o
 long bs_ggml_a8_pack(long type, const void *data, long rows, long K, uint8_t *tiles, float *sz,
                      long *group, long *bits);
 
-/* bitserve's own int8 weights w [rows, K] (a scale per row) as a GgmlPart of type 24 (I8,
-   group K, bits 8) for the same int8-activation kernel, x then rounded per row (as
-   torch._int_mm's path): returns the tiles' bytes, or -1 unless K % 4 == 0; with tiles
-   and sz (rows16 / 16 * 32 floats) not NULL, writes them */
-long bs_i8_a8_pack(const int8_t *w, long rows, long K, const float *scale, uint8_t *tiles,
-                   float *sz);
-
 /* out [rows, K] fp32 = a part's weights read back from its tiles (scale * code + offset) */
 void bs_ggml_a8_dequantize(const uint8_t *tiles, const float *sz, long rows, long K, long group,
                            long bits, float *out);

@@ -35,7 +35,7 @@
 
 enum {
     T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q5_0 = 6, T_Q8_0 = 8,
-    T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_I8 = 24, T_BF16 = 30,
+    T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_BF16 = 30,
 };
 
 #define CHUNK 32      /* output rows a task (two packed panels) */
@@ -550,26 +550,6 @@ long bs_ggml_a8_pack(long type, const void *data, long rows, long K, uint8_t *ti
     return total;
 }
 
-/* bitserve's own int8 weights (Int8Linear: a scale per output row) in the same tiles, as
-   a part of type I8 (ggml's id for plain int8): codes w + 128, one group of K columns
-   with scale s = scale[n] and offset -128 s; their x is rounded per row, not per 32
-   (see a8_quantize_rows). K a multiple of 4; returns the bytes of the tiles, sz is
-   rows16 / 16 * 32 floats. */
-long bs_i8_a8_pack(const int8_t *w, long rows, long K, const float *scale, uint8_t *tiles,
-                   float *sz) {
-    long rows16 = (rows + 15) / 16 * 16, total = rows16 * K;
-    if (K % 4) return -1;
-    if (tiles == NULL || sz == NULL) return total;
-    memset(tiles, 128, (size_t)total);
-    memset(sz, 0, sizeof(float) * (size_t)(rows16 / 16 * 32));
-    for (long n = 0; n < rows; n++) {
-        for (long k = 0; k < K; k++) tiles[a8_at(K, 8, n, k)] = (uint8_t)(w[n * K + k] + 128);
-        long at = n / 16 * 32 + n % 16;
-        sz[at] = scale[n], sz[at + 16] = -128.f * scale[n];
-    }
-    return total;
-}
-
 typedef struct {
     int8_t *xq; /* [M][K] */
     float *dx;  /* [M][K / 32]: each block's scale */
@@ -603,29 +583,6 @@ static void a8_quantize(const float *x, long ldx, long M, long K, A8X *a) {
             a->dx[m * (K / 32) + b] = d;
             a->xs[m * (K / 32) + b] = d * (float)total;
         }
-}
-
-/* x rounded per row (absmax / 127, torch's round half to even), as Int8Linear's
-   `quantize_activations` and `torch._int_mm` path: dx [M] and is [M] one a row */
-static void a8_quantize_rows(const float *x, long ldx, long M, long K, A8X *a) {
-    a->xq = (int8_t *)malloc((size_t)(M * K));
-    a->dx = (float *)malloc(sizeof(float) * (size_t)M);
-    a->xs = NULL;
-    a->is = (int32_t *)malloc(sizeof(int32_t) * (size_t)M);
-    for (long m = 0; m < M; m++) {
-        const float *xm = x + m * ldx;
-        float amax = 0.f;
-        for (long k = 0; k < K; k++) amax = fabsf(xm[k]) > amax ? fabsf(xm[k]) : amax;
-        float d = (amax > 1e-12f ? amax : 1e-12f) / 127.f;
-        int sum = 0;
-        for (long k = 0; k < K; k++) {
-            float v = nearbyintf(xm[k] / d);
-            int q = v > 127.f ? 127 : (v < -127.f ? -127 : (int)v);
-            a->xq[m * K + k] = (int8_t)q;
-            sum += q;
-        }
-        a->dx[m] = d, a->is[m] = sum;
-    }
 }
 
 static void a8_free(A8X *a) {
@@ -755,72 +712,6 @@ static inline __attribute__((always_inline)) void a8_micro(const GgmlPart *p, lo
     case 12: a8_micro(p, K, a, m0, t0, out, 6, 1, BITS, G, Z); break;                        \
     default: a8_micro(p, K, a, m0, t0, out, 6, 2, BITS, G, Z); break;                        \
     }
-/* The same for an I8 part: one group of K columns, x^ rounded per row, so the float
-   work (convert, scale) is once a row and tile, after K / 4 VNNI instructions */
-static inline __attribute__((always_inline)) void i8_micro(const GgmlPart *p, long K,
-                                                           const A8X *a, long m0, long t0,
-                                                           float *out, const long R,
-                                                           const long T) {
-    const long tile_bytes = K * 16;
-    const uint8_t *codes = p->tiles + t0 * tile_bytes;
-    const int8_t *xq = a->xq + m0 * K;
-    __m512i dot[A8_ROWS][2];
-    for (long r = 0; r < R; r++) {
-        __m512i init = _mm512_set1_epi32(-128 * a->is[m0 + r]);
-        for (long t = 0; t < T; t++) dot[r][t] = init;
-    }
-    /* 32 columns a step into fresh accumulators, added after (kept across the loop
-       behind the instruction's asm, the compiler spilled them to the stack) */
-    for (long k0 = 0; k0 < K; k0 += 32) {
-        long steps = K - k0 >= 32 ? 8 : (K - k0) / 4;
-        __m512i part[A8_ROWS][2];
-        for (long r = 0; r < R; r++)
-            for (long t = 0; t < T; t++) part[r][t] = _mm512_setzero_si512();
-        if (steps == 8) {
-            for (long j = k0 / 4; j < k0 / 4 + 8; j++) {
-                __m512i v[2];
-                for (long t = 0; t < T; t++)
-                    v[t] = _mm512_loadu_si512(codes + t * tile_bytes + j * 64);
-                for (long r = 0; r < R; r++)
-                    for (long t = 0; t < T; t++)
-                        part[r][t] = dp_bcast(part[r][t], v[t], xq + r * K + 4 * j);
-            }
-        } else {
-            for (long j = k0 / 4; j < k0 / 4 + steps; j++) {
-                __m512i v[2];
-                for (long t = 0; t < T; t++)
-                    v[t] = _mm512_loadu_si512(codes + t * tile_bytes + j * 64);
-                for (long r = 0; r < R; r++)
-                    for (long t = 0; t < T; t++)
-                        part[r][t] = dp_bcast(part[r][t], v[t], xq + r * K + 4 * j);
-            }
-        }
-        for (long r = 0; r < R; r++)
-            for (long t = 0; t < T; t++) dot[r][t] = _mm512_add_epi32(dot[r][t], part[r][t]);
-    }
-    for (long r = 0; r < R; r++)
-        for (long t = 0; t < T; t++) {
-            __m512 s = _mm512_mul_ps(_mm512_loadu_ps(p->sz + (t0 + t) * 32),
-                                     _mm512_set1_ps(a->dx[m0 + r]));
-            _mm512_storeu_ps(out + (r * T + t) * 16, _mm512_mul_ps(_mm512_cvtepi32_ps(dot[r][t]), s));
-        }
-}
-
-#define I8_RT                                                                                \
-    switch (R * 2 + T - 1) {                                                                 \
-    case 2: i8_micro(p, K, a, m0, t0, out, 1, 1); break;                                     \
-    case 3: i8_micro(p, K, a, m0, t0, out, 1, 2); break;                                     \
-    case 4: i8_micro(p, K, a, m0, t0, out, 2, 1); break;                                     \
-    case 5: i8_micro(p, K, a, m0, t0, out, 2, 2); break;                                     \
-    case 6: i8_micro(p, K, a, m0, t0, out, 3, 1); break;                                     \
-    case 7: i8_micro(p, K, a, m0, t0, out, 3, 2); break;                                     \
-    case 8: i8_micro(p, K, a, m0, t0, out, 4, 1); break;                                     \
-    case 9: i8_micro(p, K, a, m0, t0, out, 4, 2); break;                                     \
-    case 10: i8_micro(p, K, a, m0, t0, out, 5, 1); break;                                    \
-    case 11: i8_micro(p, K, a, m0, t0, out, 5, 2); break;                                    \
-    case 12: i8_micro(p, K, a, m0, t0, out, 6, 1); break;                                    \
-    default: i8_micro(p, K, a, m0, t0, out, 6, 2); break;                                    \
-    }
 #else
 #define A8_ROWS 6
 #endif
@@ -831,9 +722,7 @@ static void a8_tiles(const GgmlPart *p, long K, const A8X *a, long m0, long t0, 
                      long R, long T) {
 #ifdef A8_VNNI
     int z = a8_offset(p->type) == 0;
-    if (p->type == T_I8) {
-        I8_RT
-    } else if (p->bits == 4) {
+    if (p->bits == 4) {
         if (z) {
             A8_RT(4, 32, 1)
         } else {
@@ -847,17 +736,6 @@ static void a8_tiles(const GgmlPart *p, long K, const A8X *a, long m0, long t0, 
         A8_RT(8, 32, 0)
     }
 #else /* the same sums, one at a time */
-    if (p->type == T_I8) {
-        for (long r = 0; r < R; r++)
-            for (long l = 0; l < 16 * T; l++) {
-                long t = t0 + l / 16, n = 16 * t + l % 16;
-                int32_t dot = -128 * a->is[m0 + r];
-                for (long k = 0; k < K; k++)
-                    dot += p->tiles[a8_at(K, 8, n, k)] * a->xq[(m0 + r) * K + k];
-                out[16 * T * r + l] = (float)dot * (p->sz[t * 32 + l % 16] * a->dx[m0 + r]);
-            }
-        return;
-    }
     long G = p->group, ng = K / G;
     for (long r = 0; r < R; r++)
         for (long l = 0; l < 16 * T; l++) {
@@ -1032,10 +910,7 @@ void bs_ggml_gemv(const Weight *w, const float *x, long ldx, long M, float *y) {
         a8 |= parts[i].tiles != NULL;
     }
     A8X a = {NULL, NULL, NULL, NULL};
-    if (a8 && parts[0].type == T_I8)
-        a8_quantize_rows(x, ldx, M, w->K, &a);
-    else if (a8)
-        a8_quantize(x, ldx, M, w->K, &a);
+    if (a8) a8_quantize(x, ldx, M, w->K, &a);
     Job job = {w, x, ldx, M, y, &a};
     bs_parallel(ggml_task, &job, tasks);
     a8_free(&a);
