@@ -171,6 +171,16 @@ class Kernels:
         self.lib.bs_gemv(w, ptr(x), x.stride(0), x.shape[0], ptr(y))
         return y
 
+    def i8_gemm(self, x: torch.Tensor, w: torch.Tensor, wsum: torch.Tensor) -> torch.Tensor:
+        """x [M, K] int8 (unit inner stride) @ w [N, K] int8 (contiguous).T -> int32 [M, N],
+        exactly; wsum: w.sum(1) as int32 (csrc/qgemm.c)."""
+        m, k = x.shape
+        y = torch.empty(m, w.shape[0], dtype=torch.int32)
+        i8 = "int8_t *"
+        self.lib.bs_i8_gemm(ptr(x, i8), x.stride(0), m, k, ptr(w, i8), ptr(wsum, "int32_t *"),
+                            w.shape[0], ptr(y, "int32_t *"))  # fmt: skip
+        return y
+
     def lora_add(self, x, slots, a, bt, y) -> None:
         """LoRA deltas in place on y [M, N]: x [M, K] (unit inner stride), slots int32 [M]
         (-1: no adapter), a [S, W, K] and bt [S, W, N] contiguous (csrc/lora.c)."""

@@ -56,30 +56,33 @@ def test_int4_gemv_is_the_dequantized_matmul_on_blockwise_int8_x(k, n, rows, gro
     assert (got - exact).norm() / exact.norm() < 1e-2
 
 
-@pytest.mark.parametrize("rows", [5, 8, 13])
+@pytest.mark.parametrize("rows", [1, 5, 8, 13])
 def test_int8_activation_path_is_int_mm(rows) -> None:
-    """From 5 rows, int8 with int8 activations runs VNNI in C on the same per-row int8
-    activations as the torch._int_mm path: the same sums."""
+    """int8 with int8 activations runs VNNI in C on the same per-row int8 activations as
+    the torch._int_mm path: the same sums and roundings, the same bits."""
     torch.manual_seed(rows)
     layer = Int8Linear.from_float(nn.Linear(200, 96).requires_grad_(False))  # 200: a tail
     layer.prepare()
     x = torch.randn(rows, 200)
     got = kernels.get().gemv(layer.c_weight, x)
-    torch.testing.assert_close(got, layer.int_mm_matmul(x), rtol=1e-5, atol=1e-5)
+    assert torch.equal(got, layer.int_mm_matmul(x))
 
 
 def test_layers_use_the_gemv_for_few_rows(monkeypatch) -> None:
-    layer = Int8Linear.from_float(nn.Linear(64, 32).requires_grad_(False))
-    x = torch.randn(2, 64)
-    with torch.inference_mode():
-        layer(x)
-    assert layer.c_weight is not None
-    calls = []
-    monkeypatch.setattr(layer.c_kernels, "gemv", lambda w, x: calls.append(1) or x[:, :32])
-    with torch.inference_mode():
-        layer(x)
-        layer(torch.randn(16, 64))  # more rows: _int_mm
-    assert calls == [1]
+    """W8A8 takes the C int8 GEMM at every row count, weight-only int8 up to 4 rows."""
+    w8a8 = Int8Linear.from_float(nn.Linear(64, 32).requires_grad_(False))
+    w8a16 = Int8Linear.from_float(nn.Linear(64, 32).requires_grad_(False), int8_activations=False)
+    for layer, want in ((w8a8, [1, 1]), (w8a16, [1])):
+        x = torch.randn(2, 64)
+        with torch.inference_mode():
+            layer(x)
+        assert layer.c_weight is not None
+        calls = []
+        monkeypatch.setattr(layer.c_kernels, "gemv", lambda w, x: calls.append(1) or x[:, :32])
+        with torch.inference_mode():
+            layer(x)
+            layer(torch.randn(16, 64))  # more rows: C for W8A8, torch for weight-only
+        assert calls == want
 
 
 @pytest.mark.parametrize("method", ["int8", "int4"])
@@ -88,13 +91,13 @@ def test_fused_decode_layers_match_the_torch_path(quantized_tinylm, monkeypatch,
     greedy = SamplingParams(temperature=0, max_tokens=16, logprobs=1)
     llm = LLM(quantized_tinylm[method] / "1", num_kv_blocks=64)
     model = llm.engine.runner.model
-    assert model.fuse_rows == (4 if method == "int8" else 256)  # chosen once, at load
+    assert model.fuse_rows == 256  # chosen once, at load
     calls = []
     original = kernels.Kernels.decode_layer
     monkeypatch.setattr(kernels.Kernels, "decode_layer", lambda *a: calls.append(1) or original(*a))
     fast = llm.generate(prompt, greedy)[0].outputs[0]
-    # every decode step, every layer; int4 (up to 256 rows) runs the prompt's step too
-    assert len(calls) == (15 if method == "int8" else 16) * len(model.layers)
+    # every decode step, every layer, and the prompt's step too (up to 256 rows)
+    assert len(calls) == 16 * len(model.layers)
     monkeypatch.setattr(model, "fuse_rows", 0)  # the torch path, layer by layer
     slow = llm.generate(prompt, greedy)[0].outputs[0]
     assert fast.token_ids == slow.token_ids
@@ -115,7 +118,7 @@ def test_fused_decode_layers_match_the_torch_path(quantized_tinylm, monkeypatch,
 @pytest.mark.parametrize("method", ["int8", "int4"])
 def test_batched_decode_is_fused_and_matches(quantized_tinylm, monkeypatch, method) -> None:
     prompts = ["And God said,", "The LORD is my shepherd;", "In the beginning", "Woe unto"]
-    prompts *= 1 if method == "int8" else 3  # int8 fuses 4 rows, int4 up to 256
+    prompts *= 3  # int8 and int4 fuse up to 256 rows
     greedy = SamplingParams(temperature=0, max_tokens=8)
     llm = LLM(quantized_tinylm[method] / "1", num_kv_blocks=128)
     rows = []

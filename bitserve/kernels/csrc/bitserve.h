@@ -155,6 +155,11 @@ long bs_ggml_a8_pack(long type, const void *data, long rows, long K, uint8_t *ti
 void bs_ggml_a8_dequantize(const uint8_t *tiles, const float *sz, long rows, long K, long group,
                            long bits, float *out);
 
+/* y [M, N] int32 = x [M, K] int8 (row stride ldx) @ w [N, K] int8 .T, exactly (torch._int_mm's
+   sums); wsum [N]: each row of w's sum (qgemm.c's int8 GEMM, VNNI where built) */
+void bs_i8_gemm(const int8_t *x, long ldx, long M, long K, const int8_t *w, const int32_t *wsum,
+                long N, int32_t *y);
+
 /* bench only: `iters` passes of 12 independent chains of one instruction (0 vpdpbusd,
    1 vdpbf16ps, 2 vfmadd231ps, all 512-bit; multiply-adds a pass: 768, 384, 192), so
    MACs / seconds is this core's peak; returns -1 where the build lacks the instruction */

@@ -219,71 +219,198 @@ static void q4t_gemv(const Weight *w, const float *x, long ldx, long M, float *y
     free(px.xsum);
 }
 
-/* y [M, N] = x [M, K] (row stride ldx) @ dequant(W).T + bias */
-#if defined(__AVX512F__) && defined(__AVX512VNNI__)
-/* int8 weights against int8 activations (x + 128 as unsigned bytes, the rows of a tile of
-   up to 8): one VNNI instruction is 64 multiply-adds, and each weight row is loaded once
-   for the tile. The +128 is taken off afterwards with the row's sum of q. */
-static inline __attribute__((always_inline)) void q8a8_tile(const Weight *w,
-                                                            const uint8_t *xq, long ldq,
-                                                            long n, int32_t *out,
-                                                            const long R) {
-    const int8_t *wn = (const int8_t *)w->data + n * w->K;
-    long K = w->K;
-    __m512i acc[8];
-    for (long r = 0; r < R; r++) acc[r] = _mm512_setzero_si512();
-    for (long k = 0; k < K; k += 64) {
-        __mmask64 m = K - k >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << (K - k)) - 1);
-        __m512i wv = _mm512_maskz_loadu_epi8(m, wn + k);
-        for (long r = 0; r < R; r++)
-            acc[r] = _mm512_dpbusd_epi32(acc[r], _mm512_loadu_si512(xq + r * ldq + k), wv);
-    }
-    for (long r = 0; r < R; r++) out[r] = _mm512_reduce_add_epi32(acc[r]);
+/* -- int8 weights x int8 activations (kind 1 with `wsum`): an exact int32 GEMM ----------
+   W is the layer's own qweight [N, K] (s8, row-major: the one copy, what _int_mm read
+   too), x is rounded per row as Int8Linear.quantize_activations does (absmax / 127) and
+   stored as u8 (x + 128, rows padded to 64 columns), so one vpdpbusd is 64 multiply-adds
+   of x and W; the + 128 comes off as 128 * wsum[n] (each channel's sum of q, computed
+   once at load). The sums are exact int32, so they equal torch._int_mm's bit for bit.
+   The register tile is up to 4 rows of x by 4 rows of W (16 accumulators, 8 loads per
+   16 VNNI; 1-2 rows of x take 8 rows of W), k in steps of 64, and the 16 partial-sum
+   vectors are reduced together at the end (a transpose-and-add, ~3 instructions an
+   output, against K / 64 VNNI). A pool task is I8_NC output rows for a chunk of rows of
+   x small enough to stay in L2 (I8_MC_BYTES), so W's rows (in L1) meet every row of x
+   in the chunk before the next rows of W are read. */
+#define I8_NC 64                 /* output rows a task */
+#define I8_MC_BYTES (256 * 1024) /* rows of x a task: their u8 copy within this */
+
+#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define I8_VNNI 1
+/* lane i of the result = the sum of a[i]'s 16 lanes */
+static inline __attribute__((always_inline)) __m512i reduce16(const __m512i *a) {
+    __m512i b[8], c[4], d[2];
+    for (int i = 0; i < 8; i++)
+        b[i] = _mm512_add_epi32(_mm512_unpacklo_epi32(a[2 * i], a[2 * i + 1]),
+                                _mm512_unpackhi_epi32(a[2 * i], a[2 * i + 1]));
+    for (int i = 0; i < 4; i++)
+        c[i] = _mm512_add_epi32(_mm512_unpacklo_epi64(b[2 * i], b[2 * i + 1]),
+                                _mm512_unpackhi_epi64(b[2 * i], b[2 * i + 1]));
+    for (int i = 0; i < 2; i++)
+        d[i] = _mm512_add_epi32(_mm512_shuffle_i32x4(c[2 * i], c[2 * i + 1], 0x88),
+                                _mm512_shuffle_i32x4(c[2 * i], c[2 * i + 1], 0xdd));
+    return _mm512_add_epi32(_mm512_shuffle_i32x4(d[0], d[1], 0x88),
+                            _mm512_shuffle_i32x4(d[0], d[1], 0xdd));
 }
 
-/* y = x @ W.T with x quantized per row (absmax / 127, as torch._int_mm's path does) */
-static void q8a8_gemv(const Weight *w, const float *x, long ldx, long M, float *y) {
-    long N = w->N, K = w->K, ldq = (K + 63) / 64 * 64;
-    uint8_t *xq = (uint8_t *)calloc(M * ldq, 1);
-    float *xscale = (float *)malloc(sizeof(float) * M);
+/* acc += u (u8) . s (s8), 4 bytes a lane: in asm so that the accumulator stays in its
+   register (through the intrinsic GCC copied every accumulator each step) */
+static inline __attribute__((always_inline)) __m512i dp(__m512i acc, __m512i u, __m512i s) {
+    __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(u), "v"(s));
+    return acc;
+}
+
+/* out[m * ldo + n] = xu row m . w row n (raw: x + 128) for m < MR, n < NR (MR NR <= 16,
+   NR 4 or 8); the last, partial step of 64 columns reads W through a mask */
+static inline __attribute__((always_inline)) void i8_step(__m512i *acc, const uint8_t *xu,
+                                                          long ldq, const int8_t *w, long K,
+                                                          long k, __mmask64 mask, const long MR,
+                                                          const long NR) {
+    __m512i wv[8];
+    for (long n = 0; n < NR; n++) wv[n] = _mm512_maskz_loadu_epi8(mask, w + n * K + k);
+    for (long m = 0; m < MR; m++) {
+        __m512i xv = _mm512_loadu_si512(xu + m * ldq + k);
+        for (long n = 0; n < NR; n++)
+            acc[m * NR + n] = dp(acc[m * NR + n], xv, wv[n]);
+    }
+}
+
+static inline __attribute__((always_inline)) void i8_micro(const uint8_t *xu, long ldq,
+                                                           const int8_t *w, long K,
+                                                           int32_t *out, long ldo,
+                                                           const long MR, const long NR) {
+    __m512i acc[16];
+    for (long i = 0; i < 16; i++) acc[i] = _mm512_setzero_si512();
+    long k = 0;
+    for (; k + 64 <= K; k += 64) i8_step(acc, xu, ldq, w, K, k, ~(__mmask64)0, MR, NR);
+    if (k < K) i8_step(acc, xu, ldq, w, K, k, ((__mmask64)1 << (K - k)) - 1, MR, NR);
+    __m512i sums = reduce16(acc); /* lane m * NR + n */
+    for (long m = 0; m < MR; m++) {
+        if (NR == 4)
+            _mm_storeu_si128((__m128i *)(out + m * ldo), _mm512_extracti32x4_epi32(sums, 0));
+        else
+            _mm256_storeu_si256((__m256i *)(out + m * ldo), _mm512_castsi512_si256(sums));
+        sums = NR == 4 ? _mm512_alignr_epi32(sums, sums, 4) : _mm512_alignr_epi32(sums, sums, 8);
+    }
+}
+#endif
+
+/* the same raw sum, one at a time (no VNNI, and the tails) */
+static int32_t i8_dot(const uint8_t *xu, const int8_t *w, long K) {
+    int32_t s = 0;
+    for (long k = 0; k < K; k++) s += (int32_t)xu[k] * (int32_t)w[k];
+    return s;
+}
+
+typedef struct {
+    const uint8_t *xu;
+    long ldq, M, K;
+    const int8_t *w;
+    long N, mc, tasks_n; /* rows of x a chunk, tasks a chunk */
+    int32_t *acc;        /* [M][N] raw sums */
+} I8Job;
+
+static void i8_task(void *ctx, long t) {
+    const I8Job *J = ctx;
+    long K = J->K, N = J->N, ldq = J->ldq;
+    long c0 = t / J->tasks_n * J->mc, c1 = c0 + J->mc < J->M ? c0 + J->mc : J->M;
+    long n0 = t % J->tasks_n * I8_NC, n1 = n0 + I8_NC < N ? n0 + I8_NC : N;
+    long n = n0;
+#ifdef I8_VNNI
+    for (; n + 8 <= n1; n += 8) { /* these 8 rows of W stay in L1 for the chunk's rows */
+        const int8_t *wn = J->w + n * K;
+        long m = c0;
+        for (; m + 4 <= c1; m += 4) {
+            i8_micro(J->xu + m * ldq, ldq, wn, K, J->acc + m * N + n, N, 4, 4);
+            i8_micro(J->xu + m * ldq, ldq, wn + 4 * K, K, J->acc + m * N + n + 4, N, 4, 4);
+        }
+        switch (c1 - m) {
+        case 3:
+            i8_micro(J->xu + m * ldq, ldq, wn, K, J->acc + m * N + n, N, 3, 4);
+            i8_micro(J->xu + m * ldq, ldq, wn + 4 * K, K, J->acc + m * N + n + 4, N, 3, 4);
+            break;
+        case 2: i8_micro(J->xu + m * ldq, ldq, wn, K, J->acc + m * N + n, N, 2, 8); break;
+        case 1: i8_micro(J->xu + m * ldq, ldq, wn, K, J->acc + m * N + n, N, 1, 8); break;
+        }
+    }
+#endif
+    for (; n < n1; n++)
+        for (long m = c0; m < c1; m++) J->acc[m * N + n] = i8_dot(J->xu + m * ldq, J->w + n * K, K);
+}
+
+/* acc [M][N] = the raw sums (x + 128) . w for xu [M][ldq] (ldq a multiple of 64) */
+static void i8_gemm_raw(const uint8_t *xu, long ldq, long M, long K, const int8_t *w, long N,
+                        int32_t *acc) {
+    long mc = I8_MC_BYTES / ldq & ~3L;
+    if (mc < 4) mc = 4;
+    if (mc > M) mc = M;
+    long tasks_n = (N + I8_NC - 1) / I8_NC, chunks = (M + mc - 1) / mc;
+    I8Job job = {xu, ldq, M, K, w, N, mc, tasks_n, acc};
+    bs_parallel(i8_task, &job, chunks * tasks_n);
+}
+
+static uint8_t *i8_buffer(long M, long K, long *ldq) {
+    *ldq = (K + 63) / 64 * 64;
+    return (uint8_t *)calloc((size_t)(M * *ldq), 1);
+}
+
+void bs_i8_gemm(const int8_t *x, long ldx, long M, long K, const int8_t *w, const int32_t *wsum,
+                long N, int32_t *y) {
+    long ldq;
+    uint8_t *xu = i8_buffer(M, K, &ldq);
+    for (long m = 0; m < M; m++)
+        for (long k = 0; k < K; k++) xu[m * ldq + k] = (uint8_t)(x[m * ldx + k] ^ 0x80);
+    i8_gemm_raw(xu, ldq, M, K, w, N, y);
+    for (long m = 0; m < M; m++)
+        for (long n = 0; n < N; n++) y[m * N + n] -= 128 * wsum[n];
+    free(xu);
+}
+
+/* x rounded per row exactly as quantize_activations does in torch (true division, round
+   half to even), so the C path and the torch._int_mm path give the same bits: fast-math's
+   reciprocals are off here */
+#define EXACT_MATH __attribute__((noinline, optimize("no-fast-math", "no-reciprocal-math", \
+                                                    "no-associative-math")))
+static EXACT_MATH void i8_quantize(const float *x, long ldx, long M, long K, uint8_t *xu,
+                                   long ldq, float *xs) {
     for (long m = 0; m < M; m++) {
         const float *xm = x + m * ldx;
         float amax = 0.f;
         for (long k = 0; k < K; k++) amax = fabsf(xm[k]) > amax ? fabsf(xm[k]) : amax;
-        float scale = (amax > 1e-12f ? amax : 1e-12f) / 127.f, inv = 1.f / scale;
-        xscale[m] = scale;
+        float scale = (amax > 1e-12f ? amax : 1e-12f) / 127.0f;
+        xs[m] = scale;
         for (long k = 0; k < K; k++) {
-            float q = nearbyintf(xm[k] * inv);
+            float q = nearbyintf(xm[k] / scale);
             q = q > 127.f ? 127.f : (q < -127.f ? -127.f : q);
-            xq[m * ldq + k] = (uint8_t)((int)q + 128);
+            xu[m * ldq + k] = (uint8_t)((int)q + 128);
         }
     }
-    for (long n = 0; n < N; n++) {
-        for (long m0 = 0; m0 < M; m0 += 8) {
-            long R = M - m0 < 8 ? M - m0 : 8;
-            const uint8_t *xm = xq + m0 * ldq;
-            int32_t out[8];
-            switch (R) {
-            case 1: q8a8_tile(w, xm, ldq, n, out, 1); break;
-            case 2: q8a8_tile(w, xm, ldq, n, out, 2); break;
-            case 3: q8a8_tile(w, xm, ldq, n, out, 3); break;
-            case 4: q8a8_tile(w, xm, ldq, n, out, 4); break;
-            case 5: q8a8_tile(w, xm, ldq, n, out, 5); break;
-            case 6: q8a8_tile(w, xm, ldq, n, out, 6); break;
-            case 7: q8a8_tile(w, xm, ldq, n, out, 7); break;
-            default: q8a8_tile(w, xm, ldq, n, out, 8); break;
-            }
-            float b = w->bias ? w->bias[n] : 0.f;
-            for (long r = 0; r < R; r++) {
-                int32_t dot = out[r] - 128 * w->wsum[n];
-                y[(m0 + r) * N + n] = (float)dot * (xscale[m0 + r] * w->scale[n]) + b;
-            }
-        }
-    }
-    free(xq);
-    free(xscale);
 }
-#endif
+
+/* y = (float)(int32 sum) * xs[m] * scale[n] (+ bias), in torch's order of roundings */
+static EXACT_MATH void i8_scale(const int32_t *acc, long M, long N, const int32_t *wsum,
+                                const float *xs, const float *scale, const float *bias,
+                                float *y) {
+    for (long m = 0; m < M; m++)
+        for (long n = 0; n < N; n++) {
+            float v = (float)(acc[m * N + n] - 128 * wsum[n]) * xs[m];
+            v = v * scale[n];
+            y[m * N + n] = bias ? v + bias[n] : v;
+        }
+}
+
+/* y = x @ W.T (+ bias) with x rounded per row: Int8Linear's int8-activation path */
+static void q8a8_gemv(const Weight *w, const float *x, long ldx, long M, float *y) {
+    long N = w->N, K = w->K, ldq;
+    uint8_t *xu = i8_buffer(M, K, &ldq);
+    float *xs = (float *)malloc(sizeof(float) * (size_t)M);
+    int32_t *acc = (int32_t *)malloc(sizeof(int32_t) * (size_t)(M * N));
+    i8_quantize(x, ldx, M, K, xu, ldq, xs);
+    i8_gemm_raw(xu, ldq, M, K, (const int8_t *)w->data, N, acc);
+    i8_scale(acc, M, N, w->wsum, xs, w->scale, w->bias, y);
+    free(xu);
+    free(xs);
+    free(acc);
+}
 
 void bs_qgemv(const Weight *w, const float *x, long ldx, long M, float *y) {
     long N = w->N;
@@ -291,12 +418,10 @@ void bs_qgemv(const Weight *w, const float *x, long ldx, long M, float *y) {
         q4t_gemv(w, x, ldx, M, y);
         return;
     }
-#if defined(__AVX512F__) && defined(__AVX512VNNI__)
     if (w->wsum != NULL && M >= w->a8_rows) {
         q8a8_gemv(w, x, ldx, M, y);
         return;
     }
-#endif
     for (long n = 0; n < N; n++) {
         for (long m0 = 0; m0 < M; m0 += 4) {
             long R = M - m0 < 4 ? M - m0 : 4;

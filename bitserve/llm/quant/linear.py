@@ -4,9 +4,12 @@ Each layer keeps its quantized tensors as buffers (what is saved to safetensors)
 picks its kernels in `prepare()`, once its buffers sit on their device. On this CPU
 (`python -m bench.quant` on the 58M bench model's shapes):
 
-- int8, int8-outlier: up to SMALL_M rows (decode) the C GEMV (bitserve/kernels/csrc/qgemm.c,
-  fp32 activations), or `_weight_int8pack_mm` (bf16 activations) without it; above,
-  `torch._int_mm` with int8 activations, vector-wise (per row) scales. Weight-only int8
+- int8, int8-outlier: with the C kernels, every row count through csrc/qgemm.c's int8 GEMM
+  (x rounded per row, as below, and met by qweight itself in AVX512-VNNI dot products:
+  exact int32 sums, so the same bits as the torch path; `python -m bench.gguf --kernels`
+  times it against `torch._int_mm`). Without them: up to SMALL_M rows (decode)
+  `_weight_int8pack_mm` (bf16 activations); above, `torch._int_mm` with int8 activations,
+  vector-wise (per row) scales. Weight-only int8
   (`int8_activations=False`) uses int8pack up to PACK_MAX_M rows and a bf16
   dequantize + matmul above (measured faster there than int8pack) instead of _int_mm.
 - int4: the C kernel at every row count (int8 activations in blocks of 32, as llama.cpp's
@@ -37,7 +40,7 @@ aten = torch.ops.aten
 
 SMALL_M = 4  # up to here the packed weight-only kernels win; above, _int_mm (W8A8) wins
 PACK_MAX_M = 32  # weight-only int8: above, bf16 dequantize + matmul beats int8pack
-C_A8_MAX_M = 8  # int8 activations: the C kernel's VNNI path up to here, _int_mm above
+I8_FUSE_ROWS = 256  # int8 activations: the C decode layer takes up to this many rows
 # int4 decode stays in C at any batch the scheduler makes: its int8-activation kernel
 # beats bf16 matmul to 256 rows, and fused layers measured 1.06-1.15x unfused at 32-64
 INT4_FUSE_ROWS = 256
@@ -134,15 +137,17 @@ class QuantLinear(nn.Module):
 class Int8Linear(QuantLinear):
     """Per-output-channel symmetric int8 weights: W ~= qweight * scales[:, None].
 
-    `int8_activations`: above SMALL_M rows, quantize the activations too (vector-wise,
-    per row) and run `torch._int_mm` (W8A8: LLM.int8()'s baseline, bitsandbytes with
-    threshold 0). That is 3-4x faster than weight-only at prefill sizes, and it is what
-    activation outliers break. Off, the layer is weight-only (W8A16): int8pack up to
-    PACK_MAX_M rows, then dequantize to bf16 and one bf16 matmul.
+    `int8_activations`: quantize the activations too (vector-wise, per row) and meet
+    them in int8 (W8A8: LLM.int8()'s baseline, bitsandbytes with threshold 0): the C
+    int8 GEMM at every row count where the kernels are built, else `torch._int_mm` above
+    SMALL_M rows (the same sums and roundings, so the same bits). That is 3-4x faster
+    than weight-only at prefill sizes, and it is what activation outliers break. Off, the
+    layer is weight-only (W8A16): the C GEMV (fp32 x) or int8pack up to SMALL_M rows,
+    int8pack to PACK_MAX_M, then dequantize to bf16 and one bf16 matmul. Either way
+    `qweight` [out, in] is the only copy of the weights every kernel reads.
     """
 
     method = "int8"
-    fuse_rows = SMALL_M  # above, unfused _int_mm measured faster than the fused VNNI path
 
     def __init__(
         self, in_features: int, out_features: int, bias: bool = False, int8_activations=True
@@ -161,6 +166,10 @@ class Int8Linear(QuantLinear):
             layer.bias.data = linear.bias.detach().float().clone()
         return layer
 
+    @property
+    def fuse_rows(self) -> int:
+        return I8_FUSE_ROWS if self.int8_activations else SMALL_M
+
     def int8_weight(self) -> torch.Tensor:
         return self.qweight.float() * self.scales[:, None]
 
@@ -169,9 +178,9 @@ class Int8Linear(QuantLinear):
 
     def prepare(self) -> None:
         self.row_sums = None
-        if self.int8_activations:  # the C kernel's VNNI path (int8 activations) needs them
+        if self.int8_activations:  # the C int8 GEMM takes off x's + 128 with them
             self.row_sums = self.qweight.sum(dim=1, dtype=torch.int32)
-            self.a8_rows = SMALL_M + 1
+            self.a8_rows = 1  # x rounded at every row count, as the torch path does
         self.prepare_c()
         self.scales_bf16 = self.scales.to(torch.bfloat16)
         w = self.int8_weight()
@@ -191,8 +200,7 @@ class Int8Linear(QuantLinear):
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         m = x.shape[0]
-        c_rows = C_A8_MAX_M if self.int8_activations else SMALL_M
-        if m <= c_rows and (y := self.c_matmul(x)) is not None:
+        if (self.int8_activations or m <= SMALL_M) and (y := self.c_matmul(x)) is not None:
             return y
         if m <= SMALL_M or (not self.int8_activations and m <= PACK_MAX_M):
             return self.pack_matmul(x) if self.use_pack else self.dequant_matmul(x)

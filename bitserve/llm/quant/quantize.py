@@ -271,6 +271,8 @@ def kernel_summary(layer: QuantLinear) -> str:
         if layer.c_weight is not None:
             return "int4: C kernel, int8 activations (bitserve/kernels)"
         return "int4: int4pack" if layer.use_pack else "int4: dequantize + matmul"
+    if layer.c_weight is not None and layer.int8_activations:
+        return f"{layer.method}: C int8 GEMM, int8 activations, every row count (bitserve/kernels)"
     small = "int8pack" if layer.use_pack else "dequantize + matmul"
     if layer.c_weight is not None:
         small = "C GEMV (bitserve/kernels)"
