@@ -27,8 +27,10 @@ tools/build_llama_quantize.sh).
 
 One linear layer alone, each of the 246m model's shapes (qkv 1536 x 1024, o, gate_up
 5632 x 1024, down 1024 x 2816, the 32000 x 1024 head), at 1..256 rows of x: the packed
-fp32 GEMM, bf16 weights (csrc/bf16.c, vdpbf16ps), bitserve's own int8 (per-channel;
-above 4 rows x rounded per row through torch._int_mm) and int4 (group 32), and each
+fp32 GEMM, bf16 weights (csrc/bf16.c, vdpbf16ps), bitserve's own int8 (per-channel,
+x rounded per row: csrc/qgemm.c's int8 GEMM at every row count; "int8 _int_mm" the same
+sums through torch._int_mm, its path without the kernels; "int8 x fp32" the C GEMV on
+fp32 x that took 1-4 rows before) and int4 (group 32), and each
 GGUF block type (random codes, finite scales) with int8 activations (the default,
 `gguf_activations = "int8"`, the "a8" tiles: csrc/ggml.c's microkernel) and with fp32
 ones ("fp32", the parity path).
@@ -189,6 +191,11 @@ def kernel_variants(n: int, k: int) -> dict[str, object]:
         layer.prepare()
         layer.prepared_for = layer.device
         out[name] = layer.matmul
+        if name == "int8":
+            out["int8 _int_mm"] = layer.int_mm_matmul
+            fields = {"kind": 1, "N": n, "K": k, "data": kernels.ptr(layer.qweight, "void *")}
+            view = kernels.ffi().new("Weight *", fields | {"scale": kernels.ptr(layer.scales)})
+            out["int8 x fp32"] = lambda x, view=view, _=layer: lib.gemv(view, x)
     for kind in KERNEL_TYPES:
         data = random_blocks(kind, n, k)
         for activations in ("int8", "fp32"):
@@ -223,11 +230,14 @@ def isa_peaks(iters: int = 2_000_000, clock=None) -> dict[str, float]:
     return out
 
 
-def kernel_bench(rows: list[int], repeats: int, clock) -> dict:
-    """ms a call per layer, rows and variant, by `clock` (each round's peaks too)."""
+def kernel_bench(rows: list[int], repeats: int, clock, only: list[str] | None = None) -> dict:
+    """ms a call per layer, rows and variant, by `clock` (each round's peaks too);
+    `only`: these variants (and int4, the ratios' base)."""
     results: dict = {"peaks": {name: [] for name in PEAKS}}
     for shape, (n, k) in SHAPES.items():
         variants = kernel_variants(n, k)
+        if only:
+            variants = {v: f for v, f in variants.items() if v in only or v == "int4"}
         names = list(variants)
         for m in rows:
             x = torch.randn(m, k)
@@ -303,6 +313,8 @@ def main() -> None:
     parser.add_argument("--kernels", action="store_true", help="one layer's kernels alone")
     parser.add_argument("--rows", default="1,4,16,64,256", help="--kernels: rows of x")
     parser.add_argument("--against", help="--kernels: also the a8 tiles on csrc/ at this git ref")
+    parser.add_argument("--only", help="--kernels: these variants alone (comma-separated; "
+                        "int4 always), e.g. 'int8,int8 _int_mm,Q8_0 a8,bf16'")  # fmt: skip
     parser.add_argument("--clock", choices=("cpu", "wall"), default="cpu",
                         help="--kernels: process CPU time (default: robust to a loaded box, "
                         "counts the pool's threads too) or wall time")  # fmt: skip
@@ -322,7 +334,8 @@ def main() -> None:
 
         clock = time.process_time if args.clock == "cpu" else time.perf_counter
         with torch.inference_mode():  # as the engine runs them (int8's C paths want it)
-            results = kernel_bench(rows, args.repeats, clock)
+            only = args.only.split(",") if args.only else None
+            results = kernel_bench(rows, args.repeats, clock, only)
         where = cpu()
         print(f"{args.threads} thread(s), {args.clock} time, {where['model']} "
               f"({' '.join(where['avx512'])})")  # fmt: skip

@@ -263,9 +263,11 @@ static inline __attribute__((always_inline)) __m512i dp(__m512i acc, __m512i u, 
    NR 4 or 8); the last, partial step of 64 columns reads W through a mask */
 static inline __attribute__((always_inline)) void i8_step(__m512i *acc, const uint8_t *xu,
                                                           long ldq, const int8_t *w, long K,
-                                                          long k, __mmask64 mask, const long MR,
-                                                          const long NR) {
+                                                          long k, __mmask64 mask, int pf,
+                                                          const long MR, const long NR) {
     __m512i wv[8];
+    if (pf) /* the same columns of the next 8 rows of W (the next block, 8 K bytes on) */
+        for (long n = 0; n < NR; n++) _mm_prefetch((const char *)(w + (n + 8) * K + k), _MM_HINT_T0);
     for (long n = 0; n < NR; n++) wv[n] = _mm512_maskz_loadu_epi8(mask, w + n * K + k);
     for (long m = 0; m < MR; m++) {
         __m512i xv = _mm512_loadu_si512(xu + m * ldq + k);
@@ -276,13 +278,13 @@ static inline __attribute__((always_inline)) void i8_step(__m512i *acc, const ui
 
 static inline __attribute__((always_inline)) void i8_micro(const uint8_t *xu, long ldq,
                                                            const int8_t *w, long K,
-                                                           int32_t *out, long ldo,
+                                                           int32_t *out, long ldo, int pf,
                                                            const long MR, const long NR) {
     __m512i acc[16];
     for (long i = 0; i < 16; i++) acc[i] = _mm512_setzero_si512();
     long k = 0;
-    for (; k + 64 <= K; k += 64) i8_step(acc, xu, ldq, w, K, k, ~(__mmask64)0, MR, NR);
-    if (k < K) i8_step(acc, xu, ldq, w, K, k, ((__mmask64)1 << (K - k)) - 1, MR, NR);
+    for (; k + 64 <= K; k += 64) i8_step(acc, xu, ldq, w, K, k, ~(__mmask64)0, pf, MR, NR);
+    if (k < K) i8_step(acc, xu, ldq, w, K, k, ((__mmask64)1 << (K - k)) - 1, pf, MR, NR);
     __m512i sums = reduce16(acc); /* lane m * NR + n */
     for (long m = 0; m < MR; m++) {
         if (NR == 4)
@@ -316,20 +318,24 @@ static void i8_task(void *ctx, long t) {
     long n0 = t % J->tasks_n * I8_NC, n1 = n0 + I8_NC < N ? n0 + I8_NC : N;
     long n = n0;
 #ifdef I8_VNNI
-    for (; n + 8 <= n1; n += 8) { /* these 8 rows of W stay in L1 for the chunk's rows */
-        const int8_t *wn = J->w + n * K;
+    for (; n + 8 <= n1; n += 8) { /* these 8 rows of W stay in L1 for the chunk's rows; */
+        const int8_t *wn = J->w + n * K; /* the first tile prefetches the next 8 (short
+                                             row streams: the prefetcher alone lagged) */
+        const uint8_t *xu = J->xu + c0 * ldq;
+        int32_t *acc = J->acc + c0 * N + n;
         long m = c0;
-        for (; m + 4 <= c1; m += 4) {
-            i8_micro(J->xu + m * ldq, ldq, wn, K, J->acc + m * N + n, N, 4, 4);
-            i8_micro(J->xu + m * ldq, ldq, wn + 4 * K, K, J->acc + m * N + n + 4, N, 4, 4);
+        for (; m + 4 <= c1; m += 4, xu += 4 * ldq, acc += 4 * N) {
+            i8_micro(xu, ldq, wn, K, acc, N, m == c0, 4, 4);
+            i8_micro(xu, ldq, wn + 4 * K, K, acc + 4, N, m == c0, 4, 4);
         }
+        int pf = m == c0;
         switch (c1 - m) {
         case 3:
-            i8_micro(J->xu + m * ldq, ldq, wn, K, J->acc + m * N + n, N, 3, 4);
-            i8_micro(J->xu + m * ldq, ldq, wn + 4 * K, K, J->acc + m * N + n + 4, N, 3, 4);
+            i8_micro(xu, ldq, wn, K, acc, N, pf, 3, 4);
+            i8_micro(xu, ldq, wn + 4 * K, K, acc + 4, N, pf, 3, 4);
             break;
-        case 2: i8_micro(J->xu + m * ldq, ldq, wn, K, J->acc + m * N + n, N, 2, 8); break;
-        case 1: i8_micro(J->xu + m * ldq, ldq, wn, K, J->acc + m * N + n, N, 1, 8); break;
+        case 2: i8_micro(xu, ldq, wn, K, acc, N, pf, 2, 8); break;
+        case 1: i8_micro(xu, ldq, wn, K, acc, N, pf, 1, 8); break;
         }
     }
 #endif
@@ -348,21 +354,35 @@ static void i8_gemm_raw(const uint8_t *xu, long ldq, long M, long K, const int8_
     bs_parallel(i8_task, &job, chunks * tasks_n);
 }
 
-static uint8_t *i8_buffer(long M, long K, long *ldq) {
+/* this thread's scratch, grown once and kept (a fresh malloc of a few MiB is fresh pages:
+   their faults cost more than a head's GEMM at 16 rows) */
+static __thread void *i8_scratch;
+static __thread size_t i8_scratch_len;
+
+/* x's u8 copy [M][ldq] (zeroed tail) and `extra` bytes after it, 64-byte aligned */
+static uint8_t *i8_buffer(long M, long K, long *ldq, size_t extra) {
     *ldq = (K + 63) / 64 * 64;
-    return (uint8_t *)calloc((size_t)(M * *ldq), 1);
+    size_t need = (size_t)(M * *ldq) + extra + 64;
+    if (i8_scratch_len < need) {
+        free(i8_scratch);
+        i8_scratch = aligned_alloc(64, (need + 63) / 64 * 64);
+        i8_scratch_len = i8_scratch ? need : 0;
+    }
+    uint8_t *xu = (uint8_t *)i8_scratch;
+    if (*ldq > K)
+        for (long m = 0; m < M; m++) memset(xu + m * *ldq + K, 0, (size_t)(*ldq - K));
+    return xu;
 }
 
 void bs_i8_gemm(const int8_t *x, long ldx, long M, long K, const int8_t *w, const int32_t *wsum,
                 long N, int32_t *y) {
     long ldq;
-    uint8_t *xu = i8_buffer(M, K, &ldq);
+    uint8_t *xu = i8_buffer(M, K, &ldq, 0);
     for (long m = 0; m < M; m++)
         for (long k = 0; k < K; k++) xu[m * ldq + k] = (uint8_t)(x[m * ldx + k] ^ 0x80);
     i8_gemm_raw(xu, ldq, M, K, w, N, y);
     for (long m = 0; m < M; m++)
         for (long n = 0; n < N; n++) y[m * N + n] -= 128 * wsum[n];
-    free(xu);
 }
 
 /* x rounded per row exactly as quantize_activations does in torch (true division, round
@@ -401,15 +421,12 @@ static EXACT_MATH void i8_scale(const int32_t *acc, long M, long N, const int32_
 /* y = x @ W.T (+ bias) with x rounded per row: Int8Linear's int8-activation path */
 static void q8a8_gemv(const Weight *w, const float *x, long ldx, long M, float *y) {
     long N = w->N, K = w->K, ldq;
-    uint8_t *xu = i8_buffer(M, K, &ldq);
-    float *xs = (float *)malloc(sizeof(float) * (size_t)M);
-    int32_t *acc = (int32_t *)malloc(sizeof(int32_t) * (size_t)(M * N));
+    uint8_t *xu = i8_buffer(M, K, &ldq, sizeof(int32_t) * (size_t)(M * N + M));
+    int32_t *acc = (int32_t *)(xu + M * ldq); /* M * ldq: a multiple of 64 */
+    float *xs = (float *)(acc + M * N);
     i8_quantize(x, ldx, M, K, xu, ldq, xs);
     i8_gemm_raw(xu, ldq, M, K, (const int8_t *)w->data, N, acc);
     i8_scale(acc, M, N, w->wsum, xs, w->scale, w->bias, y);
-    free(xu);
-    free(xs);
-    free(acc);
 }
 
 void bs_qgemv(const Weight *w, const float *x, long ldx, long M, float *y) {
