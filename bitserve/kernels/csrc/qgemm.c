@@ -394,11 +394,34 @@ static EXACT_MATH void i8_quantize(const float *x, long ldx, long M, long K, uin
                                    long ldq, float *xs) {
     for (long m = 0; m < M; m++) {
         const float *xm = x + m * ldx;
+        long k = 0;
         float amax = 0.f;
-        for (long k = 0; k < K; k++) amax = fabsf(xm[k]) > amax ? fabsf(xm[k]) : amax;
+#ifdef I8_VNNI /* 16 at a time: the same IEEE division and round-half-even as the loop */
+        __m512 vmax = _mm512_setzero_ps();
+        for (; k < K; k += 16) {
+            __mmask16 mk = K - k >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (K - k)) - 1);
+            vmax = _mm512_max_ps(vmax, _mm512_abs_ps(_mm512_maskz_loadu_ps(mk, xm + k)));
+        }
+        amax = _mm512_reduce_max_ps(vmax);
+        k = 0;
+#else
+        for (; k < K; k++) amax = fabsf(xm[k]) > amax ? fabsf(xm[k]) : amax;
+        k = 0;
+#endif
         float scale = (amax > 1e-12f ? amax : 1e-12f) / 127.0f;
         xs[m] = scale;
-        for (long k = 0; k < K; k++) {
+#ifdef I8_VNNI
+        const __m512 vs = _mm512_set1_ps(scale), lo = _mm512_set1_ps(-127.f);
+        const __m512 hi = _mm512_set1_ps(127.f);
+        for (; k + 16 <= K; k += 16) {
+            __m512 q = _mm512_div_ps(_mm512_loadu_ps(xm + k), vs);
+            q = _mm512_roundscale_ps(q, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            q = _mm512_min_ps(_mm512_max_ps(q, lo), hi);
+            __m512i v = _mm512_add_epi32(_mm512_cvtps_epi32(q), _mm512_set1_epi32(128));
+            _mm_storeu_si128((__m128i *)(xu + m * ldq + k), _mm512_cvtepi32_epi8(v));
+        }
+#endif
+        for (; k < K; k++) {
             float q = nearbyintf(xm[k] / scale);
             q = q > 127.f ? 127.f : (q < -127.f ? -127.f : q);
             xu[m * ldq + k] = (uint8_t)((int)q + 128);
@@ -410,12 +433,25 @@ static EXACT_MATH void i8_quantize(const float *x, long ldx, long M, long K, uin
 static EXACT_MATH void i8_scale(const int32_t *acc, long M, long N, const int32_t *wsum,
                                 const float *xs, const float *scale, const float *bias,
                                 float *y) {
-    for (long m = 0; m < M; m++)
-        for (long n = 0; n < N; n++) {
+    for (long m = 0; m < M; m++) {
+        long n = 0;
+#ifdef I8_VNNI
+        const __m512 vx = _mm512_set1_ps(xs[m]);
+        for (; n + 16 <= N; n += 16) {
+            __m512i d = _mm512_sub_epi32(_mm512_loadu_si512(acc + m * N + n),
+                                         _mm512_slli_epi32(_mm512_loadu_si512(wsum + n), 7));
+            __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(d), vx);
+            v = _mm512_mul_ps(v, _mm512_loadu_ps(scale + n));
+            if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + n));
+            _mm512_storeu_ps(y + m * N + n, v);
+        }
+#endif
+        for (; n < N; n++) {
             float v = (float)(acc[m * N + n] - 128 * wsum[n]) * xs[m];
             v = v * scale[n];
             y[m * N + n] = bias ? v + bias[n] : v;
         }
+    }
 }
 
 /* y = x @ W.T (+ bias) with x rounded per row: Int8Linear's int8-activation path */
