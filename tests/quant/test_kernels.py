@@ -56,9 +56,9 @@ def test_int4_gemv_is_the_dequantized_matmul_on_blockwise_int8_x(k, n, rows, gro
     assert (got - exact).norm() / exact.norm() < 1e-2
 
 
-@pytest.mark.parametrize("rows", [1, 5, 8, 13])
+@pytest.mark.parametrize("rows", [5, 8, 13])
 def test_int8_activation_path_is_int_mm(rows) -> None:
-    """int8 with int8 activations runs VNNI in C on the same per-row int8 activations as
+    """From 5 rows, int8 with int8 activations runs VNNI in C on the same per-row int8 activations as
     the torch._int_mm path: the same sums and roundings, the same bits."""
     torch.manual_seed(rows)
     layer = Int8Linear.from_float(nn.Linear(200, 96).requires_grad_(False))  # 200: a tail

@@ -4,12 +4,12 @@ Each layer keeps its quantized tensors as buffers (what is saved to safetensors)
 picks its kernels in `prepare()`, once its buffers sit on their device. On this CPU
 (`python -m bench.quant` on the 58M bench model's shapes):
 
-- int8, int8-outlier: with the C kernels, every row count through csrc/qgemm.c's int8 GEMM
-  (x rounded per row, as below, and met by qweight itself in AVX512-VNNI dot products:
-  exact int32 sums, so the same bits as the torch path; `python -m bench.gguf --kernels`
-  times it against `torch._int_mm`). Without them: up to SMALL_M rows (decode)
-  `_weight_int8pack_mm` (bf16 activations); above, `torch._int_mm` with int8 activations,
-  vector-wise (per row) scales. Weight-only int8
+- int8, int8-outlier: with the C kernels, every row count through csrc/qgemm.c: up to
+  SMALL_M rows its GEMV on fp32 x, above its int8 GEMM (x rounded per row, as below, and
+  met by qweight itself in AVX512-VNNI dot products: exact int32 sums, so the same bits
+  as the torch path; `python -m bench.gguf --kernels` times it against `torch._int_mm`).
+  Without them: up to SMALL_M rows (decode) `_weight_int8pack_mm` (bf16 activations);
+  above, `torch._int_mm` with int8 activations, vector-wise (per row) scales. Weight-only int8
   (`int8_activations=False`) uses int8pack up to PACK_MAX_M rows and a bf16
   dequantize + matmul above (measured faster there than int8pack) instead of _int_mm.
 - int4: the C kernel at every row count (int8 activations in blocks of 32, as llama.cpp's
@@ -138,9 +138,9 @@ class Int8Linear(QuantLinear):
     """Per-output-channel symmetric int8 weights: W ~= qweight * scales[:, None].
 
     `int8_activations`: quantize the activations too (vector-wise, per row) and meet
-    them in int8 (W8A8: LLM.int8()'s baseline, bitsandbytes with threshold 0): the C
-    int8 GEMM at every row count where the kernels are built, else `torch._int_mm` above
-    SMALL_M rows (the same sums and roundings, so the same bits). That is 3-4x faster
+    them in int8 above SMALL_M rows (W8A8: LLM.int8()'s baseline, bitsandbytes with
+    threshold 0): the C int8 GEMM where the kernels are built, else `torch._int_mm` (the
+    same sums and roundings, so the same bits); fewer rows keep x in fp32 (C) or bf16. That is 3-4x faster
     than weight-only at prefill sizes, and it is what activation outliers break. Off, the
     layer is weight-only (W8A16): the C GEMV (fp32 x) or int8pack up to SMALL_M rows,
     int8pack to PACK_MAX_M, then dequantize to bf16 and one bf16 matmul. Either way
@@ -180,7 +180,10 @@ class Int8Linear(QuantLinear):
         self.row_sums = None
         if self.int8_activations:  # the C int8 GEMM takes off x's + 128 with them
             self.row_sums = self.qweight.sum(dim=1, dtype=torch.int32)
-            self.a8_rows = 1  # x rounded at every row count, as the torch path does
+            # up to SMALL_M rows x stays fp32 (the C GEMV; the torch path is weight-only
+            # there too, int8pack): rounding those rows too moved the int8 arm's served
+            # perplexity (bench.perplexity, 24.9426 -> 24.9470), for 1.3-3x at 1-4 rows
+            self.a8_rows = SMALL_M + 1
         self.prepare_c()
         self.scales_bf16 = self.scales.to(torch.bfloat16)
         w = self.int8_weight()
