@@ -15,13 +15,15 @@ from bitserve.llm.quant.linear import Int8Linear
 
 pytestmark = pytest.mark.skipif(kernels.get() is None, reason="no C compiler here")
 
-# (N, K): tails of the 8-row W blocks and of the 64-column steps, K below one step (torch._int_mm is wrong at K = 1), and a
-# layer shape of the 246M bench model
+# (N, K): tails of the 8-row W blocks and of the 64-column steps, K below one step
+# (torch._int_mm is wrong at K = 1), and a layer shape of the 246M bench model
 SHAPES = [(96, 200), (19, 64), (37, 3), (8, 130), (1024, 1024)]
 
 
 def int8(*shape: int, seed: int) -> torch.Tensor:
-    return torch.randint(-128, 128, shape, dtype=torch.int8, generator=torch.Generator().manual_seed(seed))
+    return torch.randint(
+        -128, 128, shape, dtype=torch.int8, generator=torch.Generator().manual_seed(seed)
+    )
 
 
 def int_mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -74,7 +76,9 @@ def test_builds_without_vnni_give_the_same_sums(tmp_path, march):
     objects = []
     for name in ("qgemm", "pool"):
         obj = tmp_path / f"{name}.o"
-        subprocess.run([cc, *flags, "-c", str(kernels.CSRC / f"{name}.c"), "-o", str(obj)], check=True)
+        subprocess.run(
+            [cc, *flags, "-c", str(kernels.CSRC / f"{name}.c"), "-o", str(obj)], check=True
+        )
         objects.append(str(obj))
     path = tmp_path / "plain.so"
     subprocess.run([cc, "-shared", "-pthread", *objects, "-o", str(path), "-lm"], check=True)
@@ -87,6 +91,7 @@ def test_builds_without_vnni_give_the_same_sums(tmp_path, march):
             x = int8(m, k, seed=m)
             y = torch.empty(m, n, dtype=torch.int32)
             i8 = "int8_t *"
-            lib.bs_i8_gemm(kernels.ptr(x, i8), k, m, k, kernels.ptr(w, i8),
-                           kernels.ptr(wsum, "int32_t *"), n, kernels.ptr(y, "int32_t *"))  # fmt: skip
+            i32 = "int32_t *"
+            args = (kernels.ptr(x, i8), k, m, k, kernels.ptr(w, i8), kernels.ptr(wsum, i32), n)
+            lib.bs_i8_gemm(*args, kernels.ptr(y, i32))
             assert torch.equal(y, int_mm(x, w)), (march, m, n, k)

@@ -58,8 +58,8 @@ def test_int4_gemv_is_the_dequantized_matmul_on_blockwise_int8_x(k, n, rows, gro
 
 @pytest.mark.parametrize("rows", [5, 8, 13])
 def test_int8_activation_path_is_int_mm(rows) -> None:
-    """From 5 rows, int8 with int8 activations runs VNNI in C on the same per-row int8 activations as
-    the torch._int_mm path: the same sums and roundings, the same bits."""
+    """From 5 rows, int8 with int8 activations runs VNNI in C on the same per-row int8
+    activations as the torch._int_mm path: the same sums and roundings, the same bits."""
     torch.manual_seed(rows)
     layer = Int8Linear.from_float(nn.Linear(200, 96).requires_grad_(False))  # 200: a tail
     layer.prepare()
@@ -71,14 +71,15 @@ def test_int8_activation_path_is_int_mm(rows) -> None:
 def test_layers_use_the_gemv_for_few_rows(monkeypatch) -> None:
     """W8A8 takes the C int8 GEMM at every row count, weight-only int8 up to 4 rows."""
     w8a8 = Int8Linear.from_float(nn.Linear(64, 32).requires_grad_(False))
-    w8a16 = Int8Linear.from_float(nn.Linear(64, 32).requires_grad_(False), int8_activations=False)
+    linear = nn.Linear(64, 32).requires_grad_(False)
+    w8a16 = Int8Linear.from_float(linear, int8_activations=False)
     for layer, want in ((w8a8, [1, 1]), (w8a16, [1])):
         x = torch.randn(2, 64)
         with torch.inference_mode():
             layer(x)
         assert layer.c_weight is not None
-        calls = []
-        monkeypatch.setattr(layer.c_kernels, "gemv", lambda w, x: calls.append(1) or x[:, :32])
+        calls: list[int] = []
+        monkeypatch.setattr(layer.c_kernels, "gemv", lambda w, x, c=calls: c.append(1) or x[:, :32])
         with torch.inference_mode():
             layer(x)
             layer(torch.randn(16, 64))  # more rows: C for W8A8, torch for weight-only

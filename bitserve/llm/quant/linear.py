@@ -9,7 +9,8 @@ picks its kernels in `prepare()`, once its buffers sit on their device. On this 
   met by qweight itself in AVX512-VNNI dot products: exact int32 sums, so the same bits
   as the torch path; `python -m bench.gguf --kernels` times it against `torch._int_mm`).
   Without them: up to SMALL_M rows (decode) `_weight_int8pack_mm` (bf16 activations);
-  above, `torch._int_mm` with int8 activations, vector-wise (per row) scales. Weight-only int8
+  above, `torch._int_mm` with int8 activations, vector-wise (per row) scales. Weight-only
+  int8
   (`int8_activations=False`) uses int8pack up to PACK_MAX_M rows and a bf16
   dequantize + matmul above (measured faster there than int8pack) instead of _int_mm.
 - int4: the C kernel at every row count (int8 activations in blocks of 32, as llama.cpp's
@@ -140,8 +141,9 @@ class Int8Linear(QuantLinear):
     `int8_activations`: quantize the activations too (vector-wise, per row) and meet
     them in int8 above SMALL_M rows (W8A8: LLM.int8()'s baseline, bitsandbytes with
     threshold 0): the C int8 GEMM where the kernels are built, else `torch._int_mm` (the
-    same sums and roundings, so the same bits); fewer rows keep x in fp32 (C) or bf16. That is 3-4x faster
-    than weight-only at prefill sizes, and it is what activation outliers break. Off, the
+    same sums and roundings, so the same bits); fewer rows keep x in fp32 (C) or bf16.
+    That is 3-4x faster than weight-only at prefill sizes, and it is what activation
+    outliers break. Off, the
     layer is weight-only (W8A16): the C GEMV (fp32 x) or int8pack up to SMALL_M rows,
     int8pack to PACK_MAX_M, then dequantize to bf16 and one bf16 matmul. Either way
     `qweight` [out, in] is the only copy of the weights every kernel reads.
