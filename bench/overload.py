@@ -7,9 +7,10 @@ One `bitserve serve` of models/tinylm alone (max_queued_requests 64). A child pr
 keeps `--streams` streamed chats of 200 tokens going (the engine saturated, the event
 loop busy sending tokens). All 96 run at once (max_num_seqs is 256), so the waiting
 queue is empty when a burst comes: each burst's first 64 requests are admitted (16
-tokens each) and the rest refused; what the loop spends on the admitted ones' front
-door (body, template, encoding) is most of what the refusals wait for beyond the idle
-figure (a burst that found the queue full cost the loop what an idle engine's does).
+tokens each) and the rest refused. Both cost the refusals: the admitted ones' front
+door (body, template, encoding) on the event loop, and the engine thread in the same
+process (a burst of refusals alone costs the loop twice its idle CPU beside it, streamed
+or not, and no more than idle when the saturating engine is a Ray replica's).
 Meanwhile bursts of `--burst` requests arrive at once on each protocol: OpenAI chat over HTTP, v2 infer over HTTP (text_input),
 v2 ModelInfer over gRPC. A refusal's time is from its request's write to its status
 line (gRPC: to the call's end), on connections opened beforehand: a refusal, not a
