@@ -4,15 +4,21 @@
         [--tree PATH ...]
 
 One `bitserve serve` of models/tinylm alone (max_queued_requests 64). A child process
-keeps `--streams` streamed chats of 200 tokens going (the engine saturated, its waiting
-queue full, the event loop busy sending tokens); meanwhile bursts of `--burst` requests
-arrive at once on each protocol: OpenAI chat over HTTP, v2 infer over HTTP (text_input),
-v2 ModelInfer over gRPC. A refusal's time is from its request's write to its status
-line (gRPC: to the call's end), on connections opened beforehand: a refusal, not a
-handshake, is timed. `live` is polled all along. Beside the times, from the server's
-schedstat: the event loop's CPU from a burst's first send to its last refusal, and its
-time runnable but waiting for a CPU over the same span (what a loaded box adds; the CPU
-figure it does not stretch). `--unstreamed` saturates with chats not streamed.
+keeps `--streams` streamed chats of 200 tokens going (the engine saturated, the event
+loop busy sending tokens). All 96 run at once (max_num_seqs is 256), so the waiting
+queue is empty when a burst comes: each burst's first 64 requests are admitted (16
+tokens each) and the rest refused. Both cost the refusals: the admitted ones' front door
+(body, template, encoding) on the event loop, and the engine thread in the same process
+(a burst of refusals alone costs the loop twice its idle CPU beside it, streamed or not,
+and no more than idle when the saturating engine is a Ray replica's). Meanwhile bursts
+of `--burst` requests arrive at once on each protocol: OpenAI chat over HTTP, v2 infer
+over HTTP (text_input), v2 ModelInfer over gRPC. A refusal's time is from its request's
+write to its status line (gRPC: to the call's end), on connections opened beforehand: a
+refusal, not a handshake, is timed. `live` is polled all along. Beside the times, from
+the server's schedstat: the event loop's CPU from a burst's first send to its last
+refusal, and its time runnable but waiting for a CPU over the same span (what a loaded
+box adds; the CPU figure it does not stretch). `--unstreamed` saturates with chats not
+streamed.
 
 `--hostile` measures item 4 instead: the p50/p99 of normal chats (a closed loop of 4
 users, 16 tokens each) alone (clean), then beside 100 streams of 200 tokens (20 logprobs

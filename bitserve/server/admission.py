@@ -16,10 +16,17 @@ served another way (tests over ASGI):
   body of up to 64 KiB; the ASGI app only its first chunk (a body in several chunks
   goes the normal way there).
 
-It only refuses what the normal path would refuse (the same `admit` call, with no place
-taken): a request it lets through is admitted as before, its place held before the chat
-template (openai.py's `_held`). Models with a traffic policy (canary or shadow) are left
-to the normal path, which routes them. gRPC's servicer calls `check` before parsing.
+It refuses what the normal path would refuse (the same `admit` call). A generation the
+protocol lets through holds a place in its LLM's queue (`door`) until its ASGI task
+starts, where the place is given back and the app takes its own (openai.py's `_held`,
+v2's `process`) in the same step of the event loop. A burst's requests are screened in a
+pass of the loop before any of their tasks runs: without those places, every request of
+a pass was let through while the queue had room, and those past its size were refused
+later by the app's own check (`screen`, then the route), each as an ASGI task behind the
+parsing of the ones admitted ahead of it. A place held at the door for a request the app
+then refuses for another reason (a 400) may refuse one more request of the same pass.
+Models with a traffic policy (canary or shadow) are left to the normal path, which
+routes them. gRPC's servicer calls `check` before parsing.
 
 Request bodies are admitted here too, on every route: one past `max_body` gets 413 before
 it is read (a chunked one as soon as it grows past it), and the bytes of the bodies being
@@ -29,6 +36,7 @@ bodies at once are refused, not an out-of-memory.
 
 from __future__ import annotations
 
+import contextlib
 import re
 from typing import Any
 
@@ -38,7 +46,7 @@ from starlette.responses import Response
 from bitserve.inference import Overloaded
 from bitserve.repository.version import ModelVersion
 from bitserve.rollout.policy import VERSION_HEADER
-from bitserve.server.connections import FIRST_CHUNK_LIMIT
+from bitserve.server.connections import DOOR, FIRST_CHUNK_LIMIT
 from bitserve.server.errors import APIError, BodyTooLarge, openai_body, v2_body
 from bitserve.server.record import Record
 from bitserve.server.state import ServerState
@@ -65,6 +73,9 @@ class Admission:
         self._responses: dict[tuple, Response] = {}  # refusals by message (_response)
 
     async def __call__(self, app: Any, scope: dict, receive: Any, send: Any) -> None:
+        held = scope.pop(DOOR, None)
+        if held is not None:  # the app takes its own place before its next await
+            held.release()
         length = _content_length(scope)
         if length is None:  # chunked: counted as it arrives
             size = [0]
@@ -135,27 +146,41 @@ class Admission:
         """The response that refuses this request now, or None to serve it. `body`: the
         whole body when `needs_body` (None: not at hand, let it through). Synchronous, for
         the protocol layer too (connections.py), before any task or ASGI cycle exists."""
+        return self._screened(scope, body)[0]
+
+    def door(self, scope: dict, body: bytes | None) -> Response | None:
+        """`refusal`, for the protocol layer: a generation let through holds a place in
+        its LLM's queue (in `scope`) until its ASGI task starts (`__call__`)."""
+        refusal, version = self._screened(scope, body)
+        if refusal is None and version is not None and version.serves("generate"):
+            with contextlib.suppress(Overloaded):  # not raised: `_screened` found room
+                scope[DOOR] = version.serving("generate").hold()
+        return refusal
+
+    def _screened(self, scope: dict, body: bytes | None) -> tuple[Response | None, Any]:
+        """(`refusal`'s answer, the version it looked at, if any)."""
         if scope["method"] != "POST" or self.state.draining:
-            return None
+            return None, None
         path = scope["path"]
         if path in OPENAI_GENERATE:
             if body is None:
-                return None
+                return None, None
             try:
                 model = orjson.loads(body).get("model")
             except (orjson.JSONDecodeError, AttributeError):
-                return None  # the route says what is wrong with it
+                return None, None  # the route says what is wrong with it
             version = self._version(model, None) if isinstance(model, str) else None
             if version is not None and (refused := _refusal(version)) is not None:
-                return self._response(openai_body, refused)
-            return None
+                return self._response(openai_body, refused), version
+            return None, version
         if (m := V2_INFER.fullmatch(path)) is not None:
             pinned = m[2] or _header(scope, VERSION_KEY)
             version = self._version(m[1], pinned)
             if version is not None and (refused := _refusal(version)) is not None:
                 Record(self.state, version, None).close(refused)  # counted as the v2 path does
-                return self._response(v2_body, refused)
-        return None
+                return self._response(v2_body, refused), version
+            return None, version
+        return None, None
 
     def _response(self, shape: Any, refused: Overloaded) -> Response:
         """The refusal's response, built once per distinct message (a burst's refusals

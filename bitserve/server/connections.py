@@ -41,6 +41,7 @@ from typing import Any
 
 log = logging.getLogger("bitserve.server")
 FIRST_CHUNK_LIMIT = 64 * 1024  # a larger OpenAI body is not held back to be screened
+DOOR = "bitserve.door"  # scope key: the queue place admission holds for a request it let through
 TIMEOUT_408 = b"HTTP/1.1 408 Request Timeout\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
 
 
@@ -79,7 +80,7 @@ def protocol(limits: ClientLimits, admission: Any = None) -> type:
                     self._held = (cycle, app)  # the body is on its way: decide once it is in
                     return True
                 body = bytes(cycle.body) if not cycle.more_body else None
-            refusal = admission.refusal(cycle.scope, body)
+            refusal = admission.door(cycle.scope, body)
             if refusal is not None:
                 self._refuse(cycle, refusal)
             return refusal is not None

@@ -251,3 +251,66 @@ async def _refused_on_connections(screen, http, port: int, request: bytes) -> li
     server.should_exit = True
     await serving
     return statuses
+
+
+@pytest.mark.slow  # loads tinylm in this process: 5-7 s on the loaded 2-core box
+def test_a_burst_past_the_places_free_is_refused_by_the_protocol(tmp_path):
+    """Ten chats read in one pass of the event loop, two places free: two go on to the
+    app, eight are refused by the connection's protocol (no ASGI task). Without the
+    places the door holds for the requests it lets through (admission.py), all ten
+    passed the protocol (no task had taken a place yet) and eight were refused later,
+    as ASGI tasks queued behind the two admitted (issue 35)."""
+    from bitserve.server.app import create_app
+
+    root = tmp_path / "models"
+    shutil.copytree(ROOT / "models" / "tinylm" / "1", root / "two" / "1")
+    (root / "two" / "config.toml").write_text(CONFIG.format(queued=2))
+    chat = json.dumps({"model": "two", "messages": [{"role": "user", "content": "hi"}]})
+    chat = json.loads(chat) | {"max_tokens": 2}
+    body = json.dumps(chat).encode()
+    request = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+    )
+    port = free_port()
+
+    async def burst() -> tuple[list[int], int, int]:
+        import uvicorn
+
+        repository = Repository(root)
+        repository.scan()
+        await repository.load_all()
+        app = create_app(repository, ServerOptions(), Metrics(), load=False)
+        tasks = []
+
+        async def counted(scope, receive, send):
+            if scope["type"] == "http":
+                tasks.append(scope["path"])
+            await app(scope, receive, send)
+
+        http = protocol(ClientLimits(), app.admission)
+        config = uvicorn.Config(counted, port=port, lifespan="off", log_level="warning", http=http)
+        server = uvicorn.Server(config)
+        serving = asyncio.create_task(server.serve())
+        try:
+            while not server.started:
+                await asyncio.sleep(0.01)
+            clients = [await asyncio.open_connection("127.0.0.1", port) for _ in range(10)]
+            for _, writer in clients:  # no await between: the server reads them in one pass
+                writer.write(request)
+            statuses = []
+            for reader, writer in clients:
+                statuses.append(int((await reader.readuntil(b"\r\n\r\n")).split()[1]))
+                writer.close()
+            await asyncio.sleep(0.2)  # the admitted two are done, their places given back
+            llm = repository.get("two").serving("generate")
+            return statuses, len(tasks), llm.waiting
+        finally:
+            server.should_exit = True
+            await serving
+            await repository.unload_all()
+
+    statuses, tasks, waiting = asyncio.run(burst())
+    assert sorted(statuses) == [200] * 2 + [429] * 8, statuses
+    assert tasks == 2  # 10 without the door's places
+    assert waiting == 0  # every place held at the door was given back
