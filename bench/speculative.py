@@ -75,6 +75,41 @@ def copy_prompts(n: int) -> list[str]:
     return ["\n".join(p) + "\n" + " ".join(p[0].split()[:4]) for p in passages]
 
 
+COPY_SPAN, COPY_COVERAGE = 3, 0.5  # the copy-heavy rule (`copy_heavy_prompts`)
+
+
+def coverage(prompt: list[int], answer: list[int], n: int = COPY_SPAN) -> float:
+    """The share of the answer's tokens inside a span of n or more of its tokens that
+    occurs in the prompt: what a prompt lookup could have proposed."""
+    spans = {tuple(prompt[i : i + n]) for i in range(len(prompt) - n + 1)}
+    hit = [False] * len(answer)
+    for i in range(len(answer) - n + 1):
+        if tuple(answer[i : i + n]) in spans:
+            hit[i : i + n] = [True] * n
+    return sum(hit) / max(len(answer), 1)
+
+
+def copy_heavy_prompts(n: int, tokens: int) -> list[str]:
+    """Issue 31's copy-heavy workload, "a prompt whose answer repeats spans of it": the
+    passages of `copy_prompts` in order, kept when the plain engine's greedy answer
+    (`tokens` new tokens) has at least COPY_COVERAGE of its tokens in spans of COPY_SPAN
+    that occur in the prompt; the first n such. Decided on the plain answers only
+    (tinylm mostly does not copy: over all 197 passages the median is 0.11), before
+    any speculative run; the table gives each part's coverage."""
+    llm = LLM(TARGET, **ENGINE)
+    params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+    candidates, kept = copy_prompts(len(heldout()) // 3), []
+    for i in range(0, len(candidates), 16):
+        group = candidates[i : i + 16]
+        for prompt, out in zip(group, llm.generate(group, params), strict=True):
+            if coverage(out.prompt_token_ids, out.outputs[0].token_ids) >= COPY_COVERAGE:
+                kept.append(prompt)
+        if len(kept) >= n:
+            break
+    llm.shutdown()
+    return kept[:n]
+
+
 def run(llm: LLM, prompts: list[str], tokens: int, together: bool) -> tuple[float, float, list]:
     """(seconds, CPU seconds of this thread, token ids): all prompts at once, or one by
     one. The CPU time leaves out the time other processes held the core (the engine's
@@ -86,6 +121,7 @@ def run(llm: LLM, prompts: list[str], tokens: int, together: bool) -> tuple[floa
     else:
         outs = [llm.generate(p, params)[0] for p in prompts]
     seconds, cpu = time.perf_counter() - start, time.thread_time() - cpu
+    run.prompt_ids = [o.prompt_token_ids for o in outs]  # (coverage)
     return seconds, cpu, [o.outputs[0].token_ids for o in outs]
 
 
@@ -135,7 +171,11 @@ def compare(variants: dict, prompts, tokens, together, rounds, target: Path = TA
     # batch 1: the variants take turns prompt by prompt (a load burst on the shared box
     # lands on all of them), each round's sums giving its rates; together: batch by batch
     groups = [prompts] if together else [[p] for p in prompts]
-    reference = [ids for group in groups for ids in go("plain", group, tokens)[2]]
+    reference, prompt_ids = [], []
+    for group in groups:
+        reference += go("plain", group, tokens)[2]
+        prompt_ids += run.prompt_ids
+    covered = statistics.mean(map(coverage, prompt_ids, reference))
     for r in range(rounds):
         seconds = {name: 0.0 for name in names}
         cpu = {name: 0.0 for name in names}
@@ -163,8 +203,144 @@ def compare(variants: dict, prompts, tokens, together, rounds, target: Path = TA
         if spec is not None:
             row |= acceptance(spec.stats)
         out[name] = row
+    out["plain"]["coverage"] = covered
     llm.shutdown()
     return out
+
+
+class Timers:
+    """CPU time (this thread) per labelled part of a step: `wrap(obj, name, label)` makes
+    obj.name count its calls' time under `label` (an inner part's time is also its
+    caller's: the table subtracts)."""
+
+    def __init__(self):
+        self.cpu: dict[str, float] = {}
+        self.undo: list = []
+
+    def wrap(self, obj, name: str, label: str, result=None) -> None:
+        inner = getattr(obj, name)
+
+        def timed(*args, **kwargs):
+            t0 = time.thread_time()
+            try:
+                out = inner(*args, **kwargs)
+            finally:
+                self.cpu[label] = self.cpu.get(label, 0.0) + time.thread_time() - t0
+            return out if result is None else result(out)
+
+        self.undo.append((obj, name, vars(obj).get(name)))
+        setattr(obj, name, timed)
+
+    def restore(self) -> None:
+        for obj, name, own in reversed(self.undo):
+            if own is not None:  # an attribute of the instance itself: put back
+                setattr(obj, name, own)
+            elif name in vars(obj):
+                delattr(obj, name)
+        self.undo.clear()
+
+
+def breakdown(spec: dict | None, prompts: list[str], tokens: int, rounds: int) -> dict:
+    """Where a batch-1 step's CPU time goes (ms per engine step, median over rounds):
+    the whole step; the proposer (a draft's layers, its LM head, the rest of it: plan,
+    sync, Python); the scheduler; the target's forward (its layers, its LM head); the
+    verification (or the sampler); the rest (appending tokens, stops, rollback)."""
+    llm = LLM(TARGET, **ENGINE)
+    engine = llm.engine
+    if spec is not None:
+        config = SpeculativeConfig.parse(spec, engine.config.model)
+        engine.speculator = Speculator(config, engine.config, engine.runner.num_blocks)
+    params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+    llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    per_round = []
+    for _ in range(rounds):
+        timers = Timers()
+        t = timers.wrap
+        runner, model = engine.runner, engine.runner.model
+        t(engine, "step", "step")
+        t(engine.scheduler, "schedule", "schedule")
+        t(runner, "execute", "target forward")
+        t(model, "compute_logits", "target head")
+        t(engine, "sample", "sample")
+        steps = [0]
+        if engine.speculator is not None:
+            t(engine.speculator, "propose", "propose")
+            t(engine.speculator, "verify", "verify")
+            proposer = engine.speculator.proposer
+            if hasattr(proposer, "runner"):
+                d_runner, d_model = proposer.runner, proposer.runner.model
+                t(d_model, "compute_logits", "draft head")
+                t(d_runner, "execute", "draft forward (generic)")
+
+                def wrap_stepper(step, timers=timers):
+                    if step is None:
+                        return None
+                    holder = type("H", (), {"step": staticmethod(step)})
+                    timers.wrap(holder, "step", "draft layers")
+                    return holder.step
+
+                t(d_model, "fused_stepper", "draft stepper setup", wrap_stepper)
+        inner_step = engine.step
+
+        def counted(*a, inner=inner_step, steps=steps, **k):
+            steps[0] += 1
+            return inner(*a, **k)
+
+        engine.step = counted
+        for p in prompts:
+            llm.generate(p, params)
+        engine.step = inner_step
+        timers.restore()
+        c = {k: 1e3 * v / steps[0] for k, v in timers.cpu.items()}
+        c["steps"] = steps[0]
+        per_round.append(c)
+    llm.shutdown()
+    keys = sorted({k for c in per_round for k in c})
+    med = {k: statistics.median(c.get(k, 0.0) for c in per_round) for k in keys}
+    spread = {
+        k: [min(c.get(k, 0.0) for c in per_round), max(c.get(k, 0.0) for c in per_round)]
+        for k in keys
+    }
+    return {"ms_per_step": med, "spread": spread, "tokens": tokens * len(prompts)}
+
+
+def breakdown_table(name: str, b: dict) -> str:
+    m = b["ms_per_step"]
+    g = m.get
+    parts = [
+        ("step (all)", g("step", 0)),
+        ("  propose", g("propose", 0)),
+        ("    draft layers", g("draft layers", 0)),
+        ("    draft head", g("draft head", 0)),
+        ("    draft generic forward (prompt catch-up)", g("draft forward (generic)", 0)),
+        (
+            "    propose: the rest (Python, plan, syncs)",
+            g("propose", 0)
+            - g("draft layers", 0)
+            - g("draft head", 0)
+            - g("draft forward (generic)", 0),
+        ),
+        ("  schedule", g("schedule", 0)),
+        ("  target forward: layers", g("target forward", 0) - g("target head", 0)),
+        ("  target forward: head", g("target head", 0)),
+        ("  verify (accept) / sample", g("verify", 0) + g("sample", 0)),
+        (
+            "  the rest (append, stops, rollback, Python)",
+            g("step", 0)
+            - g("propose", 0)
+            - g("schedule", 0)
+            - g("target forward", 0)
+            - g("verify", 0)
+            - g("sample", 0),
+        ),
+    ]
+    tok_per_step = b["tokens"] / max(g("steps", 1), 1)
+    lines = [
+        f"{name}: {g('steps', 0):.0f} steps, {tok_per_step:.2f} tokens/step, "
+        f"{g('step', 0) / tok_per_step:.3f} ms CPU per token"
+    ]
+    lines += [f"  {label:<46} {v:7.3f} ms" for label, v in parts]
+    return "\n".join(lines)
 
 
 def overhead_1b(folder: Path | None, steps: int) -> dict:
@@ -249,12 +425,14 @@ def main() -> None:
             {"plain": None, "draft": draft, "draft-fp32": fp32, "ngram": ngram},
             demo_prompts(args.prompts), t, False, r,
         )  # fmt: skip
-    copy = copy_prompts(16)
+    copy = copy_prompts(16)  # the streams' prompts (whether the answer copies or not)
+    if parts & {"copy", "breakdown"}:
+        heavy = copy_heavy_prompts(args.prompts, t)
     if "copy" in parts:
         results["copy_b1"] = compare(
             {"plain": None, "ngram": ngram, "ngram-2..5": ngram2, f"ngram-k{k}": ngram_k,
              "draft": draft},
-            copy[: args.prompts], t, False, r,
+            heavy, t, False, r,
         )  # fmt: skip
     for n in map(int, args.streams.split(",")) if "streams" in parts else []:
         results[f"copy_x{n}_forced"] = compare(
@@ -264,6 +442,16 @@ def main() -> None:
         results["copy_x16_default"] = compare(
             {"plain": None, "ngram": ngram, "draft": draft}, copy, t, True, r
         )
+    if "breakdown" in parts:
+        b = results["breakdown"] = {}
+        for name, spec, prompts in (
+            ("plain, held-out verses", None, demo_prompts(args.prompts)),
+            ("draft (int8) k=4, held-out verses", draft, demo_prompts(args.prompts)),
+            ("plain, copy-heavy", None, heavy),
+            ("n-gram, copy-heavy", ngram, heavy),
+        ):
+            b[name] = breakdown(spec, prompts, t, r)
+            print(breakdown_table(name, b[name]), flush=True)
     if "1b" in parts:
         results["overhead_1b"] = overhead_1b(args.model_1b, steps=8)
     print(table(results))
@@ -272,7 +460,7 @@ def main() -> None:
 
 def table(results: dict) -> str:
     lines = [
-        f"{'part':<18} {'variant':<10} {'tok/s':>7} {'x plain':>8} {'spread':>11} "
+        f"{'part':<18} {'variant':<14} {'tok/s':>7} {'x plain':>8} {'spread':>11} "
         f"{'x cpu':>6} {'spread':>11} {'accept':>7} {'by position':<28} {'tok/step':>8}"
     ]
     for part, rows in results.items():
@@ -282,12 +470,12 @@ def table(results: dict) -> str:
             spread = f"{row['spread'][0]:.2f}-{row['spread'][1]:.2f}"
             spread += f" {row['cpu_ratio']:>6.2f} "
             spread += f"{row['cpu_spread'][0]:.2f}-{row['cpu_spread'][1]:.2f}".rjust(11)
-            extra = ""
+            extra = f" coverage {row['coverage']:.0%}" if "coverage" in row else ""
             if "acceptance" in row:
                 by = "/".join(f"{a:.2f}" for a in row["by_position"])
                 extra = f" {row['acceptance']:>7.0%} {by:<28} {row['tokens_per_step']:>8.2f}"
             lines.append(
-                f"{part:<18} {name:<10} {row['tok_s']:>7.1f} {row['ratio']:>8.2f} {spread:>11}"
+                f"{part:<18} {name:<14} {row['tok_s']:>7.1f} {row['ratio']:>8.2f} {spread:>11}"
                 + extra
             )
     if "overhead_1b" in results:

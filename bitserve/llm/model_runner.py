@@ -525,7 +525,7 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def decode_steps(self, seqs: list[Sequence], steps: int, pick) -> torch.Tensor:
+    def decode_steps(self, seqs: list[Sequence], steps: int, pick, stop=None) -> torch.Tensor:
         """`steps` one-token decode steps of `seqs` (speculative decoding's draft loop),
         the fed-back token of each chosen by `pick(logits [n, vocab], step)` (int64 [n]
         on the device). Step 0 feeds each sequence's token at num_computed_tokens, every
@@ -534,7 +534,8 @@ class ModelRunner:
         sequences are not changed here (the caller appends the tokens). One plan and one
         build for all steps: between steps the step buffers are moved on in place (token,
         position, slot, lengths) by a few tensor ops, with no Python per row and no copy
-        to the host. Returns the tokens, [steps, n] on the device."""
+        to the host. `stop(logits, step)`, if given, ends the loop after a step by
+        returning True. Returns the tokens, [steps run, n] on the device."""
         bs, n = self.config.block_size, len(seqs)
         step = StepInput(sample_rows=list(range(n)))
         tables, ends = [], []
@@ -565,7 +566,10 @@ class ModelRunner:
                 hidden = stepper()
             else:
                 hidden = self.forward(t)[:n]
-            tokens[s] = pick(self.model.compute_logits(hidden).float(), s)
+            logits = self.model.compute_logits(hidden).float()
+            tokens[s] = pick(logits, s)
+            if stop is not None and stop(logits, s):
+                return tokens[: s + 1]
             if s + 1 < steps:  # the next step: the token just drawn, one position on
                 ids.copy_(tokens[s])
                 pos.add_(1)

@@ -40,6 +40,7 @@ cost more than they save: bench/speculative.py measures it).
 
 from __future__ import annotations
 
+import json
 import random
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -87,6 +88,16 @@ class SpeculativeConfig:
     ngram_min: int = 1
     ngram_max: int = 5
     max_batch: int = MAX_BATCH  # more running requests than this: no speculation
+    # a draft's LM head restricted to its draft_vocab most frequent tokens (FR-Spec, Zhao
+    # et al. 2025; 0: the whole vocabulary), counted on its training corpus
+    # (token_counts.json beside it, tools/train_lm.py): the target still scores every
+    # token, and a sampled row's q is the draft's distribution over those, so rejection
+    # sampling stays exact
+    draft_vocab: int = 0
+    # a draft stops proposing for a row after a token its own distribution gave less
+    # than this (the softmax's top probability of the draft's logits; 0: never): the
+    # decision depends on the draft's state only, so outputs stay exact
+    confidence: float = 0.0
     folder: Path | None = field(default=None, repr=False)  # the draft's, resolved
 
     def __post_init__(self) -> None:
@@ -104,7 +115,7 @@ class SpeculativeConfig:
             raise ValueError(f"speculative: unknown fields {sorted(unknown)}")
         if "method" not in value:
             raise ValueError("speculative.method is required ('ngram' or 'draft')")
-        hints = {"method": str, "model": str | None}
+        hints = {"method": str, "model": str | None, "confidence": float}
         for name, v in value.items():
             check_type(f"speculative.{name}", v, hints.get(name, int))
         config = cls(**value)
@@ -118,6 +129,10 @@ class SpeculativeConfig:
             raise ValueError("speculative.ngram_min must be in [1, ngram_max]")
         if config.max_batch < 1:
             raise ValueError("speculative.max_batch must be positive")
+        if config.draft_vocab < 0:
+            raise ValueError("speculative.draft_vocab must be 0 (all) or positive")
+        if not 0 <= config.confidence < 1:
+            raise ValueError("speculative.confidence must be in [0, 1)")
         if config.method == "draft":
             if config.model is None:
                 raise ValueError("speculative.model (the draft's folder) is required for 'draft'")
@@ -252,6 +267,9 @@ class DraftProposer:
                 f"target's ({vocab[1]})"
             )
         self.runner = ModelRunner(self.config)
+        if config.draft_vocab:
+            restrict_head(self.runner.model, top_tokens(config.folder, config.draft_vocab))
+        self.threshold = config.confidence
         self.rng = random.Random(target.seed ^ SALT_DRAFT)
         self.reset()
 
@@ -288,6 +306,7 @@ class DraftProposer:
     def propose(self, rows: list[tuple[Sequence, int]]) -> list[Proposal]:
         drafts: dict[int, tuple[list[int], list[torch.Tensor | None]]] = {}
         active = []
+        self.stopped: set[int] = set()  # rows the draft stopped on a doubtful token
         for seq, k in rows:
             m = self.mirror(seq)
             self.synced[id(seq)] = seq.num_tokens
@@ -295,7 +314,11 @@ class DraftProposer:
             active.append((seq, m, k))
         while active:
             if self.lean(active, drafts):
-                active = [(s, m, k) for s, m, k in active if len(drafts[id(s)][0]) < k]
+                active = [
+                    (s, m, k)
+                    for s, m, k in active
+                    if len(drafts[id(s)][0]) < k and id(s) not in self.stopped
+                ]
                 continue
             batch, budget, left = SchedulerOutput(), self.config.max_num_batched_tokens, []
             for seq, m, k in active:
@@ -322,11 +345,20 @@ class DraftProposer:
                     for s, m in zip(targets, out.sample_seqs, strict=True)
                 ]
                 tokens, probs = self.draw(out.logits, targets, positions)
-                for seq, m, token, q in zip(targets, out.sample_seqs, tokens, probs, strict=True):
+                sure = self.confident(out.logits)
+                for i, (seq, m, token, q) in enumerate(
+                    zip(targets, out.sample_seqs, tokens, probs, strict=True)
+                ):
                     m.token_ids.append(token)
                     drafts[id(seq)][0].append(token)
                     drafts[id(seq)][1].append(q)
-            active = [(s, m, k) for s, m, k in left if len(drafts[id(s)][0]) < k]
+                    if sure is not None and not sure[i]:
+                        self.stopped.add(id(seq))
+            active = [
+                (s, m, k)
+                for s, m, k in left
+                if len(drafts[id(s)][0]) < k and id(s) not in self.stopped
+            ]
         proposals = []
         for seq, _ in rows:
             tokens, qs = drafts[id(seq)]
@@ -355,6 +387,19 @@ class DraftProposer:
         if not all(self.block_manager.allocate_slots(m, steps) for m in mirrors):
             return False
         qs: list[list[torch.Tensor | None]] = []
+        # the step after which each row proposes no more (its token doubtful), else None
+        last: list[int | None] = [None] * len(active)
+
+        def stop(logits: torch.Tensor, s: int) -> bool:
+            """Whether every row has stopped, after step s (its token in `last`)."""
+            sure = self.confident(logits)
+            if sure is None:
+                return False
+            for i, ok in enumerate(sure):
+                if not ok and last[i] is None and s >= ahead[i]:
+                    last[i] = s
+            return all(x is not None for x in last)
+
         if greedy:
             known = [i for i, a in enumerate(ahead) if a]  # step 0 feeds their next token
             device = self.runner.device
@@ -374,14 +419,28 @@ class DraftProposer:
                 qs.append(probs)
                 return torch.tensor(tokens, device=logits.device)
 
-        drawn = to_host(self.runner.decode_steps(mirrors, steps, pick).t())  # [n][steps]
+        until = stop if self.threshold else None
+        drawn = to_host(self.runner.decode_steps(mirrors, steps, pick, until).t())  # [n][ran]
+        ran = len(drawn[0])
         for i, (seq, m, tokens) in enumerate(zip(targets, mirrors, drawn, strict=True)):
             tokens = tokens[ahead[i] :]
-            m.token_ids += tokens
-            m.num_computed_tokens += steps
+            m.token_ids += tokens  # all it computed: the next mirror() keeps what it needs
+            m.num_computed_tokens += ran
+            if last[i] is not None:  # proposals up to the doubtful token, then no more
+                self.stopped.add(id(seq))
+                tokens = tokens[: last[i] + 1 - ahead[i]]
             drafts[id(seq)][0].extend(tokens)
-            drafts[id(seq)][1].extend([q[i] for q in qs] if qs else [None] * len(tokens))
+            drafts[id(seq)][1].extend([q[i] for q in qs[: len(tokens)]] or [None] * len(tokens))
         return True
+
+    def confident(self, logits: torch.Tensor) -> list[bool] | None:
+        """Per row, whether the draft's top probability reaches `confidence` (None: no
+        threshold). The draft's own logits only: a sampled row's stop does not depend on
+        the target, so rejection sampling stays exact."""
+        if not self.threshold:
+            return None
+        top = torch.softmax(logits.float(), -1).amax(-1)
+        return [bool(x) for x in to_host(top >= self.threshold)]
 
     def draw(
         self, logits: torch.Tensor, targets: list[Sequence], positions: list[int]
@@ -405,6 +464,60 @@ class DraftProposer:
         return tokens, [
             None if seq.sampling_params.greedy else probs[i] for i, seq in enumerate(targets)
         ]
+
+
+def top_tokens(folder: Path, n: int) -> torch.Tensor:
+    """The ids of the `n` most frequent tokens of the draft's training corpus (ascending),
+    from the token_counts.json that tools/train_lm.py writes beside its version folders
+    (or in the version folder)."""
+    for path in (folder / "token_counts.json", folder.parent / "token_counts.json"):
+        if path.is_file():
+            counts = torch.tensor(json.loads(path.read_text())["counts"], dtype=torch.float64)
+            break
+    else:
+        raise ValueError(
+            f"speculative.draft_vocab: no token_counts.json in {folder} or beside it "
+            "(tools/train_lm.py writes it)"
+        )
+    if n > len(counts):
+        raise ValueError(f"speculative.draft_vocab: {n} is more than the {len(counts)} tokens")
+    # most frequent first, ties by id; a stable sort keeps it the same on every load
+    order = torch.sort(-counts, stable=True).indices
+    return order[:n].sort().values
+
+
+def restrict_head(model: torch.nn.Module, ids: torch.Tensor) -> None:
+    """The draft's LM head scores only `ids` (FR-Spec): a head of those rows, its logits
+    spread back to the full vocabulary with -inf elsewhere (so every sampler step and
+    the target's verification see ordinary full-vocabulary rows, q zero outside)."""
+    from bitserve.llm.models.layers import Linear
+    from bitserve.llm.quant.linear import Int8Linear
+
+    head = model.lm_head
+    if type(head) is Linear:
+        rows = head.unpacked() if head.packed else head.weight
+        sub = Linear(rows.shape[1], len(ids), bias=False)
+        sub.weight = torch.nn.Parameter(rows.detach()[ids].contiguous(), requires_grad=False)
+        sub.kernels = head.kernels
+        if sub.kernels is not None:
+            sub.pack()
+    elif type(head) is Int8Linear:
+        sub = Int8Linear(head.in_features, len(ids), False, head.int8_activations)
+        sub.qweight, sub.scales = head.qweight[ids].contiguous(), head.scales[ids].contiguous()
+    else:
+        raise ValueError(f"speculative.draft_vocab: the draft's {type(head).__name__} head")
+    if head.bias is not None or getattr(model, "final_softcap", None) is not None:
+        raise ValueError("speculative.draft_vocab: a head with a bias or a soft-cap")
+    vocab = head.weight.shape[0] if type(head) is Linear else head.out_features
+    model.lm_head = sub
+    full = torch.full((1, vocab), float("-inf"))
+    index = ids.to(torch.int64)
+
+    def compute_logits(hidden: torch.Tensor) -> torch.Tensor:
+        logits = sub(hidden).float()
+        return full.expand(len(logits), -1).index_copy(1, index, logits)
+
+    model.compute_logits = compute_logits
 
 
 # -- verification ---------------------------------------------------------------------------
