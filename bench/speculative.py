@@ -65,8 +65,11 @@ def heldout() -> list[str]:
     return [line for line in lines if len(line.split()) >= 12]
 
 
-def demo_prompts(n: int) -> list[str]:
-    return [" ".join(line.split()[:6]) for line in heldout()[:n]]
+def demo_prompts(n: int, start: int = 0) -> list[str]:
+    return [" ".join(line.split()[:6]) for line in heldout()[start : start + n]]
+
+
+TUNE_FROM = 200  # the tune part's verses: held out, and not the demo part's (its first)
 
 
 def copy_prompts(n: int) -> list[str]:
@@ -442,6 +445,13 @@ def main() -> None:
         results["copy_x16_default"] = compare(
             {"plain": None, "ngram": ngram, "draft": draft}, copy, t, True, r
         )
+    if "tune" in parts:  # the draft's settings, on other held-out verses than "demo"'s
+        grid = {"plain": None, "draft-k4": draft}
+        for v, c, kk in ((1024, 0, 4), (512, 0, 4), (1024, 0.3, 5), (512, 0.3, 5),
+                         (1024, 0.3, 6), (1024, 0.2, 5), (1024, 0.4, 5)):  # fmt: skip
+            name = f"V{v}-c{c}-k{kk}"
+            grid[name] = {**draft, "num_tokens": kk, "draft_vocab": v, "confidence": c}
+        results["tune"] = compare(grid, demo_prompts(2 * args.prompts, TUNE_FROM), t, False, r)
     if "breakdown" in parts:
         b = results["breakdown"] = {}
         for name, spec, prompts in (
