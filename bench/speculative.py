@@ -69,6 +69,8 @@ def demo_prompts(n: int, start: int = 0) -> list[str]:
     return [" ".join(line.split()[:6]) for line in heldout()[start : start + n]]
 
 
+# the demo draft's settings: chosen by the tune part (on other verses than the demo's)
+DRAFT_K, DRAFT_VOCAB, CONFIDENCE = 5, 512, 0.3
 TUNE_FROM = 200  # the tune part's verses: held out, and not the demo part's (its first)
 
 
@@ -406,6 +408,10 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--k", type=int, default=4, help="the drafts' k (and ngram-k's)")
+    parser.add_argument("--draft-k", type=int, default=DRAFT_K, help="the demo draft's k")
+    parser.add_argument("--draft-vocab", type=int, default=DRAFT_VOCAB)
+    parser.add_argument("--confidence", type=float, default=CONFIDENCE)
+    parser.add_argument("--tune-grid", default="", help="the tune part's V-c-k settings")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--parts", default="demo,copy,streams,default,1b")
     parser.add_argument("--streams", default="1,2,4,8,16", help="part 3's stream counts")
@@ -414,8 +420,13 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     k, r, t = args.k, args.rounds, args.tokens
-    draft = {"method": "draft", "model": "draft", "num_tokens": k}
-    fp32 = {"method": "draft", "model": "draft/1", "num_tokens": k}
+    # the draft as before this round: k proposals every step, the full LM head
+    draft_old = {"method": "draft", "model": "draft", "num_tokens": k, "confidence": 0.0}
+    # the demo draft's settings (the tune part measured them): its head restricted to the
+    # draft_vocab most frequent tokens, a stop after a token it gave under `confidence`
+    tuned = {"draft_vocab": args.draft_vocab, "confidence": args.confidence}
+    draft = {"method": "draft", "model": "draft", "num_tokens": args.draft_k, **tuned}
+    fp32 = {**draft, "model": "draft/1"}
     ngram = {"method": "ngram"}  # the defaults: k = 6, 1..5-token matches
     # no one-token matches (the default before): fewer speculative steps, right more often
     ngram2 = {"method": "ngram", "ngram_min": 2}
@@ -425,7 +436,8 @@ def main() -> None:
     parts = set(args.parts.split(",")) - ({"1b"} if args.no_1b else set())
     if "demo" in parts:
         results["demo_b1"] = compare(
-            {"plain": None, "draft": draft, "draft-fp32": fp32, "ngram": ngram},
+            {"plain": None, "draft": draft, "draft-fp32": fp32, f"draft-k{k}-full": draft_old,
+             "ngram": ngram},
             demo_prompts(args.prompts), t, False, r,
         )  # fmt: skip
     copy = copy_prompts(16)  # the streams' prompts (whether the answer copies or not)
@@ -446,9 +458,12 @@ def main() -> None:
             {"plain": None, "ngram": ngram, "draft": draft}, copy, t, True, r
         )
     if "tune" in parts:  # the draft's settings, on other held-out verses than "demo"'s
-        grid = {"plain": None, "draft-k4": draft}
+        grid = {"plain": None, f"draft-k{k}-full": draft_old}
         for v, c, kk in ((1024, 0, 4), (512, 0, 4), (1024, 0.3, 5), (512, 0.3, 5),
-                         (1024, 0.3, 6), (1024, 0.2, 5), (1024, 0.4, 5)):  # fmt: skip
+                         (1024, 0.3, 6), (1024, 0.2, 5), (1024, 0.4, 5), (256, 0.3, 5),
+                         (512, 0.3, 4), (512, 0.3, 6), (512, 0.25, 5), (512, 0.35, 5)):  # fmt: skip
+            if args.tune_grid and f"{v}-{c}-{kk}" not in args.tune_grid.split(","):
+                continue
             name = f"V{v}-c{c}-k{kk}"
             grid[name] = {**draft, "num_tokens": kk, "draft_vocab": v, "confidence": c}
         results["tune"] = compare(grid, demo_prompts(2 * args.prompts, TUNE_FROM), t, False, r)
