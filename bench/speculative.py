@@ -20,12 +20,17 @@ same with speculation), so a part's ratio is below the decode steps' own.
 1. demo pair, batch 1: models/tinylm and its draft models/tinylm/draft (tools/train_lm.py
    --draft-of, the same corpus; "draft" its int8 version 2, "draft-fp32" version 1), on
    held-out verses (models/tinylm/heldout.txt, never trained on): the first words of a
-   verse as the prompt, `--tokens` new tokens. Drafts propose `--k` tokens, n-gram its
+   verse as the prompt, `--tokens` new tokens. The drafts with the settings the tune
+   part chose (`--draft-k` 5, `--draft-vocab` 512: the LM head scores the 512 most
+   frequent tokens, `--confidence` 0.3: a stop after a token the draft gave under 0.3),
+   "draft-k4-full" as before (k = `--k`, every step, the whole head); n-gram its
    defaults (k = 6, 1..5-token matches).
-2. copy-heavy, batch 1: a held-out passage (three verses) and the start of its first
-   verse again, so that the answer repeats spans of the prompt; n-gram with its
-   defaults, without one-token matches (ngram_min 2, the default before) and with
-   k = `--k`; the draft.
+2. copy-heavy, batch 1: prompts whose plain answer repeats spans of them
+   (`copy_heavy_prompts`: a held-out passage of three verses and the start of its first
+   verse again, kept when at least half of the plain greedy answer's tokens lie in
+   3-token spans of the prompt; the first `--prompts` such, chosen on the plain answers
+   alone); n-gram with its defaults, without one-token matches (ngram_min 2) and with
+   k = `--k`; the draft. Each part's "coverage" is that share on its plain answers.
 3. streams: the copy-heavy prompts 1, 2, 4, 8, 16 at once (`--streams`) with n-gram
    speculation forced on (max_batch 64): where it stops paying (speculative.MAX_BATCH
    comes from here); and 16 at once with the default configuration (speculation off
@@ -34,6 +39,12 @@ same with speculation), so a part's ratio is below the decode steps' own.
    draft is the target itself, so all k = 4 proposals are accepted and every step scores
    5 tokens. Per step: a plain decode against the verification step (the target's
    forward over 5 rows, verification, rollback), the proposer's time taken out.
+
+5. tune: the draft's settings (k, draft_vocab, confidence) on 16 other held-out verses
+   (from the 200th), the same way as part 1 (`--tune-grid` picks some).
+6. breakdown: where a batch-1 step's CPU time goes (ms per engine step: the proposer,
+   its draft layers and LM head, the scheduler, the target's layers and head, the
+   verification or sampler, the rest), plain and speculative, on parts 1 and 2's prompts.
 
 Prints a table, then one JSON line.
 """
@@ -471,7 +482,7 @@ def main() -> None:
         b = results["breakdown"] = {}
         for name, spec, prompts in (
             ("plain, held-out verses", None, demo_prompts(args.prompts)),
-            ("draft (int8) k=4, held-out verses", draft, demo_prompts(args.prompts)),
+            ("draft (int8, as part 1), held-out verses", draft, demo_prompts(args.prompts)),
             ("plain, copy-heavy", None, heavy),
             ("n-gram, copy-heavy", ngram, heavy),
         ):

@@ -59,7 +59,15 @@ from bitserve.llm.structured import apply_masks
 
 METHODS = ("ngram", "draft")
 MAX_NUM_TOKENS = 16
-NGRAM_TOKENS, DRAFT_TOKENS = 6, 4  # num_tokens's defaults
+NGRAM_TOKENS, DRAFT_TOKENS = 6, 5  # num_tokens's defaults
+# a draft's default `confidence`. bench/speculative.py --parts tune, tinylm and its int8
+# draft, 16 held-out verses (200+, not the demo part's), batch 1, greedy, 5 rounds, CPU-
+# time ratio to plain (load 3-6): no stop 1.25x (k 4, 1024-token head); 0.2: 1.33x,
+# 0.3: 1.37x, 0.4: 1.30x (k 5, 1024); with a 512-token head 0.25/0.3/0.35: 1.44/1.41/
+# 1.42x, k 4/5/6 at 0.3: 1.38/1.41/1.44x. A replay of recorded (top probability, kept)
+# pairs under a cost model (a row 8.5% of a plain step, a draft step ~25%) also peaked
+# at 0.3 for every k from 3 to 8
+DRAFT_CONFIDENCE = 0.3
 # above this many running requests nobody speculates. bench/speculative.py --parts
 # streams, tinylm, n-gram (1..5-token matches) forced on, the copy-heavy prompts n at
 # once, one thread of the 2-core EPYC, 15 rounds, CPU-time ratio to the plain engine
@@ -97,12 +105,14 @@ class SpeculativeConfig:
     # a draft stops proposing for a row after a token its own distribution gave less
     # than this (the softmax's top probability of the draft's logits; 0: never): the
     # decision depends on the draft's state only, so outputs stay exact
-    confidence: float = 0.0
+    confidence: float | None = None  # (drafts: DRAFT_CONFIDENCE; n-gram has none)
     folder: Path | None = field(default=None, repr=False)  # the draft's, resolved
 
     def __post_init__(self) -> None:
         if self.num_tokens is None:
             self.num_tokens = NGRAM_TOKENS if self.method == "ngram" else DRAFT_TOKENS
+        if self.confidence is None:
+            self.confidence = 0.0 if self.method == "ngram" else DRAFT_CONFIDENCE
 
     @classmethod
     def parse(cls, value: Any, target: Path | None) -> SpeculativeConfig:
@@ -115,7 +125,7 @@ class SpeculativeConfig:
             raise ValueError(f"speculative: unknown fields {sorted(unknown)}")
         if "method" not in value:
             raise ValueError("speculative.method is required ('ngram' or 'draft')")
-        hints = {"method": str, "model": str | None, "confidence": float}
+        hints = {"method": str, "model": str | None, "confidence": float | None}
         for name, v in value.items():
             check_type(f"speculative.{name}", v, hints.get(name, int))
         config = cls(**value)
