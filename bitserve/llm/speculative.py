@@ -20,6 +20,13 @@ of the step at once:
   distributed exactly as the target's, and greedy rows get exactly the target's argmax
   chain: the longest matching prefix plus the target's own next token.
 
+A draft may score only its `draft_vocab` most frequent tokens (FR-Spec: its LM head's
+rows for those, the counts from its training corpus; q is then zero elsewhere, which
+rejection sampling handles like any q) and stops proposing for a row after a token
+whose top draft probability was under `confidence` (SpecDec++'s and transformers'
+`assistant_confidence_threshold` idea): both decided by the draft alone, so greedy rows
+keep the target's tokens and sampled rows its distribution.
+
 Seeds: the acceptance and residual uniforms of a seeded request come from its seed and
 output position (sampler.row_uniform, salted), and so do the draft's: a fixed seed
 gives the same text twice. The tokens differ from a non-speculative run's under the
