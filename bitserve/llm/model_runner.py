@@ -525,7 +525,9 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def decode_steps(self, seqs: list[Sequence], steps: int, pick, stop=None) -> torch.Tensor:
+    def decode_steps(
+        self, seqs: list[Sequence], steps: int, pick, stop=None, head=None
+    ) -> torch.Tensor:
         """`steps` one-token decode steps of `seqs` (speculative decoding's draft loop),
         the fed-back token of each chosen by `pick(logits [n, vocab], step)` (int64 [n]
         on the device). Step 0 feeds each sequence's token at num_computed_tokens, every
@@ -535,7 +537,9 @@ class ModelRunner:
         build for all steps: between steps the step buffers are moved on in place (token,
         position, slot, lengths) by a few tensor ops, with no Python per row and no copy
         to the host. `stop(logits, step)`, if given, ends the loop after a step by
-        returning True. Returns the tokens, [steps run, n] on the device."""
+        returning True. `head(hidden)`, if given, gives the logits `pick` and `stop` see
+        (the model's full-vocabulary fp32 logits if not). On the CPU `pick` may return a
+        numpy array. Returns the tokens, [steps run, n] on the device."""
         bs, n = self.config.block_size, len(seqs)
         step = StepInput(sample_rows=list(range(n)))
         tables, ends = [], []
@@ -547,7 +551,9 @@ class ModelRunner:
             step.slots.append(table[p // bs] * bs + p % bs)
             tables.append(table[: -(-(p + steps) // bs)])
             ends.append(p + 1)
-        width = max(len(t) for t in tables)
+        # tables padded to a multiple of 8 blocks: the same buffers (and the stepper's
+        # pointers cast for them) for 8 blocks of tokens, not one
+        width = min(-(-max(len(t) for t in tables) // 8) * 8, self.buffers.max_width)
         step.decode = ([t + [0] * (width - len(t)) for t in tables], ends, [1] * n)
         bucket = self.graph_bucket(step)
         t = self.build(step, bucket)
@@ -570,8 +576,11 @@ class ModelRunner:
                 hidden = stepper()
             else:
                 hidden = self.forward(t)[:n]
-            logits = self.model.compute_logits(hidden).float()
-            tokens[s] = pick(logits, s)
+            logits = self.model.compute_logits(hidden).float() if head is None else head(hidden)
+            if self.on_cpu:
+                n_tokens[s] = pick(logits, s)
+            else:
+                tokens[s] = pick(logits, s)
             if stop is not None and stop(logits, s):
                 return tokens[: s + 1]
             if s + 1 < steps and self.on_cpu:

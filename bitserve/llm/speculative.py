@@ -56,6 +56,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from bitserve.kernels import ptr
 from bitserve.llm.block_manager import BlockManager
 from bitserve.llm.config import EngineConfig, check_type
 from bitserve.llm.model_runner import ModelRunner
@@ -417,14 +418,41 @@ class DraftProposer:
                     last[i] = s
             return all(x is not None for x in last)
 
-        if greedy:
+        head = getattr(self.runner.model, "draft_head", None) if greedy else None
+        if greedy and self.runner.on_cpu:  # numpy on the logits' memory: ~1 us an op
             known = [i for i, a in enumerate(ahead) if a]  # step 0 feeds their next token
+            values = np.array([mirrors[i].token_ids[-1] for i in known], dtype=np.int64)
+            ids = head.host_ids if head is not None else None
+
+            def pick(logits: torch.Tensor, s: int) -> np.ndarray:
+                tokens = logits.numpy().argmax(-1)
+                if ids is not None:
+                    tokens = ids[tokens]
+                if s == 0 and known:
+                    tokens[known] = values
+                return tokens
+
+            def stop(logits: torch.Tensor, s: int) -> bool:
+                """Whether every row has stopped, after step s (its token in `last`)."""
+                x = logits.numpy()
+                # the top probability: 1 / sum(exp(x - max))
+                total = np.exp(x - x.max(-1, keepdims=True)).sum(-1)
+                for i, t in enumerate(total.tolist()):
+                    if t * self.threshold > 1.0 and last[i] is None and s >= ahead[i]:
+                        last[i] = s
+                return all(x is not None for x in last)
+
+        elif greedy:
+            known = [i for i, a in enumerate(ahead) if a]
             device = self.runner.device
             rows = torch.tensor(known, dtype=torch.int64, device=device)
             values = torch.tensor([mirrors[i].token_ids[-1] for i in known], device=device)
+            ids = head.ids.to(device) if head is not None else None
 
             def pick(logits: torch.Tensor, s: int) -> torch.Tensor:
                 tokens = logits.argmax(-1)
+                if ids is not None:
+                    tokens = ids[tokens]
                 return tokens.index_copy_(0, rows, values) if s == 0 and known else tokens
         else:
             base = [
@@ -437,7 +465,8 @@ class DraftProposer:
                 return torch.tensor(tokens, device=logits.device)
 
         until = stop if self.threshold else None
-        drawn = to_host(self.runner.decode_steps(mirrors, steps, pick, until).t())  # [n][ran]
+        tokens = self.runner.decode_steps(mirrors, steps, pick, until, head)
+        drawn = to_host(tokens.t())  # [n][ran]
         ran = len(drawn[0])
         for i, (seq, m, tokens) in enumerate(zip(targets, mirrors, drawn, strict=True)):
             tokens = tokens[ahead[i] :]
@@ -535,6 +564,40 @@ def restrict_head(model: torch.nn.Module, ids: torch.Tensor) -> None:
         return full.expand(len(logits), -1).index_copy(1, index, logits)
 
     model.compute_logits = compute_logits
+    model.draft_head = DraftHead(sub, index)
+
+
+class DraftHead:
+    """A restricted head's own logits, [n, len(ids)] fp32, for the draft loop's greedy
+    steps (their argmax and top probability are those of the full-vocabulary logits,
+    -inf elsewhere; `ids` maps the argmax back): an int8 head's C GEMV (the call its
+    forward makes) with the pointers cast once for the loop's hidden-state buffer and
+    an output buffer reused from step to step, else the head's forward."""
+
+    def __init__(self, head: torch.nn.Module, ids: torch.Tensor):
+        from bitserve.llm.quant.linear import C_A8_MAX_M, SMALL_M
+
+        self.head, self.ids = head, ids
+        self.host_ids = ids.numpy() if ids.device.type == "cpu" else None
+        # the rows up to which Int8Linear.matmul takes the C GEMV
+        self.c_rows = C_A8_MAX_M if getattr(head, "int8_activations", False) else SMALL_M
+        self.cached: tuple | None = None
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        head, n = self.head, len(hidden)
+        w = getattr(head, "c_weight", None)
+        if w is None or hidden.dtype is not torch.float32 or hidden.stride(1) != 1:
+            return head(hidden).float()
+        key = (hidden.data_ptr(), n, hidden.stride(0), id(w))
+        if self.cached is None or self.cached[0] != key:
+            if n > self.c_rows:
+                return head(hidden).float()
+            out = torch.empty(n, w.N)
+            args = (w, ptr(hidden), hidden.stride(0), n, ptr(out))
+            self.cached = (key, args, out, hidden)  # (the pointers' tensors kept alive)
+        _, args, out, _ = self.cached
+        head.c_kernels.lib.bs_gemv(*args)
+        return out
 
 
 # -- verification ---------------------------------------------------------------------------

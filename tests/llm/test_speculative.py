@@ -524,3 +524,41 @@ def test_the_draft_loop_without_the_c_kernels_replayed_or_eager(model_dirs, grap
     assert (len(replays) > 0) == graphs
     stats = engine.speculator.stats
     assert stats.proposed > 0 and stats.accepted == stats.proposed
+
+
+def test_the_draft_loops_int8_embedding_final_norm_and_head_give_the_forwards_bits(model_dirs):
+    """The draft loop's stepper computes an int8 embedding and the final RMSNorm into its
+    own buffers, and a restricted int8 head runs its C GEMV on pointers cast once: the
+    same bits as the model's forward and the head's own forward."""
+    from torch import nn
+
+    from bitserve.llm.model_runner import StepInput
+    from bitserve.llm.quant.linear import Int8Embedding, Int8Linear
+
+    llama = model_dirs["llama"]
+    engine = make_engine(llama, num_kv_blocks=16, speculative=draft(llama, 4))
+    runner = engine.speculator.proposer.runner
+    model = runner.model
+    model.embed_tokens = Int8Embedding.from_float(model.embed_tokens)
+    rows = model.embed_tokens.qweight.float() * model.embed_tokens.scales[:, None]
+    linear = nn.Linear(rows.shape[1], rows.shape[0], bias=False)
+    linear.weight.data = rows
+    model.lm_head = Int8Linear.from_float(linear)
+    ids = torch.arange(0, rows.shape[0], 3)
+    speculative.restrict_head(model, ids)
+    bs = runner.config.block_size
+    step = StepInput(input_ids=[3, 7], positions=[5, 2 * bs + 1], sample_rows=[0, 1])
+    tables = [[0, 1, 2], [3, 4, 5]]
+    step.slots = [t[p // bs] * bs + p % bs for t, p in zip(tables, step.positions, strict=True)]
+    step.decode = (tables, [p + 1 for p in step.positions], [1, 1])
+    with torch.inference_mode():
+        t = runner.build(step)
+        stepper = model.fused_stepper(t.input_ids, t.positions, t.meta)
+        assert stepper is not None
+        got = stepper().clone()
+        want = model(t.input_ids, t.positions, t.meta)
+        assert torch.equal(got, want)
+        head = model.draft_head
+        for _ in range(2):  # the first call prepares the head, the next ones reuse the casts
+            assert torch.equal(head(stepper()), model.lm_head(want))
+        assert torch.equal(ids[head(want).argmax(-1)], model.compute_logits(want).argmax(-1))

@@ -450,6 +450,18 @@ class LlamaForCausalLM(nn.Module):
         embed = self.embed_tokens
         weight = embed.weight if type(embed) is nn.Embedding else None  # else: its forward
         plain = self.embed_scale is None and weight is not None and weight.dtype == x.dtype
+        # an int8 embedding (Int8Embedding's rows * scales) into buffers of this stepper
+        qweight = getattr(embed, "qweight", None) if self.embed_scale is None else None
+        if qweight is not None and getattr(embed, "dtype", None) == x.dtype:
+            q, scales = torch.empty(x.shape, dtype=qweight.dtype), torch.empty(len(x), 1)
+        else:
+            qweight = None
+        # the final RMSNorm as RMSNorm.forward computes it (the same ops, so the same
+        # bits), into buffers of this stepper: no tensor allocated per step
+        norm = self.norm
+        fp32 = type(norm) is RMSNorm and not norm.unit_offset and x.dtype is torch.float32
+        if fp32:
+            square, mean, y = torch.empty_like(x), torch.empty(len(x), 1), torch.empty_like(x)
         params, lib = self.layer_params(), self.kernels.lib
         args = c.decode_args(x, positions, meta.slot_mapping, meta.decode, scratch)
         keep = (x, scratch, positions, meta)  # what the pointers point into
@@ -457,11 +469,20 @@ class LlamaForCausalLM(nn.Module):
         def step() -> torch.Tensor:
             if plain:
                 torch.index_select(weight, 0, input_ids, out=x)
-            else:  # Gemma's scale, an int8 embedding
+            elif qweight is not None:
+                torch.index_select(qweight, 0, input_ids, out=q)
+                torch.index_select(embed.scales, 0, input_ids, out=scales[:, 0])
+                torch.mul(q, scales, out=x)
+            else:  # Gemma's scale
                 x.copy_(self.embed(input_ids))
             for p in params:
                 lib.bs_decode_layer(p, *args)
-            return self.norm(keep[0])
+            if not fp32:
+                return norm(keep[0])
+            torch.pow(x, 2, out=square)
+            torch.mean(square, -1, keepdim=True, out=mean)
+            torch.rsqrt(mean.add_(norm.eps), out=mean)
+            return torch.mul(norm.weight, torch.mul(x, mean, out=y), out=y)
 
         self._stepper = (key, step)  # (its closure keeps what the pointers point into)
         return step
