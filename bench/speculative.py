@@ -286,6 +286,8 @@ def breakdown(spec: dict | None, prompts: list[str], tokens: int, rounds: int) -
             if hasattr(proposer, "runner"):
                 d_runner, d_model = proposer.runner, proposer.runner.model
                 t(d_model, "compute_logits", "draft head")
+                if getattr(d_model, "draft_head", None) is not None:  # greedy loop's
+                    t(d_model.draft_head, "logits", "draft head")
                 t(d_runner, "execute", "draft forward (generic)")
 
                 def wrap_stepper(step, timers=timers):

@@ -542,13 +542,14 @@ class ModelRunner:
         numpy array. Returns the tokens, [steps run, n] on the device."""
         bs, n = self.config.block_size, len(seqs)
         step = StepInput(sample_rows=list(range(n)))
-        tables, ends = [], []
+        tables, ends, slots_at = [], [], []  # slots_at: each row's slot at every step
         for seq in seqs:
             p = seq.num_computed_tokens
             table = [max(block, 0) for block in seq.block_table]  # freed behind a window
             step.input_ids.append(seq.token_ids[p])
             step.positions.append(p)
-            step.slots.append(table[p // bs] * bs + p % bs)
+            slots_at.append([table[q // bs] * bs + q % bs for q in range(p, p + steps)])
+            step.slots.append(slots_at[-1][0])
             tables.append(table[: -(-(p + steps) // bs)])
             ends.append(p + 1)
         # tables padded to a multiple of 8 blocks: the same buffers (and the stepper's
@@ -565,9 +566,9 @@ class ModelRunner:
             stepper = self.model.fused_stepper(t.input_ids, t.positions, t.meta)
         tokens = torch.empty(steps, n, dtype=torch.int64, device=self.device)
         if self.on_cpu:  # numpy views of the same memory: ~1 us an op where torch's is ~4
-            host = [x.numpy() for x in (ids, pos, slots, ctx, lens, table, tokens)]
-            n_ids, n_pos, n_slots, n_ctx, n_lens, n_table, n_tokens = host
-            rows = np.arange(n)
+            host = [x.numpy() for x in (ids, pos, slots, ctx, lens, tokens)]
+            n_ids, n_pos, n_slots, n_ctx, n_lens, n_tokens = host
+            n_slots_at = np.array(slots_at, dtype=np.int64).T.copy()  # [steps, n]
         for s in range(steps):
             if bucket is not None:
                 self.graphs[bucket].replay()
@@ -587,7 +588,7 @@ class ModelRunner:
                 n_ids[:] = n_tokens[s]
                 for x in (n_pos, n_ctx, n_lens):
                     x += 1
-                n_slots[:] = n_table[rows, n_pos // bs] * bs + n_pos % bs
+                n_slots[:] = n_slots_at[s + 1]
             elif s + 1 < steps:  # the next step: the token just drawn, one position on
                 ids.copy_(tokens[s])
                 pos.add_(1)

@@ -465,7 +465,8 @@ class DraftProposer:
                 return torch.tensor(tokens, device=logits.device)
 
         until = stop if self.threshold else None
-        tokens = self.runner.decode_steps(mirrors, steps, pick, until, head)
+        logits = head.logits if head is not None else None
+        tokens = self.runner.decode_steps(mirrors, steps, pick, until, logits)
         drawn = to_host(tokens.t())  # [n][ran]
         ran = len(drawn[0])
         for i, (seq, m, tokens) in enumerate(zip(targets, mirrors, drawn, strict=True)):
@@ -583,7 +584,7 @@ class DraftHead:
         self.c_rows = C_A8_MAX_M if getattr(head, "int8_activations", False) else SMALL_M
         self.cached: tuple | None = None
 
-    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         head, n = self.head, len(hidden)
         w = getattr(head, "c_weight", None)
         if w is None or hidden.dtype is not torch.float32 or hidden.stride(1) != 1:

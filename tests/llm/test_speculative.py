@@ -560,5 +560,5 @@ def test_the_draft_loops_int8_embedding_final_norm_and_head_give_the_forwards_bi
         assert torch.equal(got, want)
         head = model.draft_head
         for _ in range(2):  # the first call prepares the head, the next ones reuse the casts
-            assert torch.equal(head(stepper()), model.lm_head(want))
-        assert torch.equal(ids[head(want).argmax(-1)], model.compute_logits(want).argmax(-1))
+            assert torch.equal(head.logits(stepper()), model.lm_head(want))
+        assert torch.equal(ids[head.logits(want).argmax(-1)], model.compute_logits(want).argmax(-1))
