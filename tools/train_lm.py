@@ -341,6 +341,15 @@ def load_checkpoint(path: Path, model, optimizer, generator) -> dict:
 # ---------------------------------------------------------------- export and model card
 
 
+def write_token_counts(out: Path, stream: torch.Tensor, vocab_size: int) -> None:
+    """How often each token id occurs in the training stream (token_counts.json, beside
+    the version folders): what a draft's LM head restricted to the most frequent tokens
+    keeps (speculative.draft_vocab, FR-Spec)."""
+    counts = torch.bincount(stream, minlength=vocab_size).tolist()
+    text = json.dumps({"tokens": len(stream), "counts": counts}, separators=(",", ":"))
+    (out / "token_counts.json").write_text(text + "\n")
+
+
 def export(out: Path, model, tokenizer, h: Hyper) -> Path:
     from transformers import GenerationConfig, PreTrainedTokenizerFast
 
@@ -646,6 +655,7 @@ def main(argv: list[str] | None = None) -> int:
         tokenizer = train_tokenizer(train_passages, h.vocab_size)
         print(f"tokenizer: {tokenizer.get_vocab_size()} tokens in {time.perf_counter() - t0:.1f} s")
     stream = encode_stream(tokenizer, render_documents(documents, h.seed))
+    write_token_counts(out, stream, tokenizer.get_vocab_size())
     heldout_ids = tokenizer.encode(heldout_text, add_special_tokens=False).ids
     print(
         f"{corpus.name}: {len(documents)} documents, {len(train_passages)} passages, "

@@ -525,7 +525,9 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def decode_steps(self, seqs: list[Sequence], steps: int, pick) -> torch.Tensor:
+    def decode_steps(
+        self, seqs: list[Sequence], steps: int, pick, stop=None, head=None
+    ) -> torch.Tensor:
         """`steps` one-token decode steps of `seqs` (speculative decoding's draft loop),
         the fed-back token of each chosen by `pick(logits [n, vocab], step)` (int64 [n]
         on the device). Step 0 feeds each sequence's token at num_computed_tokens, every
@@ -534,19 +536,25 @@ class ModelRunner:
         sequences are not changed here (the caller appends the tokens). One plan and one
         build for all steps: between steps the step buffers are moved on in place (token,
         position, slot, lengths) by a few tensor ops, with no Python per row and no copy
-        to the host. Returns the tokens, [steps, n] on the device."""
+        to the host. `stop(logits, step)`, if given, ends the loop after a step by
+        returning True. `head(hidden)`, if given, gives the logits `pick` and `stop` see
+        (the model's full-vocabulary fp32 logits if not). On the CPU `pick` may return a
+        numpy array. Returns the tokens, [steps run, n] on the device."""
         bs, n = self.config.block_size, len(seqs)
         step = StepInput(sample_rows=list(range(n)))
-        tables, ends = [], []
+        tables, ends, slots_at = [], [], []  # slots_at: each row's slot at every step
         for seq in seqs:
             p = seq.num_computed_tokens
             table = [max(block, 0) for block in seq.block_table]  # freed behind a window
             step.input_ids.append(seq.token_ids[p])
             step.positions.append(p)
-            step.slots.append(table[p // bs] * bs + p % bs)
+            slots_at.append([table[q // bs] * bs + q % bs for q in range(p, p + steps)])
+            step.slots.append(slots_at[-1][0])
             tables.append(table[: -(-(p + steps) // bs)])
             ends.append(p + 1)
-        width = max(len(t) for t in tables)
+        # tables padded to a multiple of 8 blocks: the same buffers (and the stepper's
+        # pointers cast for them) for 8 blocks of tokens, not one
+        width = min(-(-max(len(t) for t in tables) // 8) * 8, self.buffers.max_width)
         step.decode = ([t + [0] * (width - len(t)) for t in tables], ends, [1] * n)
         bucket = self.graph_bucket(step)
         t = self.build(step, bucket)
@@ -557,6 +565,10 @@ class ModelRunner:
         if hasattr(self.model, "fused_stepper") and bucket is None and not self.moe_layers:
             stepper = self.model.fused_stepper(t.input_ids, t.positions, t.meta)
         tokens = torch.empty(steps, n, dtype=torch.int64, device=self.device)
+        if self.on_cpu:  # numpy views of the same memory: ~1 us an op where torch's is ~4
+            host = [x.numpy() for x in (ids, pos, slots, ctx, lens, tokens)]
+            n_ids, n_pos, n_slots, n_ctx, n_lens, n_tokens = host
+            n_slots_at = np.array(slots_at, dtype=np.int64).T.copy()  # [steps, n]
         for s in range(steps):
             if bucket is not None:
                 self.graphs[bucket].replay()
@@ -565,8 +577,19 @@ class ModelRunner:
                 hidden = stepper()
             else:
                 hidden = self.forward(t)[:n]
-            tokens[s] = pick(self.model.compute_logits(hidden).float(), s)
-            if s + 1 < steps:  # the next step: the token just drawn, one position on
+            logits = self.model.compute_logits(hidden).float() if head is None else head(hidden)
+            if self.on_cpu:
+                n_tokens[s] = pick(logits, s)
+            else:
+                tokens[s] = pick(logits, s)
+            if stop is not None and stop(logits, s):
+                return tokens[: s + 1]
+            if s + 1 < steps and self.on_cpu:
+                n_ids[:] = n_tokens[s]
+                for x in (n_pos, n_ctx, n_lens):
+                    x += 1
+                n_slots[:] = n_slots_at[s + 1]
+            elif s + 1 < steps:  # the next step: the token just drawn, one position on
                 ids.copy_(tokens[s])
                 pos.add_(1)
                 ctx.add_(1)

@@ -20,6 +20,13 @@ of the step at once:
   distributed exactly as the target's, and greedy rows get exactly the target's argmax
   chain: the longest matching prefix plus the target's own next token.
 
+A draft may score only its `draft_vocab` most frequent tokens (FR-Spec: its LM head's
+rows for those, the counts from its training corpus; q is then zero elsewhere, which
+rejection sampling handles like any q) and stops proposing for a row after a token
+whose top draft probability was under `confidence` (SpecDec++'s and transformers'
+`assistant_confidence_threshold` idea): both decided by the draft alone, so greedy rows
+keep the target's tokens and sampled rows its distribution.
+
 Seeds: the acceptance and residual uniforms of a seeded request come from its seed and
 output position (sampler.row_uniform, salted), and so do the draft's: a fixed seed
 gives the same text twice. The tokens differ from a non-speculative run's under the
@@ -40,6 +47,7 @@ cost more than they save: bench/speculative.py measures it).
 
 from __future__ import annotations
 
+import json
 import random
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -48,6 +56,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from bitserve.kernels import ptr
 from bitserve.llm.block_manager import BlockManager
 from bitserve.llm.config import EngineConfig, check_type
 from bitserve.llm.model_runner import ModelRunner
@@ -58,7 +67,15 @@ from bitserve.llm.structured import apply_masks
 
 METHODS = ("ngram", "draft")
 MAX_NUM_TOKENS = 16
-NGRAM_TOKENS, DRAFT_TOKENS = 6, 4  # num_tokens's defaults
+NGRAM_TOKENS, DRAFT_TOKENS = 6, 5  # num_tokens's defaults
+# a draft's default `confidence`. bench/speculative.py --parts tune, tinylm and its int8
+# draft, 16 held-out verses (200+, not the demo part's), batch 1, greedy, 5 rounds, CPU-
+# time ratio to plain (load 3-6): no stop 1.25x (k 4, 1024-token head); 0.2: 1.33x,
+# 0.3: 1.37x, 0.4: 1.30x (k 5, 1024); with a 512-token head 0.25/0.3/0.35: 1.44/1.41/
+# 1.42x, k 4/5/6 at 0.3: 1.38/1.41/1.44x. A replay of recorded (top probability, kept)
+# pairs under a cost model (a row 8.5% of a plain step, a draft step ~25%) also peaked
+# at 0.3 for every k from 3 to 8
+DRAFT_CONFIDENCE = 0.3
 # above this many running requests nobody speculates. bench/speculative.py --parts
 # streams, tinylm, n-gram (1..5-token matches) forced on, the copy-heavy prompts n at
 # once, one thread of the 2-core EPYC, 15 rounds, CPU-time ratio to the plain engine
@@ -87,11 +104,23 @@ class SpeculativeConfig:
     ngram_min: int = 1
     ngram_max: int = 5
     max_batch: int = MAX_BATCH  # more running requests than this: no speculation
+    # a draft's LM head restricted to its draft_vocab most frequent tokens (FR-Spec, Zhao
+    # et al. 2025; 0: the whole vocabulary), counted on its training corpus
+    # (token_counts.json beside it, tools/train_lm.py): the target still scores every
+    # token, and a sampled row's q is the draft's distribution over those, so rejection
+    # sampling stays exact
+    draft_vocab: int = 0
+    # a draft stops proposing for a row after a token its own distribution gave less
+    # than this (the softmax's top probability of the draft's logits; 0: never): the
+    # decision depends on the draft's state only, so outputs stay exact
+    confidence: float | None = None  # (drafts: DRAFT_CONFIDENCE; n-gram has none)
     folder: Path | None = field(default=None, repr=False)  # the draft's, resolved
 
     def __post_init__(self) -> None:
         if self.num_tokens is None:
             self.num_tokens = NGRAM_TOKENS if self.method == "ngram" else DRAFT_TOKENS
+        if self.confidence is None:
+            self.confidence = 0.0 if self.method == "ngram" else DRAFT_CONFIDENCE
 
     @classmethod
     def parse(cls, value: Any, target: Path | None) -> SpeculativeConfig:
@@ -104,7 +133,7 @@ class SpeculativeConfig:
             raise ValueError(f"speculative: unknown fields {sorted(unknown)}")
         if "method" not in value:
             raise ValueError("speculative.method is required ('ngram' or 'draft')")
-        hints = {"method": str, "model": str | None}
+        hints = {"method": str, "model": str | None, "confidence": float | None}
         for name, v in value.items():
             check_type(f"speculative.{name}", v, hints.get(name, int))
         config = cls(**value)
@@ -118,6 +147,10 @@ class SpeculativeConfig:
             raise ValueError("speculative.ngram_min must be in [1, ngram_max]")
         if config.max_batch < 1:
             raise ValueError("speculative.max_batch must be positive")
+        if config.draft_vocab < 0:
+            raise ValueError("speculative.draft_vocab must be 0 (all) or positive")
+        if not 0 <= config.confidence < 1:
+            raise ValueError("speculative.confidence must be in [0, 1)")
         if config.method == "draft":
             if config.model is None:
                 raise ValueError("speculative.model (the draft's folder) is required for 'draft'")
@@ -252,6 +285,9 @@ class DraftProposer:
                 f"target's ({vocab[1]})"
             )
         self.runner = ModelRunner(self.config)
+        if config.draft_vocab:
+            restrict_head(self.runner.model, top_tokens(config.folder, config.draft_vocab))
+        self.threshold = config.confidence
         self.rng = random.Random(target.seed ^ SALT_DRAFT)
         self.reset()
 
@@ -288,6 +324,7 @@ class DraftProposer:
     def propose(self, rows: list[tuple[Sequence, int]]) -> list[Proposal]:
         drafts: dict[int, tuple[list[int], list[torch.Tensor | None]]] = {}
         active = []
+        self.stopped: set[int] = set()  # rows the draft stopped on a doubtful token
         for seq, k in rows:
             m = self.mirror(seq)
             self.synced[id(seq)] = seq.num_tokens
@@ -295,7 +332,11 @@ class DraftProposer:
             active.append((seq, m, k))
         while active:
             if self.lean(active, drafts):
-                active = [(s, m, k) for s, m, k in active if len(drafts[id(s)][0]) < k]
+                active = [
+                    (s, m, k)
+                    for s, m, k in active
+                    if len(drafts[id(s)][0]) < k and id(s) not in self.stopped
+                ]
                 continue
             batch, budget, left = SchedulerOutput(), self.config.max_num_batched_tokens, []
             for seq, m, k in active:
@@ -322,11 +363,20 @@ class DraftProposer:
                     for s, m in zip(targets, out.sample_seqs, strict=True)
                 ]
                 tokens, probs = self.draw(out.logits, targets, positions)
-                for seq, m, token, q in zip(targets, out.sample_seqs, tokens, probs, strict=True):
+                sure = self.confident(out.logits)
+                for i, (seq, m, token, q) in enumerate(
+                    zip(targets, out.sample_seqs, tokens, probs, strict=True)
+                ):
                     m.token_ids.append(token)
                     drafts[id(seq)][0].append(token)
                     drafts[id(seq)][1].append(q)
-            active = [(s, m, k) for s, m, k in left if len(drafts[id(s)][0]) < k]
+                    if sure is not None and not sure[i]:
+                        self.stopped.add(id(seq))
+            active = [
+                (s, m, k)
+                for s, m, k in left
+                if len(drafts[id(s)][0]) < k and id(s) not in self.stopped
+            ]
         proposals = []
         for seq, _ in rows:
             tokens, qs = drafts[id(seq)]
@@ -355,14 +405,54 @@ class DraftProposer:
         if not all(self.block_manager.allocate_slots(m, steps) for m in mirrors):
             return False
         qs: list[list[torch.Tensor | None]] = []
-        if greedy:
+        # the step after which each row proposes no more (its token doubtful), else None
+        last: list[int | None] = [None] * len(active)
+
+        def stop(logits: torch.Tensor, s: int) -> bool:
+            """Whether every row has stopped, after step s (its token in `last`)."""
+            sure = self.confident(logits)
+            if sure is None:
+                return False
+            for i, ok in enumerate(sure):
+                if not ok and last[i] is None and s >= ahead[i]:
+                    last[i] = s
+            return all(x is not None for x in last)
+
+        head = getattr(self.runner.model, "draft_head", None) if greedy else None
+        if greedy and self.runner.on_cpu:  # numpy on the logits' memory: ~1 us an op
             known = [i for i, a in enumerate(ahead) if a]  # step 0 feeds their next token
+            values = np.array([mirrors[i].token_ids[-1] for i in known], dtype=np.int64)
+            ids = head.host_ids if head is not None else None
+
+            def pick(logits: torch.Tensor, s: int) -> np.ndarray:
+                tokens = logits.numpy().argmax(-1)
+                if ids is not None:
+                    tokens = ids[tokens]
+                if s == 0 and known:
+                    tokens[known] = values
+                return tokens
+
+            def stop(logits: torch.Tensor, s: int) -> bool:
+                """Whether every row has stopped, after step s (its token in `last`)."""
+                x = logits.numpy()
+                # the top probability: 1 / sum(exp(x - max))
+                total = np.exp(x - x.max(-1, keepdims=True)).sum(-1)
+                for i, t in enumerate(total.tolist()):
+                    if t * self.threshold > 1.0 and last[i] is None and s >= ahead[i]:
+                        last[i] = s
+                return all(x is not None for x in last)
+
+        elif greedy:
+            known = [i for i, a in enumerate(ahead) if a]
             device = self.runner.device
             rows = torch.tensor(known, dtype=torch.int64, device=device)
             values = torch.tensor([mirrors[i].token_ids[-1] for i in known], device=device)
+            ids = head.ids.to(device) if head is not None else None
 
             def pick(logits: torch.Tensor, s: int) -> torch.Tensor:
                 tokens = logits.argmax(-1)
+                if ids is not None:
+                    tokens = ids[tokens]
                 return tokens.index_copy_(0, rows, values) if s == 0 and known else tokens
         else:
             base = [
@@ -374,14 +464,30 @@ class DraftProposer:
                 qs.append(probs)
                 return torch.tensor(tokens, device=logits.device)
 
-        drawn = to_host(self.runner.decode_steps(mirrors, steps, pick).t())  # [n][steps]
+        until = stop if self.threshold else None
+        logits = head.logits if head is not None else None
+        tokens = self.runner.decode_steps(mirrors, steps, pick, until, logits)
+        drawn = to_host(tokens.t())  # [n][ran]
+        ran = len(drawn[0])
         for i, (seq, m, tokens) in enumerate(zip(targets, mirrors, drawn, strict=True)):
             tokens = tokens[ahead[i] :]
-            m.token_ids += tokens
-            m.num_computed_tokens += steps
+            m.token_ids += tokens  # all it computed: the next mirror() keeps what it needs
+            m.num_computed_tokens += ran
+            if last[i] is not None:  # proposals up to the doubtful token, then no more
+                self.stopped.add(id(seq))
+                tokens = tokens[: last[i] + 1 - ahead[i]]
             drafts[id(seq)][0].extend(tokens)
-            drafts[id(seq)][1].extend([q[i] for q in qs] if qs else [None] * len(tokens))
+            drafts[id(seq)][1].extend([q[i] for q in qs[: len(tokens)]] or [None] * len(tokens))
         return True
+
+    def confident(self, logits: torch.Tensor) -> list[bool] | None:
+        """Per row, whether the draft's top probability reaches `confidence` (None: no
+        threshold). The draft's own logits only: a sampled row's stop does not depend on
+        the target, so rejection sampling stays exact."""
+        if not self.threshold:
+            return None
+        top = torch.softmax(logits.float(), -1).amax(-1)
+        return [bool(x) for x in to_host(top >= self.threshold)]
 
     def draw(
         self, logits: torch.Tensor, targets: list[Sequence], positions: list[int]
@@ -405,6 +511,94 @@ class DraftProposer:
         return tokens, [
             None if seq.sampling_params.greedy else probs[i] for i, seq in enumerate(targets)
         ]
+
+
+def top_tokens(folder: Path, n: int) -> torch.Tensor:
+    """The ids of the `n` most frequent tokens of the draft's training corpus (ascending),
+    from the token_counts.json that tools/train_lm.py writes beside its version folders
+    (or in the version folder)."""
+    for path in (folder / "token_counts.json", folder.parent / "token_counts.json"):
+        if path.is_file():
+            counts = torch.tensor(json.loads(path.read_text())["counts"], dtype=torch.float64)
+            break
+    else:
+        raise ValueError(
+            f"speculative.draft_vocab: no token_counts.json in {folder} or beside it "
+            "(tools/train_lm.py writes it)"
+        )
+    if n > len(counts):
+        raise ValueError(f"speculative.draft_vocab: {n} is more than the {len(counts)} tokens")
+    # most frequent first, ties by id; a stable sort keeps it the same on every load
+    order = torch.sort(-counts, stable=True).indices
+    return order[:n].sort().values
+
+
+def restrict_head(model: torch.nn.Module, ids: torch.Tensor) -> None:
+    """The draft's LM head scores only `ids` (FR-Spec): a head of those rows, its logits
+    spread back to the full vocabulary with -inf elsewhere (so every sampler step and
+    the target's verification see ordinary full-vocabulary rows, q zero outside)."""
+    from bitserve.llm.models.layers import Linear
+    from bitserve.llm.quant.linear import Int8Linear
+
+    head = model.lm_head
+    if type(head) is Linear:
+        rows = head.unpacked() if head.packed else head.weight
+        sub = Linear(rows.shape[1], len(ids), bias=False)
+        sub.weight = torch.nn.Parameter(rows.detach()[ids].contiguous(), requires_grad=False)
+        sub.kernels = head.kernels
+        if sub.kernels is not None:
+            sub.pack()
+    elif type(head) is Int8Linear:
+        sub = Int8Linear(head.in_features, len(ids), False, head.int8_activations)
+        sub.qweight, sub.scales = head.qweight[ids].contiguous(), head.scales[ids].contiguous()
+    else:
+        raise ValueError(f"speculative.draft_vocab: the draft's {type(head).__name__} head")
+    if head.bias is not None or getattr(model, "final_softcap", None) is not None:
+        raise ValueError("speculative.draft_vocab: a head with a bias or a soft-cap")
+    vocab = head.weight.shape[0] if type(head) is Linear else head.out_features
+    model.lm_head = sub
+    full = torch.full((1, vocab), float("-inf"))
+    index = ids.to(torch.int64)
+
+    def compute_logits(hidden: torch.Tensor) -> torch.Tensor:
+        logits = sub(hidden).float()
+        return full.expand(len(logits), -1).index_copy(1, index, logits)
+
+    model.compute_logits = compute_logits
+    model.draft_head = DraftHead(sub, index)
+
+
+class DraftHead:
+    """A restricted head's own logits, [n, len(ids)] fp32, for the draft loop's greedy
+    steps (their argmax and top probability are those of the full-vocabulary logits,
+    -inf elsewhere; `ids` maps the argmax back): an int8 head's C GEMV (the call its
+    forward makes) with the pointers cast once for the loop's hidden-state buffer and
+    an output buffer reused from step to step, else the head's forward."""
+
+    def __init__(self, head: torch.nn.Module, ids: torch.Tensor):
+        from bitserve.llm.quant.linear import C_A8_MAX_M, SMALL_M
+
+        self.head, self.ids = head, ids
+        self.host_ids = ids.numpy() if ids.device.type == "cpu" else None
+        # the rows up to which Int8Linear.matmul takes the C GEMV
+        self.c_rows = C_A8_MAX_M if getattr(head, "int8_activations", False) else SMALL_M
+        self.cached: tuple | None = None
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        head, n = self.head, len(hidden)
+        w = getattr(head, "c_weight", None)
+        if w is None or hidden.dtype is not torch.float32 or hidden.stride(1) != 1:
+            return head(hidden).float()
+        key = (hidden.data_ptr(), n, hidden.stride(0), id(w))
+        if self.cached is None or self.cached[0] != key:
+            if n > self.c_rows:
+                return head(hidden).float()
+            out = torch.empty(n, w.N)
+            args = (w, ptr(hidden), hidden.stride(0), n, ptr(out))
+            self.cached = (key, args, out, hidden)  # (the pointers' tensors kept alive)
+        _, args, out, _ = self.cached
+        head.c_kernels.lib.bs_gemv(*args)
+        return out
 
 
 # -- verification ---------------------------------------------------------------------------

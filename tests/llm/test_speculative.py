@@ -8,6 +8,7 @@ next-token distributions, scipy's chi-square test for the sampled ones.
 
 from __future__ import annotations
 
+import json
 import random
 import re
 
@@ -232,22 +233,66 @@ def chi_square_p_values(samples, marginals) -> list[float]:
 CASES = {  # method: (temperature, top_k, a deliberately wrong rule)
     "ngram": (1.0, SMALL_VOCAB, ("residual", lambda p, q: p)),  # resample from p itself
     "draft": (0.8, 8, ("acceptance", lambda p, q: p)),  # accept with p, ignoring q
+    # the draft's head scores 8 of the 12 tokens (q is 0 on 4 the target may draw) and
+    # it stops after a token it gave under 0.3
+    "draft-restricted": (0.8, 8, ("acceptance", lambda p, q: p)),
 }
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft"])
+def token_counts(folder, counts: list[int]) -> None:
+    (folder / "token_counts.json").write_text(json.dumps({"counts": counts}))
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft", "draft-restricted"])
 def test_sampled_tokens_follow_the_target_distribution_and_a_wrong_rule_does_not(
     small_dirs, method, monkeypatch
 ):
     target, other = small_dirs
     temperature, top_k, (name, wrong) = CASES[method]
     spec = {**NGRAM, "num_tokens": 3} if method == "ngram" else draft(other, 3)
+    if method == "draft-restricted":
+        token_counts(other, [5, 1, 9, 9, 0, 7, 3, 8, 2, 6, 4, 1])  # the top 8: not 1, 4, 8, 11
+        spec |= {"draft_vocab": 8, "confidence": 0.3}
     marginals = exact_marginals(target, temperature, top_k)
     right = chi_square_p_values(sampled_positions(target, spec, temperature, top_k), marginals)
     assert min(right) > 1e-3, right
     monkeypatch.setattr(speculative, name, wrong)
     bad = chi_square_p_values(sampled_positions(target, spec, temperature, top_k), marginals)
     assert min(bad) < 1e-6, bad
+
+
+def test_a_restricted_draft_head_and_a_confidence_stop_keep_greedy_tokens_exact(
+    model_dirs, tmp_path
+):
+    """FR-Spec's head (the draft scores its 64 most frequent tokens) and the draft's
+    confidence stop: the target's tokens still, fewer proposals than without."""
+    llama, qwen2 = model_dirs["llama"], model_dirs["qwen2"]
+    folder = tmp_path / "draft"
+    folder.mkdir()
+    for path in qwen2.iterdir():
+        (folder / path.name).symlink_to(path)
+    vocab = json.loads((qwen2 / "config.json").read_text())["vocab_size"]
+    token_counts(folder, [(7 * i) % 101 for i in range(vocab)])
+    ids = speculative.top_tokens(folder, 64)
+    assert ids.tolist() == sorted(sorted(range(vocab), key=lambda i: (-((7 * i) % 101), i))[:64])
+    proposed, kept = {}, set(ids.tolist())
+    for extra in ({}, {"draft_vocab": 64}, {"draft_vocab": 64, "confidence": 0.9}):
+        engine = make_engine(llama, num_kv_blocks=64, speculative=draft(folder, 4, **extra))
+        proposer, tokens = engine.speculator.proposer, set()
+
+        def propose(rows, inner=proposer.propose, tokens=tokens):
+            out = inner(rows)
+            tokens.update(t for proposal, _ in out for t in proposal)
+            return out
+
+        proposer.propose = propose
+        check_parity(llama, MIXED, generate(engine, MIXED))
+        stats = engine.speculator.stats
+        proposed[len(extra)] = stats.proposed / stats.steps
+        assert tokens and (tokens <= kept) == bool(extra)
+    assert proposed[2] < proposed[1]
+    with pytest.raises(ValueError, match=r"speculative\.draft_vocab"):  # no counts beside it
+        make_engine(llama, num_kv_blocks=16, speculative=draft(qwen2, 4, draft_vocab=64))
 
 
 def test_a_fixed_seed_gives_the_same_text_twice(model_dirs):
@@ -343,6 +388,8 @@ def test_per_request_opt_out_and_the_metrics(model_dirs):
         ({"method": "ngram", "k": 4}, "speculative: unknown fields"),
         ({"method": "draft"}, "speculative.model"),
         ({"method": "draft", "model": "no-such-draft"}, "speculative.model"),
+        ({"method": "ngram", "confidence": 1.5}, "speculative.confidence"),
+        ({"method": "ngram", "draft_vocab": -1}, "speculative.draft_vocab"),
     ],
 )
 def test_bad_speculative_configs_are_refused_naming_the_field(model_dirs, spec, field):
@@ -477,3 +524,41 @@ def test_the_draft_loop_without_the_c_kernels_replayed_or_eager(model_dirs, grap
     assert (len(replays) > 0) == graphs
     stats = engine.speculator.stats
     assert stats.proposed > 0 and stats.accepted == stats.proposed
+
+
+def test_the_draft_loops_int8_embedding_final_norm_and_head_give_the_forwards_bits(model_dirs):
+    """The draft loop's stepper computes an int8 embedding and the final RMSNorm into its
+    own buffers, and a restricted int8 head runs its C GEMV on pointers cast once: the
+    same bits as the model's forward and the head's own forward."""
+    from torch import nn
+
+    from bitserve.llm.model_runner import StepInput
+    from bitserve.llm.quant.linear import Int8Embedding, Int8Linear
+
+    llama = model_dirs["llama"]
+    engine = make_engine(llama, num_kv_blocks=16, speculative=draft(llama, 4))
+    runner = engine.speculator.proposer.runner
+    model = runner.model
+    model.embed_tokens = Int8Embedding.from_float(model.embed_tokens)
+    rows = model.embed_tokens.qweight.float() * model.embed_tokens.scales[:, None]
+    linear = nn.Linear(rows.shape[1], rows.shape[0], bias=False)
+    linear.weight.data = rows
+    model.lm_head = Int8Linear.from_float(linear)
+    ids = torch.arange(0, rows.shape[0], 3)
+    speculative.restrict_head(model, ids)
+    bs = runner.config.block_size
+    step = StepInput(input_ids=[3, 7], positions=[5, 2 * bs + 1], sample_rows=[0, 1])
+    tables = [[0, 1, 2], [3, 4, 5]]
+    step.slots = [t[p // bs] * bs + p % bs for t, p in zip(tables, step.positions, strict=True)]
+    step.decode = (tables, [p + 1 for p in step.positions], [1, 1])
+    with torch.inference_mode():
+        t = runner.build(step)
+        stepper = model.fused_stepper(t.input_ids, t.positions, t.meta)
+        assert stepper is not None
+        got = stepper().clone()
+        want = model(t.input_ids, t.positions, t.meta)
+        assert torch.equal(got, want)
+        head = model.draft_head
+        for _ in range(2):  # the first call prepares the head, the next ones reuse the casts
+            assert torch.equal(head.logits(stepper()), model.lm_head(want))
+        assert torch.equal(ids[head.logits(want).argmax(-1)], model.compute_logits(want).argmax(-1))
