@@ -576,12 +576,13 @@ class DraftHead:
     an output buffer reused from step to step, else the head's forward."""
 
     def __init__(self, head: torch.nn.Module, ids: torch.Tensor):
-        from bitserve.llm.quant.linear import C_A8_MAX_M, SMALL_M
+        from bitserve.llm.quant.linear import SMALL_M
 
         self.head, self.ids = head, ids
         self.host_ids = ids.numpy() if ids.device.type == "cpu" else None
-        # the rows up to which Int8Linear.matmul takes the C GEMV
-        self.c_rows = C_A8_MAX_M if getattr(head, "int8_activations", False) else SMALL_M
+        # the rows up to which Int8Linear.matmul takes the C kernel (every row count with
+        # int8 activations: bs_gemv then rounds x to int8 from the weight's a8_rows on)
+        self.c_rows = 1 << 30 if getattr(head, "int8_activations", False) else SMALL_M
         self.cached: tuple | None = None
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
