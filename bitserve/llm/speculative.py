@@ -285,6 +285,7 @@ class DraftProposer:
                 f"target's ({vocab[1]})"
             )
         self.runner = ModelRunner(self.config)
+        a8_from_one_row(self.runner.model)
         if config.draft_vocab:
             restrict_head(self.runner.model, top_tokens(config.folder, config.draft_vocab))
         self.threshold = config.confidence
@@ -531,6 +532,19 @@ def top_tokens(folder: Path, n: int) -> torch.Tensor:
     # most frequent first, ties by id; a stable sort keeps it the same on every load
     order = torch.sort(-counts, stable=True).indices
     return order[:n].sort().values
+
+
+def a8_from_one_row(model: torch.nn.Module) -> None:
+    """A draft's int8 layers with int8 activations round x to int8 from one row on (the
+    VNNI GEMM), not from 5 as a served int8 model does to keep its perplexity: a draft's
+    roundings only change what it proposes, which the target checks."""
+    from bitserve.llm.quant.linear import Int8Linear
+
+    for module in model.modules():
+        if type(module) is Int8Linear and module.int8_activations:
+            module.a8_from = 1
+            if module.prepared_for == module.device:
+                module.prepare()
 
 
 def restrict_head(model: torch.nn.Module, ids: torch.Tensor) -> None:

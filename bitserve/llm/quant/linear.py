@@ -150,6 +150,7 @@ class Int8Linear(QuantLinear):
     """
 
     method = "int8"
+    a8_from = SMALL_M + 1  # with int8 activations: from how many rows x is rounded to int8
 
     def __init__(
         self, in_features: int, out_features: int, bias: bool = False, int8_activations=True
@@ -185,7 +186,7 @@ class Int8Linear(QuantLinear):
             # up to SMALL_M rows x stays fp32 (the C GEMV; the torch path is weight-only
             # there too, int8pack): rounding those rows too moved the int8 arm's served
             # perplexity (bench.perplexity, 24.9426 -> 24.9470), for 1.3-3x at 1-4 rows
-            self.a8_rows = SMALL_M + 1
+            self.a8_rows = self.a8_from
         self.prepare_c()
         self.scales_bf16 = self.scales.to(torch.bfloat16)
         w = self.int8_weight()
