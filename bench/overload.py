@@ -30,7 +30,9 @@ slowloris connection opens again once the server closes it. The ratio of the two
 is the figure (issue 35: at most 1.2), per round, `--rounds` rounds on one server with
 the clean and hostile order swapped every round.
 
-`--tree` runs the same measurement against the server code of another checkout (e.g.
+`--isolation thread --isolation process` runs the same measurement with the tinylm
+copies' engine in the server process and in a child process (llmprocess.py), one variant
+each. `--tree` runs the same measurement against the server code of another checkout (e.g.
 `--tree . --tree /work/main`: after and before, in one run, on one box). Prints a table
 and a JSON line. A benchmark, not a test: it asserts nothing.
 """
@@ -521,21 +523,35 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="the saturating chats are not streamed (what the streams' sends cost refusals)",
     )
+    parser.add_argument(
+        "--isolation",
+        action="append",
+        choices=["thread", "process"],
+        help="a variant: the tinylm copies' [instance_group] isolation (process: the engine "
+        "in a child process, repository/llmprocess.py); default: the config's own",
+    )
     parser.add_argument("--grpc", action="store_true", help="also v2 gRPC (a burst)")
     parser.add_argument("--hostile", action="store_true", help="slow and hostile clients")
     parser.add_argument("--seconds", type=float, default=20.0, help="--hostile: per phase")
     args = parser.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="bitserve-overload-"))
-    repo = work / "models"
-    shutil.copytree(ROOT / "models" / "tinylm", repo / "tinylm")
-    if not args.hostile:  # a twin that refuses everything (no place in its queue)
-        shutil.copytree(ROOT / "models" / "tinylm" / "1", repo / "full" / "1")
+    repos = {}
+    for isolation in args.isolation or [""]:
+        repos[isolation] = repo = work / (isolation or "default") / "models"
+        group = f'\n[instance_group]\nisolation = "{isolation}"\n' if isolation else ""
+        shutil.copytree(ROOT / "models" / "tinylm", repo / "tinylm")
         config = (ROOT / "models" / "tinylm" / "config.toml").read_text()
-        config = config.replace("max_queued_requests = 64", "max_queued_requests = 0")
-        (repo / "full" / "config.toml").write_text(config.replace("268435456", "16777216"))
+        (repo / "tinylm" / "config.toml").write_text(config + group)
+        if not args.hostile:  # a twin that refuses everything (no place in its queue)
+            shutil.copytree(ROOT / "models" / "tinylm" / "1", repo / "full" / "1")
+            config = config.replace("max_queued_requests = 64", "max_queued_requests = 0")
+            config = config.replace("268435456", "16777216")
+            (repo / "full" / "config.toml").write_text(config + group)
     load_before = os.getloadavg()
     if args.hostile:
-        results = [run_hostile(tree, repo, args) for tree in args.tree or [ROOT]]
+        results = [
+            run_hostile(tree, r, args) for tree in args.tree or [ROOT] for r in repos.values()
+        ]
         shutil.rmtree(work, ignore_errors=True)
         print(f"load average before {load_before[0]:.1f}, after {os.getloadavg()[0]:.1f}")
         for r in results:
@@ -552,13 +568,18 @@ def main(argv: list[str] | None = None) -> int:
             )
         print(json.dumps({"bench": "overload-hostile", "results": results}))
         return 0
-    variants = [(tree, env) for tree in args.tree or [ROOT] for env in args.server_env or [""]]
+    variants = [
+        (tree, env, isolation)
+        for tree in args.tree or [ROOT]
+        for env in args.server_env or [""]
+        for isolation in repos
+    ]
     runs: dict[int, list[dict]] = {i: [] for i in range(len(variants))}
     for r in range(args.rounds):  # interleaved, the order rotated every round
         for i in [(r + k) % len(variants) for k in range(len(variants))]:
-            tree, env = variants[i]
+            tree, env, isolation = variants[i]
             env_vars = dict(kv.split("=", 1) for kv in env.split(",") if kv)
-            runs[i].append(run_tree(tree, repo, args, env_vars))
+            runs[i].append(run_tree(tree, repos[isolation], args, env_vars))
     shutil.rmtree(work, ignore_errors=True)
     load = f"load average before {load_before[0]:.1f}, after {os.getloadavg()[0]:.1f}"
     print(f"{load}; clients: {args.burst}, {args.retry}")
@@ -568,8 +589,8 @@ def main(argv: list[str] | None = None) -> int:
         f" CPU ms, loop waiting for a CPU ms"
     )
     results = []
-    for i, (tree, env) in enumerate(variants):
-        label = f"{str(tree)[-20:]} {env}"[-34:]
+    for i, (tree, env, isolation) in enumerate(variants):
+        label = f"{str(tree)[-20:]} {env} {isolation}"[-34:]
         for phase, key in (("saturated", "protocols"), ("alone", "refusals_alone")):
             for name in runs[i][0][key]:
                 rows = [run[key][name] for run in runs[i]]
@@ -587,7 +608,7 @@ def main(argv: list[str] | None = None) -> int:
         live = all(run["live_all_200"] for run in runs[i])
         probes = sum(run["live_probes"] for run in runs[i])
         print(f"{label:34s} live: {probes} probes, all 200: {live}")
-        results.append({"tree": str(tree), "env": env, "rounds": runs[i]})
+        results.append({"tree": str(tree), "env": env, "isolation": isolation, "rounds": runs[i]})
     print(json.dumps({"bench": "overload", "retry": args.retry, "results": results}))
     return 0
 

@@ -200,6 +200,7 @@ def _child_main(config_doc: dict, version_dir: str, threads: int, conn: Any, par
     if os.getppid() != parent:  # it died before the prctl
         os._exit(0)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's ^C is the server's to handle
+    multiprocessing.current_process().daemon = False  # its engine may start TP workers
     asyncio.run(_serve(config_doc, version_dir, threads, conn))
     os._exit(0)  # the engine's threads are done with; do not wait on anything else
 
