@@ -53,6 +53,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -90,10 +91,15 @@ def head_of(raw: bytes) -> tuple[int, dict[str, str]]:
 
 
 # -- the saturating streams, in a process of their own ---------------------------------
-def saturate(port: int, streams: int, seconds: float, stream: bool = True) -> None:
+def saturate(
+    port: int, streams: int, seconds: float, stream: bool = True, chunks: Any = None
+) -> None:
     """`streams` streamed chats (or not streamed: their text sent once, at the end),
-    each started again when it ends (or 0.2 s after a 429)."""
+    each started again when it ends (or 0.2 s after a 429). `chunks` (a shared counter)
+    counts the streamed chunks received (about one a token): the admitted streams'
+    throughput."""
     request = http_request("/v1/chat/completions", chat_body(200, stream), close=True)
+    mark = b"data: {"
 
     async def one() -> None:
         end = time.monotonic() + seconds
@@ -103,7 +109,14 @@ def saturate(port: int, streams: int, seconds: float, stream: bool = True) -> No
                 writer.write(request)
                 status, _ = head_of(await reader.readuntil(b"\r\n\r\n"))
                 if status == 200:
-                    await asyncio.wait_for(reader.read(-1), end - time.monotonic())
+                    tail = b""
+                    while piece := await asyncio.wait_for(
+                        reader.read(65536), end - time.monotonic()
+                    ):
+                        seen = tail + piece
+                        if chunks is not None:
+                            chunks.value += seen.count(mark)
+                        tail = seen[-(len(mark) - 1) :]
                 writer.close()
                 if status != 200:
                     await asyncio.sleep(0.2)
@@ -485,15 +498,19 @@ def run_tree(tree: Path, repo: Path, args: argparse.Namespace, env: dict) -> dic
             idle = asyncio.run(measure(port, target, args, "full", pid))
         seconds = 30 + 3 * args.retry_seconds
         ctx = multiprocessing.get_context("spawn")
-        saturating = (port, args.streams, seconds, not args.unstreamed)
+        chunks = ctx.Value("q", 0, lock=False)  # one writer: the saturator
+        saturating = (port, args.streams, seconds, not args.unstreamed, chunks)
         saturator = ctx.Process(target=saturate, args=saturating)
         saturator.start()
         time.sleep(3.0)  # the streams are running and the queue is full
+        counted, since = chunks.value, time.monotonic()
         try:
             result = asyncio.run(measure(port, target, args, "tinylm", pid))
         finally:
+            result_chunks = (chunks.value - counted) / (time.monotonic() - since)
             saturator.terminate()
             saturator.join(10)
+        result["stream_chunks_per_s"] = result_chunks
     result["refusals_alone"] = idle["protocols"] if idle else {}
     return result
 
@@ -605,6 +622,8 @@ def main(argv: list[str] | None = None) -> int:
                     f"{label:34s} {phase:9s} {name:12s} {refused:>9s} {cols[0]:>22s} "
                     f"{cols[1]:>22s} {cols[2]:>16s} {cpu:8.0f}  {to_last[0]:>20s} {to_last[1]:>20s}"
                 )
+        rates = [run.get("stream_chunks_per_s") for run in runs[i]]
+        print(f"{label:34s} saturating streams' chunks/s (about tokens/s): {_spread(rates)}")
         live = all(run["live_all_200"] for run in runs[i])
         probes = sum(run["live_probes"] for run in runs[i])
         print(f"{label:34s} live: {probes} probes, all 200: {live}")
