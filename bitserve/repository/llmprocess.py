@@ -21,7 +21,7 @@ end with EngineDead (503, Retry-After) and a replacement starts.
     [instance_group]
     isolation = "process"
     count = 1        # N engine processes on this machine, routed by prefix (PrefixRouter)
-    threads = 0      # torch threads of each engine process; 0 leaves torch's default
+    threads = 0      # torch threads of each engine process; 0: the server's (serve --threads)
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ import logging
 import multiprocessing
 import os
 import signal
+import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -59,6 +60,9 @@ class LocalHandle:
 
     def __init__(self, config: ModelConfig, version_dir: Path, slot: int):
         self.loop = asyncio.get_running_loop()
+        threads = config.instance_group.threads
+        if not threads and "torch" in sys.modules:  # the server's (`serve --threads`)
+            threads = sys.modules["torch"].get_num_threads()
         context = multiprocessing.get_context("spawn")
         self.conn, child = context.Pipe()
         self.process = context.Process(
@@ -66,7 +70,7 @@ class LocalHandle:
             args=(
                 config.model_dump(mode="json"),
                 str(version_dir),
-                config.instance_group.threads,
+                threads,
                 child,
                 os.getpid(),
             ),

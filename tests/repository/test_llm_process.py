@@ -20,6 +20,7 @@ import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from bitserve.backends.llm import LLMService
 from bitserve.config import ModelConfig
 from bitserve.llm.sampling_params import SamplingParams
 from bitserve.repository.llmprocess import ProcessLLMService
@@ -189,3 +190,59 @@ def test_a_killed_server_leaves_no_engine_process(repo):
         assert not child.is_running()
     finally:
         s.stop()
+
+
+def test_two_engine_processes_share_the_requests_and_answer_as_one(repo):
+    """count = 2: two engine processes behind the prefix router; concurrent greedy
+    requests are spread over both, and each answer is the in-process engine's."""
+    local = ModelConfig.model_validate(
+        {**tomllib.loads((repo / "local" / "config.toml").read_text()), "name": "local"}
+    )
+    doc = tomllib.loads((repo / "proc" / "config.toml").read_text())
+    doc["instance_group"]["count"] = 2
+    config = ModelConfig.model_validate({**doc, "name": "proc"})
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+
+    async def texts(service, prompts: list[str]) -> list[str]:
+        async def one(prompt: str) -> str:
+            request = service._reserve(service.tokenizer.encode(prompt), params)
+            async for out in service.generate(request):
+                text = out.outputs[0].text
+            return text
+
+        return list(await asyncio.gather(*(one(p) for p in prompts)))
+
+    async def run() -> tuple[list[str], list[str], list[int]]:
+        reference = LLMService(local, repo / "local" / "1")
+        await reference.start()
+        try:
+            expected = await texts(reference, PROMPTS * 2)
+        finally:
+            await reference.stop()
+        service = ProcessLLMService(config, repo / "proc" / "1")
+        await service.start()
+        try:
+            got = await texts(service, PROMPTS * 2)
+            return expected, got, [r.served for r in service.replicas]
+        finally:
+            await service.stop()
+
+    expected, got, served = asyncio.run(run())
+    assert got == expected
+    assert sum(served) == 6 and min(served) >= 1, served
+
+
+def test_config_names_the_field_on_bad_values():
+    llm = {"name": "m", "backend": "llm"}
+    assert (
+        ModelConfig.model_validate(
+            {**llm, "instance_group": {"isolation": "process"}}
+        ).instance_group.isolation
+        == "process"
+    )
+    with pytest.raises(ValueError, match=r"instance_group\.isolation"):
+        ModelConfig.model_validate({**llm, "instance_group": {"isolation": "processes"}})
+    with pytest.raises(ValueError, match='num_cpus: Ray resources, only with isolation = "ray"'):
+        ModelConfig.model_validate(
+            {**llm, "instance_group": {"isolation": "process", "num_cpus": 1}}
+        )
