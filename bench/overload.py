@@ -505,7 +505,8 @@ def run_tree(tree: Path, repo: Path, args: argparse.Namespace, env: dict) -> dic
         time.sleep(3.0)  # the streams are running and the queue is full
         counted, since = chunks.value, time.monotonic()
         try:
-            result = asyncio.run(measure(port, target, args, "tinylm", pid))
+            model = "full" if args.refusals_only else "tinylm"
+            result = asyncio.run(measure(port, target, args, model, pid))
         finally:
             result_chunks = (chunks.value - counted) / (time.monotonic() - since)
             saturator.terminate()
@@ -546,6 +547,12 @@ def main(argv: list[str] | None = None) -> int:
         choices=["thread", "process"],
         help="a variant: the tinylm copies' [instance_group] isolation (process: the engine "
         "in a child process, repository/llmprocess.py); default: the config's own",
+    )
+    parser.add_argument(
+        "--refusals-only",
+        action="store_true",
+        help="the saturated bursts go to `full` (every request refused, none admitted): "
+        "what the saturated engine alone costs the refusals",
     )
     parser.add_argument("--grpc", action="store_true", help="also v2 gRPC (a burst)")
     parser.add_argument("--hostile", action="store_true", help="slow and hostile clients")

@@ -14,6 +14,9 @@ replica), not one message per token per request: Ray's per-item cost, and the wh
 token list each output carried, were most of the router's CPU per token. The router
 rebuilds each request's cumulative output. A request whose stream is closed (a client
 gone, a cancelled task) is aborted on its replica (`abort`), which frees its KV blocks.
+The router speaks to a replica through a transport with these calls (`RayHandle`, an
+actor); `llmprocess.py` runs the same service over engine processes on this machine
+(`isolation = "process"`, `LocalHandle`: a pipe), without Ray.
 
 Routing (`PrefixRouter`): the server keeps an approximate map of which prompt prefixes
 each replica holds, as the engine's prefix cache keys them (the chained block hashes of
