@@ -32,7 +32,13 @@ the clean and hostile order swapped every round.
 
 `--isolation thread --isolation process` runs the same measurement with the tinylm
 copies' engine in the server process and in a child process (llmprocess.py), one variant
-each. `--tree` runs the same measurement against the server code of another checkout (e.g.
+each; `--refusals-only` sends the saturated bursts to the twin that refuses everything.
+On the 2-core box (2026-12-05) the engine process doubled the saturating streams'
+throughput (2050 against 1100 chunks/s; 3075 against 1840 with refusals only) but the
+refusals' p99 stayed 60-140 ms: the loop still handles every step's outputs of the 96
+chats (the router side), and the engine process takes the second core the loop used.
+
+`--tree` runs the same measurement against the server code of another checkout (e.g.
 `--tree . --tree /work/main`: after and before, in one run, on one box). Prints a table
 and a JSON line. A benchmark, not a test: it asserts nothing.
 """
