@@ -14,6 +14,9 @@ replica), not one message per token per request: Ray's per-item cost, and the wh
 token list each output carried, were most of the router's CPU per token. The router
 rebuilds each request's cumulative output. A request whose stream is closed (a client
 gone, a cancelled task) is aborted on its replica (`abort`), which frees its KV blocks.
+The router speaks to a replica through a transport with these calls (`RayHandle`, an
+actor); `llmprocess.py` runs the same service over engine processes on this machine
+(`isolation = "process"`, `LocalHandle`: a pipe), without Ray.
 
 Routing (`PrefixRouter`): the server keeps an approximate map of which prompt prefixes
 each replica holds, as the engine's prefix cache keys them (the chained block hashes of
@@ -46,6 +49,7 @@ import contextlib
 import itertools
 import logging
 import os
+import sys
 import time
 from collections import OrderedDict
 from collections.abc import Iterator
@@ -106,11 +110,11 @@ class LLMReplicaActor:
         self._reading: asyncio.Task | None = None
         await self.service.start()
         engine = self.service.engine.engine
-        import ray
-
+        ray = sys.modules.get("ray")  # a local engine process (llmprocess.py) has no Ray
+        on_ray = ray is not None and ray.is_initialized()
         return {
             "pid": os.getpid(),
-            "node": ray.get_runtime_context().get_node_id(),
+            "node": ray.get_runtime_context().get_node_id() if on_ray else "local",
             "warmup_seconds": self.service.warmup_seconds,
             "num_blocks": engine.scheduler.block_manager.num_blocks,
             "max_model_len": int(engine.config.max_model_len),
@@ -302,8 +306,66 @@ class PrefixRouter:
 # ---------------------------------------------------------------- the router's service
 
 
+class RayHandle:
+    """The transport to one replica actor on Ray; `llmprocess.LocalHandle` is the same
+    to a local engine process. A lost replica raises `ReplicaLost` (or any error from
+    `outputs`); a request's own error comes back as itself."""
+
+    def __init__(self, config: ModelConfig, version_dir: Path, slot: int):
+        import ray
+
+        self.resources = config.instance_group.ray_resources()
+        threads = config.instance_group.threads or max(1, int(self.resources["num_cpus"]))
+        self.actor = (
+            ray.remote(LLMReplicaActor)
+            .options(
+                **self.resources,
+                max_restarts=0,  # the watchdog replaces a dead replica with a fresh actor
+                scheduling_strategy="SPREAD",
+                name=f"bitserve-llm:{config.name}:{slot}:{os.getpid()}:{time.monotonic_ns()}",
+            )
+            .remote(config.model_dump(mode="json"), str(version_dir), threads)
+        )
+
+    async def start(self) -> dict:
+        return await self.actor.start.remote()
+
+    async def submit(self, *args: Any) -> None:
+        import ray
+
+        try:
+            await self.actor.submit.remote(*args)
+        except ray.exceptions.RayActorError as e:
+            raise ReplicaLost(str(e)) from e
+        except ray.exceptions.RayTaskError as e:
+            cause = getattr(e, "cause", None)
+            raise cause if isinstance(cause, BaseException) else RuntimeError(str(e)) from None
+
+    async def outputs(self):
+        async for ref in self.actor.outputs.options(num_returns="streaming").remote():
+            yield await ref
+
+    def abort(self, key: int) -> None:
+        self.actor.abort.remote(key)
+
+    async def health(self) -> tuple[str | None, dict]:
+        return await self.actor.health.remote()
+
+    async def stop(self) -> None:
+        await self.actor.stop.remote()
+
+    def kill(self) -> None:
+        import ray
+
+        ray.kill(self.actor, no_restart=True)
+
+    def describe(self) -> str:
+        return f"resources {self.resources}"
+
+
 class Replica:
-    """The server's handle on one replica actor."""
+    """The server's handle on one replica (`actor`: its transport, a `RayHandle` or an
+    `llmprocess.LocalHandle`)."""
 
     def __init__(self, actor: Any, slot: int):
         self.actor, self.slot = actor, slot
@@ -353,8 +415,15 @@ class RayLLMService(LLMService):
 
     # ------------------------------------------------------------ lifecycle
 
-    async def start(self) -> None:
+    def _connect(self) -> None:
         raycluster.connect()
+
+    def _handle(self, slot: int) -> Any:
+        """A new replica's transport, not started yet."""
+        return RayHandle(self.config, self.version_dir, slot)
+
+    async def start(self) -> None:
+        self._connect()
         self.tokenizer = await asyncio.to_thread(load_tokenizer, self.folder)
         if self.tokenizer is None:
             raise LoadError(f"{self.folder}: no tokenizer.json / tokenizer_config.json")
@@ -368,31 +437,20 @@ class RayLLMService(LLMService):
         self._watch = asyncio.create_task(self._watchdog())
 
     async def _spawn(self, slot: int) -> Replica:
-        import ray
-
-        resources = self.config.instance_group.ray_resources()
-        threads = self.config.instance_group.threads or max(1, int(resources["num_cpus"]))
-        actor = (
-            ray.remote(LLMReplicaActor)
-            .options(
-                **resources,
-                max_restarts=0,  # the watchdog replaces a dead replica with a fresh actor
-                scheduling_strategy="SPREAD",
-                name=f"bitserve-llm:{self.config.name}:{slot}:{os.getpid()}:{time.monotonic_ns()}",
-            )
-            .remote(self.config.model_dump(mode="json"), str(self.version_dir), threads)
-        )
+        actor = self._handle(slot)
         replica = Replica(actor, slot)
         try:
-            info = await asyncio.wait_for(actor.start.remote(), START_TIMEOUT_S)
+            info = await asyncio.wait_for(actor.start(), START_TIMEOUT_S)
         except TimeoutError:
-            ray.kill(actor)
+            with contextlib.suppress(Exception):
+                actor.kill()
             raise LoadError(
                 f"{self.version_dir}: LLM replica {slot} not placed and warmed in "
-                f"{START_TIMEOUT_S:.0f} s (resources {resources})"
+                f"{START_TIMEOUT_S:.0f} s ({actor.describe()})"
             ) from None
-        except ray.exceptions.RayError as e:
-            ray.kill(actor)
+        except Exception as e:
+            with contextlib.suppress(Exception):
+                actor.kill()
             raise LoadError(f"{self.version_dir}: LLM replica {slot} failed to start: {e}") from e
         replica.pid, replica.node = info["pid"], info["node"]
         self.max_model_len = info["max_model_len"]
@@ -408,8 +466,6 @@ class RayLLMService(LLMService):
         return replica
 
     async def stop(self) -> None:
-        import ray
-
         for task in [self._watch, *self._spawning.values(), *self._drains]:
             if task is not None:
                 task.cancel()
@@ -419,9 +475,9 @@ class RayLLMService(LLMService):
             if replica.pump is not None:
                 replica.pump.cancel()
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(replica.actor.stop.remote(), 10)
+                await asyncio.wait_for(replica.actor.stop(), 10)
             with contextlib.suppress(Exception):
-                ray.kill(replica.actor, no_restart=True)
+                replica.actor.kill()
 
     # ------------------------------------------------------------ health
 
@@ -467,8 +523,6 @@ class RayLLMService(LLMService):
 
     def _drain(self, replica: Replica) -> None:
         """Take no new request; once its streams end, stop and remove it."""
-        import ray
-
         log.info("model %s: scaling down, draining replica %d", self.config.name, replica.slot)
         replica.draining = True
 
@@ -479,10 +533,10 @@ class RayLLMService(LLMService):
                 if replica.pump is not None:
                     replica.pump.cancel()
                 with contextlib.suppress(Exception):
-                    await asyncio.wait_for(replica.actor.stop.remote(), 10)
+                    await asyncio.wait_for(replica.actor.stop(), 10)
             finally:
                 with contextlib.suppress(Exception):
-                    ray.kill(replica.actor, no_restart=True)
+                    replica.actor.kill()
                 self.router.remove(replica)
                 self.replicas = [r for r in self.replicas if r is not replica]
                 self._drains.discard(task)
@@ -504,7 +558,7 @@ class RayLLMService(LLMService):
     async def _ping(self, replica: Replica) -> None:
         try:
             replica.problem, replica.metrics = await asyncio.wait_for(
-                replica.actor.health.remote(), 10 * PING_PERIOD_S
+                replica.actor.health(), 10 * PING_PERIOD_S
             )
         except Exception as e:  # dead, or wedged past ten periods
             self._lost(replica, f"ping failed: {type(e).__name__}")
@@ -522,10 +576,8 @@ class RayLLMService(LLMService):
     async def _replace(self, old: Replica) -> None:
         """Start the slot's replacement; it waits for Ray to find room (a node coming
         back, an autoscaler adding one), retrying a failed start."""
-        import ray
-
         with contextlib.suppress(Exception):
-            ray.kill(old.actor, no_restart=True)
+            old.actor.kill()
         try:
             while True:
                 try:
@@ -612,8 +664,6 @@ class RayLLMService(LLMService):
         iterator cancels the replica's task (the engine aborts the request). A replica
         lost before the request's first output hands it to another (nothing ran
         there that the client saw); one lost after ends the stream with EngineDead."""
-        import ray
-
         ids = request.take()
         state = {"started": False}
         try:
@@ -634,7 +684,7 @@ class RayLLMService(LLMService):
                         async for out in outputs:
                             yield out
                     return
-                except (ray.exceptions.RayActorError, ReplicaLost) as e:
+                except ReplicaLost as e:
                     self._lost(replica, "died")
                     if state["started"]:
                         raise EngineDead(
@@ -655,8 +705,6 @@ class RayLLMService(LLMService):
     async def _stream(self, replica, ids, request, request_id, priority, stream, state):
         """One request on `replica`: submitted by a call, its outputs read from the
         replica's one output stream (`_pump`) through a queue of its own."""
-        import ray
-
         key = next(self._keys)
         queue: asyncio.Queue = asyncio.Queue()
         replica.streams[key] = queue
@@ -668,13 +716,7 @@ class RayLLMService(LLMService):
         text = ""
         prompt = prompt_logprobs = None
         try:
-            try:
-                await replica.actor.submit.remote(
-                    key, ids, request.params, request_id, priority, stream
-                )
-            except ray.exceptions.RayTaskError as e:
-                cause = getattr(e, "cause", None)
-                raise cause if isinstance(cause, BaseException) else RuntimeError(str(e)) from None
+            await replica.actor.submit(key, ids, request.params, request_id, priority, stream)
             while not finished:
                 out = await queue.get()
                 if out is LOST:
@@ -705,7 +747,7 @@ class RayLLMService(LLMService):
             replica.streams.pop(key, None)
             if not finished and replica.dead is None:
                 with contextlib.suppress(Exception):
-                    replica.actor.abort.remote(key)
+                    replica.actor.abort(key)
             if replica in self.router.load:
                 self.router.load[replica] -= 1
 
@@ -713,8 +755,8 @@ class RayLLMService(LLMService):
         """Read the replica's output stream (one message per engine step, every
         request's new tokens in it) and hand each output to its request's queue."""
         try:
-            async for ref in replica.actor.outputs.options(num_returns="streaming").remote():
-                for key, item in await ref:
+            async for batch in replica.actor.outputs():
+                for key, item in batch:
                     queue = replica.streams.get(key)
                     if queue is not None:
                         queue.put_nowait(item)

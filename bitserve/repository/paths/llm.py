@@ -25,10 +25,13 @@ class LLMPath(ExecutionPath):
 
     async def load(self) -> tuple[list[tuple[coldstart.Span, coldstart.Span]], float]:
         from bitserve.backends.llm import LLMService
+        from bitserve.repository.llmprocess import ProcessLLMService
         from bitserve.repository.llmreplicas import RayLLMService
 
         started = time.perf_counter()
-        kind = RayLLMService if self.config.instance_group.isolation == "ray" else LLMService
+        isolation = self.config.instance_group.isolation
+        kinds = {"ray": RayLLMService, "process": ProcessLLMService}
+        kind = kinds.get(isolation, LLMService)
         service = kind(self.config, self.version.version_dir)
         await service.start()
         self.service = service
@@ -54,7 +57,7 @@ class LLMPath(ExecutionPath):
         service = self.service
         if service is None or self.version.state != "ready":
             return Report()
-        if hasattr(service, "replicas"):  # on Ray: the replicas' engines summed
+        if hasattr(service, "replicas"):  # on Ray or engine processes: their engines summed
             healthy = sum(r.usable() for r in service.replicas)
             return Report(engine=service.metrics() or None, healthy=healthy)
         if service.engine is None:
