@@ -1,9 +1,10 @@
 """The LLM engine in a local child process: `isolation = "process"` on an llm model.
 
 The engine thread of an in-process `LLMService` shares the server's interpreter (its
-GIL) with the event loop, so while it runs, every request the server answers waits
-for it: refusals under load (429s) took 48-63 ms of loop CPU at p99 beside 96 running
-chats, against 13-22 ms with the engine idle. Here the engine runs in a child process
+GIL) with the event loop: the engine's Python and the front door's take turns. Here
+the engine runs in a child process (on 2 cores, tinylm's 96 saturating streams got
+1.96x the tokens/s; refusals under that load were not faster, since the loop still
+takes each step's outputs for every stream: bench/overload.py --isolation). It runs
 on this machine, as a Ray replica does on its node (`llmreplicas.LLMReplicaActor`,
 detokenising its own outputs), and the server keeps the same front door as
 `RayLLMService` (tokenizer, chat template, checks, one admission queue, the router for
