@@ -116,20 +116,21 @@ def test_greedy_answers_equal_the_in_process_engine(server):
         assert generate(server.url, "proc", prompt) == generate(server.url, "local", prompt)
 
 
-@pytest.mark.slow  # timing-dependent: the abort must reach the child before 120 tokens
 def test_a_closed_stream_aborts_in_the_child_and_frees_its_kv(repo):
     """The engine's own counters (the child's, through the health pings): a request
-    closed after 4 outputs stops well before its 240 tokens (the tiny engine makes them
-    in well under the 3 s waited) and its KV blocks are free."""
-    config = ModelConfig.model_validate(
-        {**tomllib.loads((repo / "proc" / "config.toml").read_text()), "name": "proc"}
-    )
+    for 6,000 tokens closed after 4 outputs stops far short of them and its KV blocks
+    are free. The budget is the margin: the tiny engine makes ~1,800 tokens a second, so
+    the abort has seconds to arrive (240 tokens were once all made before it did, on a
+    loaded box); the engine only warns that 8,192 exceeds the model's 512 positions."""
+    doc = tomllib.loads((repo / "proc" / "config.toml").read_text())
+    doc["parameters"].update(max_model_len=8192, num_kv_blocks=600)
+    config = ModelConfig.model_validate({**doc, "name": "proc"})
 
     async def run() -> dict:
         service = ProcessLLMService(config, repo / "proc" / "1")
         await service.start()
         try:
-            params = SamplingParams(max_tokens=240, temperature=0, ignore_eos=True)
+            params = SamplingParams(max_tokens=6000, temperature=0, ignore_eos=True)
             request = service._reserve(service.tokenizer.encode("the quick"), params)
             outputs = 0
             generation = service.generate(request)
@@ -144,7 +145,7 @@ def test_a_closed_stream_aborts_in_the_child_and_frees_its_kv(repo):
             await service.stop()
 
     engine = asyncio.run(run())
-    assert 4 <= engine["generation_tokens_total"] < 120, engine["generation_tokens_total"]
+    assert 4 <= engine["generation_tokens_total"] < 3000, engine["generation_tokens_total"]
     assert engine["num_requests_running"] == 0
     assert engine["kv_cache_usage"] == 0
 
