@@ -55,11 +55,12 @@ def test_int8_gemm_is_int_mm_bit_for_bit(n, k, threads):
 def test_int8_layer_is_its_torch_path_bit_for_bit(n, k, threads):
     """The layer's C path (x rounded per row in C) against its torch._int_mm path, from 5
     rows (fewer keep x fp32); out a multiple of 8: torch's int8pack, which the layer
-    probes, crashed on 19 rows."""
+    probes, crashed on 19 rows. 130 and 300 rows: x is rounded on the pool in blocks of
+    rows, and each task scales its own block of sums."""
     torch.manual_seed(n + k)
     layer = Int8Linear.from_float(nn.Linear(k, n).requires_grad_(False))
     with torch.inference_mode():
-        for m in range(5, 65):
+        for m in [*range(5, 65), 130, 300]:
             x = torch.randn(m, k) * (1 + m)
             got = layer(x)
             assert layer.c_weight is not None
@@ -95,3 +96,24 @@ def test_builds_without_vnni_give_the_same_sums(tmp_path, march):
             args = (kernels.ptr(x, i8), k, m, k, kernels.ptr(w, i8), kernels.ptr(wsum, i32), n)
             lib.bs_i8_gemm(*args, kernels.ptr(y, i32))
             assert torch.equal(y, int_mm(x, w)), (march, m, n, k)
+
+
+def test_fp32_x_gemv_splits_over_the_pool_with_the_same_bits():
+    """Up to 4 rows x stays fp32 (the GEMV, its output rows split over the pool): two
+    threads give one thread's bits, and both the dequantized weights' product to fp32
+    rounding. 200 outputs: a partial last task of 64."""
+    torch.manual_seed(0)
+    layer = Int8Linear.from_float(nn.Linear(256, 200).requires_grad_(False))
+    lib = kernels.get()
+    with torch.inference_mode():
+        layer(torch.randn(5, 256))  # prepares the C view
+        for m in (1, 2, 3, 4):
+            x = torch.randn(m, 256)
+            lib.lib.bs_set_threads(1)
+            one = lib.gemv(layer.c_weight, x)
+            lib.lib.bs_set_threads(2)
+            two = lib.gemv(layer.c_weight, x)
+            lib.lib.bs_set_threads(1)
+            assert torch.equal(one, two), m
+            want = x @ layer.int8_weight().t()  # (the layer adds its bias after)
+            torch.testing.assert_close(one, want, rtol=1e-4, atol=1e-4)

@@ -310,7 +310,20 @@ typedef struct {
     const int8_t *w;
     long N, mc, tasks_n; /* rows of x a chunk, tasks a chunk */
     int32_t *acc;        /* [M][N] raw sums */
+    /* y != NULL: each task also turns its block of sums into y (i8_scale) */
+    const int32_t *wsum;
+    const float *xs, *scale, *bias;
+    float *y;
 } I8Job;
+
+/* i8_quantize and i8_scale round as torch does (true division, round half to even,
+   torch's order of products), so the C path and the torch._int_mm path give the same
+   bits: fast-math's reciprocals and reassociation are off for them */
+#define EXACT_MATH __attribute__((noinline, optimize("no-fast-math", "no-reciprocal-math", \
+                                                    "no-associative-math")))
+static EXACT_MATH void i8_scale(const int32_t *acc, long ld, long m0, long m1, long n0, long n1,
+                                const int32_t *wsum, const float *xs, const float *scale,
+                                const float *bias, float *y);
 
 static void i8_task(void *ctx, long t) {
     const I8Job *J = ctx;
@@ -342,16 +355,20 @@ static void i8_task(void *ctx, long t) {
 #endif
     for (; n < n1; n++)
         for (long m = c0; m < c1; m++) J->acc[m * N + n] = i8_dot(J->xu + m * ldq, J->w + n * K, K);
+    if (J->y) /* while the block's sums are in this core's cache, not after on one thread */
+        i8_scale(J->acc, N, c0, c1, n0, n1, J->wsum, J->xs, J->scale, J->bias, J->y);
 }
 
-/* acc [M][N] = the raw sums (x + 128) . w for xu [M][ldq] (ldq a multiple of 64) */
+/* acc [M][N] = the raw sums (x + 128) . w for xu [M][ldq] (ldq a multiple of 64); with
+   y, also y = i8_scale(acc), block by block on the task that summed it */
 static void i8_gemm_raw(const uint8_t *xu, long ldq, long M, long K, const int8_t *w, long N,
-                        int32_t *acc) {
+                        int32_t *acc, const int32_t *wsum, const float *xs, const float *scale,
+                        const float *bias, float *y) {
     long mc = I8_MC_BYTES / ldq & ~3L;
     if (mc < 4) mc = 4;
     if (mc > M) mc = M;
     long tasks_n = (N + I8_NC - 1) / I8_NC, chunks = (M + mc - 1) / mc;
-    I8Job job = {xu, ldq, M, K, w, N, mc, tasks_n, acc};
+    I8Job job = {xu, ldq, M, K, w, N, mc, tasks_n, acc, wsum, xs, scale, bias, y};
     bs_parallel(i8_task, &job, chunks * tasks_n);
 }
 
@@ -381,16 +398,12 @@ void bs_i8_gemm(const int8_t *x, long ldx, long M, long K, const int8_t *w, cons
     uint8_t *xu = i8_buffer(M, K, &ldq, 0);
     for (long m = 0; m < M; m++)
         for (long k = 0; k < K; k++) xu[m * ldq + k] = (uint8_t)(x[m * ldx + k] ^ 0x80);
-    i8_gemm_raw(xu, ldq, M, K, w, N, y);
+    i8_gemm_raw(xu, ldq, M, K, w, N, y, NULL, NULL, NULL, NULL, NULL);
     for (long m = 0; m < M; m++)
         for (long n = 0; n < N; n++) y[m * N + n] -= 128 * wsum[n];
 }
 
-/* x rounded per row exactly as quantize_activations does in torch (true division, round
-   half to even), so the C path and the torch._int_mm path give the same bits: fast-math's
-   reciprocals are off here */
-#define EXACT_MATH __attribute__((noinline, optimize("no-fast-math", "no-reciprocal-math", \
-                                                    "no-associative-math")))
+/* x rounded per row exactly as quantize_activations does in torch (see EXACT_MATH) */
 static EXACT_MATH void i8_quantize(const float *x, long ldx, long M, long K, uint8_t *xu,
                                    long ldq, float *xs) {
     for (long m = 0; m < M; m++) {
@@ -430,29 +443,54 @@ static EXACT_MATH void i8_quantize(const float *x, long ldx, long M, long K, uin
     }
 }
 
-/* y = (float)(int32 sum) * xs[m] * scale[n] (+ bias), in torch's order of roundings */
-static EXACT_MATH void i8_scale(const int32_t *acc, long M, long N, const int32_t *wsum,
-                                const float *xs, const float *scale, const float *bias,
-                                float *y) {
-    for (long m = 0; m < M; m++) {
-        long n = 0;
+/* y = (float)(int32 sum) * xs[m] * scale[n] (+ bias), in torch's order of roundings, for
+   rows m0 .. m1 and columns n0 .. n1 of acc and y (row stride ld) */
+static EXACT_MATH void i8_scale(const int32_t *acc, long ld, long m0, long m1, long n0, long n1,
+                                const int32_t *wsum, const float *xs, const float *scale,
+                                const float *bias, float *y) {
+    for (long m = m0; m < m1; m++) {
+        long n = n0;
 #ifdef I8_VNNI
         const __m512 vx = _mm512_set1_ps(xs[m]);
-        for (; n + 16 <= N; n += 16) {
-            __m512i d = _mm512_sub_epi32(_mm512_loadu_si512(acc + m * N + n),
+        for (; n + 16 <= n1; n += 16) {
+            __m512i d = _mm512_sub_epi32(_mm512_loadu_si512(acc + m * ld + n),
                                          _mm512_slli_epi32(_mm512_loadu_si512(wsum + n), 7));
             __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(d), vx);
             v = _mm512_mul_ps(v, _mm512_loadu_ps(scale + n));
             if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + n));
-            _mm512_storeu_ps(y + m * N + n, v);
+            _mm512_storeu_ps(y + m * ld + n, v);
         }
 #endif
-        for (; n < N; n++) {
-            float v = (float)(acc[m * N + n] - 128 * wsum[n]) * xs[m];
+        for (; n < n1; n++) {
+            float v = (float)(acc[m * ld + n] - 128 * wsum[n]) * xs[m];
             v = v * scale[n];
-            y[m * N + n] = bias ? v + bias[n] : v;
+            y[m * ld + n] = bias ? v + bias[n] : v;
         }
     }
+}
+
+typedef struct {
+    const float *x;
+    long ldx, M, K;
+    uint8_t *xu;
+    long ldq;
+    float *xs;
+    long per;
+} QuantJob;
+
+static void quantize_task(void *ctx, long t) {
+    const QuantJob *J = ctx;
+    long m0 = t * J->per, m1 = m0 + J->per < J->M ? m0 + J->per : J->M;
+    i8_quantize(J->x + m0 * J->ldx, J->ldx, m1 - m0, J->K, J->xu + m0 * J->ldq, J->ldq, J->xs + m0);
+}
+
+/* i8_quantize over the pool in blocks of rows when there are many (a prompt's); a row's
+   rounding is the same whichever thread does it */
+static void i8_quantize_rows(const float *x, long ldx, long M, long K, uint8_t *xu, long ldq,
+                             float *xs) {
+    long per = (M + 4 * bs_get_threads() - 1) / (4 * bs_get_threads());
+    QuantJob job = {x, ldx, M, K, xu, ldq, xs, per < 32 ? 32 : per};
+    bs_parallel(quantize_task, &job, (M + job.per - 1) / job.per);
 }
 
 /* y = x @ W.T (+ bias) with x rounded per row: Int8Linear's int8-activation path */
@@ -461,22 +499,29 @@ static void q8a8_gemv(const Weight *w, const float *x, long ldx, long M, float *
     uint8_t *xu = i8_buffer(M, K, &ldq, sizeof(int32_t) * (size_t)(M * N + M));
     int32_t *acc = (int32_t *)(xu + M * ldq); /* M * ldq: a multiple of 64 */
     float *xs = (float *)(acc + M * N);
-    i8_quantize(x, ldx, M, K, xu, ldq, xs);
-    i8_gemm_raw(xu, ldq, M, K, (const int8_t *)w->data, N, acc);
-    i8_scale(acc, M, N, w->wsum, xs, w->scale, w->bias, y);
+    i8_quantize_rows(x, ldx, M, K, xu, ldq, xs);
+    i8_gemm_raw(xu, ldq, M, K, (const int8_t *)w->data, N, acc, w->wsum, xs, w->scale, w->bias,
+                y);
 }
 
-void bs_qgemv(const Weight *w, const float *x, long ldx, long M, float *y) {
-    long N = w->N;
-    if (w->kind == 2) {
-        q4t_gemv(w, x, ldx, M, y);
-        return;
-    }
-    if (w->wsum != NULL && M >= w->a8_rows) {
-        q8a8_gemv(w, x, ldx, M, y);
-        return;
-    }
-    for (long n = 0; n < N; n++) {
+typedef struct {
+    const Weight *w;
+    const float *x;
+    long ldx, M;
+    float *y;
+} Q8Job;
+
+#define Q8_NC 64 /* output rows a task of the fp32-x GEMV */
+
+/* output rows [t * Q8_NC, (t + 1) * Q8_NC) of the fp32-x int8 GEMV (few rows of x) */
+static void q8_task(void *ctx, long t) {
+    const Q8Job *J = ctx;
+    const Weight *w = J->w;
+    const float *x = J->x;
+    long ldx = J->ldx, M = J->M, N = w->N;
+    float *y = J->y;
+    long n1 = (t + 1) * Q8_NC < N ? (t + 1) * Q8_NC : N;
+    for (long n = t * Q8_NC; n < n1; n++) {
         for (long m0 = 0; m0 < M; m0 += 4) {
             long R = M - m0 < 4 ? M - m0 : 4;
             const float *xm = x + m0 * ldx;
@@ -498,4 +543,19 @@ void bs_qgemv(const Weight *w, const float *x, long ldx, long M, float *y) {
             for (long r = 0; r < R; r++) y[(m0 + r) * N + n] = out[r] * w->scale[n] + b;
         }
     }
+}
+
+void bs_qgemv(const Weight *w, const float *x, long ldx, long M, float *y) {
+    if (w->kind == 2) {
+        q4t_gemv(w, x, ldx, M, y);
+        return;
+    }
+    if (w->wsum != NULL && M >= w->a8_rows) {
+        q8a8_gemv(w, x, ldx, M, y);
+        return;
+    }
+    /* fp32 x (few rows, or weight-only int8): output rows split over the pool; each
+       output is computed alike whichever thread takes it */
+    Q8Job job = {w, x, ldx, M, y};
+    bs_parallel(q8_task, &job, (w->N + Q8_NC - 1) / Q8_NC);
 }
