@@ -117,3 +117,63 @@ def test_fp32_x_gemv_splits_over_the_pool_with_the_same_bits():
             assert torch.equal(one, two), m
             want = x @ layer.int8_weight().t()  # (the layer adds its bias after)
             torch.testing.assert_close(one, want, rtol=1e-4, atol=1e-4)
+
+
+def test_a_prompt_step_past_256_rows_runs_the_c_layer(tmp_path, monkeypatch):
+    """int8 with int8 activations: a step of more than 256 prompt rows (a burst of
+    prompts) runs the C decoder layer too, in chunks of FUSED_CHUNK rows. Its rows do not
+    depend on the chunking (the same bits in chunks of 128 and of 512). Against the torch
+    path, whose norms, RoPE and attention round differently (so that now and then an
+    activation rounds to the next int8 code): the same greedy tokens as it and as the fp32
+    model, and logprobs nearer the torch path's than the torch path's are to fp32's (the
+    quantization's own error; a wrong chunk or row would be far off)."""
+    from bitserve.llm.engine import LLM
+    from bitserve.llm.models import llama
+    from bitserve.llm.sampling_params import SamplingParams
+    from bitserve.quantize.command import _quantize_llm
+    from bitserve.quantize.folders import resolve_source
+    from tests.quant.conftest import TINYLM
+
+    torch.set_num_threads(1)
+    out = tmp_path / "tinylm-int8"
+    _quantize_llm(resolve_source(TINYLM), out, "int8", 32, 6.0, None, 0, None)
+    verses = TINYLM.joinpath("heldout.txt").read_text().split("\n")
+    prompts = [" ".join(verses[3 * i : 3 * i + 3])[:400] for i in range(8)]
+    greedy = SamplingParams(temperature=0, max_tokens=6, logprobs=1)
+
+    def generate(llm) -> list:
+        return [o.outputs[0] for o in llm.generate(prompts, greedy)]
+
+    def median_gap(a: list, b: list) -> float:
+        pairs = [
+            (x, y)
+            for f, g in zip(a, b, strict=True)
+            for x, y in zip(f.logprobs, g.logprobs, strict=True)
+        ]
+        gaps = sorted(abs(x[t] - y[t]) for x, y in pairs for t in x)
+        return gaps[len(gaps) // 2]
+
+    llm = LLM(out / "1", num_kv_blocks=256, enable_prefix_caching=False)  # every row run
+    rows = []
+    original = kernels.Kernels.decode_layer
+    monkeypatch.setattr(
+        kernels.Kernels,
+        "decode_layer",
+        lambda s, p, x, *a: rows.append(x.shape[0]) or original(s, p, x, *a),
+    )
+    whole = generate(llm)
+    assert rows[0] > 256  # the prompts' step, one call a layer
+    monkeypatch.setattr(llama, "FUSED_CHUNK", 128)
+    rows.clear()
+    chunked = generate(llm)
+    assert sum(rows[:3]) > 256 and max(rows) == 128
+    assert [o.token_ids for o in chunked] == [o.token_ids for o in whole]
+    assert [o.logprobs for o in chunked] == [o.logprobs for o in whole]
+    monkeypatch.setattr(llm.engine.runner.model, "fuse_rows", 0)  # the torch path
+    torch_path = generate(llm)
+    fp32 = LLM(TINYLM / "1", num_kv_blocks=256, enable_prefix_caching=False)
+    fp32.engine.runner.model.fuse_rows = 0
+    reference = generate(fp32)
+    tokens = [o.token_ids for o in whole]
+    assert tokens == [o.token_ids for o in torch_path] == [o.token_ids for o in reference]
+    assert median_gap(whole, torch_path) < median_gap(torch_path, reference)

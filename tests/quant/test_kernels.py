@@ -92,7 +92,7 @@ def test_fused_decode_layers_match_the_torch_path(quantized_tinylm, monkeypatch,
     greedy = SamplingParams(temperature=0, max_tokens=16, logprobs=1)
     llm = LLM(quantized_tinylm[method] / "1", num_kv_blocks=64)
     model = llm.engine.runner.model
-    assert model.fuse_rows == 256  # chosen once, at load
+    assert model.fuse_rows >= 256  # chosen once, at load (int8: any row count)
     calls = []
     original = kernels.Kernels.decode_layer
     monkeypatch.setattr(kernels.Kernels, "decode_layer", lambda *a: calls.append(1) or original(*a))

@@ -41,7 +41,10 @@ aten = torch.ops.aten
 
 SMALL_M = 4  # up to here the packed weight-only kernels win; above, _int_mm (W8A8) wins
 PACK_MAX_M = 32  # weight-only int8: above, bf16 dequantize + matmul beats int8pack
-I8_FUSE_ROWS = 256  # int8 activations: the C decode layer takes up to this many rows
+# int8 activations: the C decode layer takes any number of rows (a prompt's in chunks of
+# FUSED_CHUNK): above 256 rows the torch path ran the same GEMMs between torch's
+# elementwise ops, whose OpenMP threads took turns with the kernels' pool at 2 threads
+I8_FUSE_ROWS = 1 << 30
 # int4 decode stays in C at any batch the scheduler makes: its int8-activation kernel
 # beats bf16 matmul to 256 rows, and fused layers measured 1.06-1.15x unfused at 32-64
 INT4_FUSE_ROWS = 256
