@@ -177,3 +177,26 @@ def test_a_prompt_step_past_256_rows_runs_the_c_layer(tmp_path, monkeypatch):
     tokens = [o.token_ids for o in whole]
     assert tokens == [o.token_ids for o in torch_path] == [o.token_ids for o in reference]
     assert median_gap(whole, torch_path) < median_gap(torch_path, reference)
+
+
+def test_int4_gemm_splits_over_the_pool_with_the_same_bits():
+    """csrc/qgemm.c's int4 kernel, tiles and chunks of 64 rows of x over the pool: two
+    threads give one thread's bits (200 outputs: a partial last tile and task; 70 rows: a
+    second chunk)."""
+    from bitserve.llm.quant.linear import Int4Linear
+
+    torch.manual_seed(1)
+    layer = Int4Linear.from_float(nn.Linear(256, 200).requires_grad_(False))
+    lib = kernels.get()
+    with torch.inference_mode():
+        layer(torch.randn(5, 256))  # prepares the C view
+        for m in (1, 3, 9, 70):
+            x = torch.randn(m, 256)
+            lib.lib.bs_set_threads(1)
+            one = lib.gemv(layer.c_weight, x)
+            lib.lib.bs_set_threads(2)
+            two = lib.gemv(layer.c_weight, x)
+            lib.lib.bs_set_threads(1)
+            assert torch.equal(one, two), m
+            want = x @ layer.dequantize().t()
+            torch.testing.assert_close(one, want, rtol=0.05, atol=0.05)

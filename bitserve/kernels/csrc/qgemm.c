@@ -174,46 +174,68 @@ static inline __attribute__((always_inline)) void q4t_tile(const Weight *w, cons
 #define Q4T_ROWS 8  /* rows of x a tile */
 #define Q4T_CHUNK 64 /* rows of x that meet all the weights before the next rows do */
 
-static void q4t_gemv(const Weight *w, const float *x, long ldx, long M, float *y) {
-    long N = w->N, tiles = (N + 15) / 16;
-    Q4X px;
-    q4x_prepare(w, x, ldx, M, &px);
+#define Q4T_TILES 4 /* tiles (of 16 output rows) a pool task */
+
+typedef struct {
+    const Weight *w;
+    const Q4X *px;
+    long M;
+    float *y;
+    long tasks_n; /* tasks a chunk of Q4T_CHUNK rows of x */
+} Q4Job;
+
+/* task t: tiles [Q4T_TILES * (t % tasks_n), + Q4T_TILES) for rows of x in chunk t / tasks_n */
+static void q4t_task(void *ctx, long task) {
+    const Q4Job *J = ctx;
+    const Weight *w = J->w;
+    const Q4X *px = J->px;
+    long M = J->M, N = w->N, tiles = (N + 15) / 16;
+    float *y = J->y;
     float out[Q4T_ROWS * 16];
-    for (long c0 = 0; c0 < M; c0 += Q4T_CHUNK) {
-        long c1 = c0 + Q4T_CHUNK < M ? c0 + Q4T_CHUNK : M;
-        for (long t = 0; t < tiles; t++) {
-            long n0 = 16 * t, nn = N - n0 < 16 ? N - n0 : 16;
-            for (long m0 = c0; m0 < c1; m0 += Q4T_ROWS) {
-                long R = c1 - m0 < Q4T_ROWS ? c1 - m0 : Q4T_ROWS;
+    long c0 = task / J->tasks_n * Q4T_CHUNK, c1 = c0 + Q4T_CHUNK < M ? c0 + Q4T_CHUNK : M;
+    long t0 = task % J->tasks_n * Q4T_TILES, t1 = t0 + Q4T_TILES < tiles ? t0 + Q4T_TILES : tiles;
+    for (long t = t0; t < t1; t++) {
+        long n0 = 16 * t, nn = N - n0 < 16 ? N - n0 : 16;
+        for (long m0 = c0; m0 < c1; m0 += Q4T_ROWS) {
+            long R = c1 - m0 < Q4T_ROWS ? c1 - m0 : Q4T_ROWS;
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
-                switch (R) {
-                case 1: q4t_tile(w, &px, m0, t, out, 1); break;
-                case 2: q4t_tile(w, &px, m0, t, out, 2); break;
-                case 3: q4t_tile(w, &px, m0, t, out, 3); break;
-                case 4: q4t_tile(w, &px, m0, t, out, 4); break;
-                case 5: q4t_tile(w, &px, m0, t, out, 5); break;
-                case 6: q4t_tile(w, &px, m0, t, out, 6); break;
-                case 7: q4t_tile(w, &px, m0, t, out, 7); break;
-                default: q4t_tile(w, &px, m0, t, out, 8); break;
-                }
-#else
-                for (long r = 0; r < R; r++)
-                    for (long l = 0; l < nn; l++) {
-                        float acc = 0.f;
-                        for (long k = 0; k < w->K; k++)
-                            acc += q4t_weight(w, n0 + l, k) *
-                                   (float)px.xq[(m0 + r) * w->Kp + k] *
-                                   px.dx[(m0 + r) * (w->Kp / 32) + k / 32];
-                        out[16 * r + l] = acc;
-                    }
-#endif
-                for (long r = 0; r < R; r++)
-                    for (long l = 0; l < nn; l++)
-                        y[(m0 + r) * N + n0 + l] =
-                            out[16 * r + l] + (w->bias ? w->bias[n0 + l] : 0.f);
+            switch (R) {
+            case 1: q4t_tile(w, px, m0, t, out, 1); break;
+            case 2: q4t_tile(w, px, m0, t, out, 2); break;
+            case 3: q4t_tile(w, px, m0, t, out, 3); break;
+            case 4: q4t_tile(w, px, m0, t, out, 4); break;
+            case 5: q4t_tile(w, px, m0, t, out, 5); break;
+            case 6: q4t_tile(w, px, m0, t, out, 6); break;
+            case 7: q4t_tile(w, px, m0, t, out, 7); break;
+            default: q4t_tile(w, px, m0, t, out, 8); break;
             }
+#else
+            for (long r = 0; r < R; r++)
+                for (long l = 0; l < nn; l++) {
+                    float acc = 0.f;
+                    for (long k = 0; k < w->K; k++)
+                        acc += q4t_weight(w, n0 + l, k) *
+                               (float)px->xq[(m0 + r) * w->Kp + k] *
+                               px->dx[(m0 + r) * (w->Kp / 32) + k / 32];
+                    out[16 * r + l] = acc;
+                }
+#endif
+            for (long r = 0; r < R; r++)
+                for (long l = 0; l < nn; l++)
+                    y[(m0 + r) * N + n0 + l] =
+                        out[16 * r + l] + (w->bias ? w->bias[n0 + l] : 0.f);
         }
     }
+}
+
+/* x quantized once (q4x_prepare), then tiles x chunks of rows over the pool: each output
+   is computed alike whichever thread takes it */
+static void q4t_gemv(const Weight *w, const float *x, long ldx, long M, float *y) {
+    long tiles = (w->N + 15) / 16;
+    Q4X px;
+    q4x_prepare(w, x, ldx, M, &px);
+    Q4Job job = {w, &px, M, y, (tiles + Q4T_TILES - 1) / Q4T_TILES};
+    bs_parallel(q4t_task, &job, (M + Q4T_CHUNK - 1) / Q4T_CHUNK * job.tasks_n);
     free(px.xq);
     free(px.dx);
     free(px.xsum);
