@@ -355,7 +355,9 @@ def bitserve_repository(repo: Path, arm: Arm, path: Path, config: str = LLM_CONF
 def make_server(arm: Arm, path: Path, cfg, cpus: set[int], threads: int, repo: Path) -> Server:
     if arm.server == "bitserve":
         repository = bitserve_repository(repo, arm, path)
-        env = {"PYTHONPATH": arm.tree} if arm.tree else None
+        # the tree's bitserve, not the one in the current directory (`python -m` puts
+        # the current directory ahead of PYTHONPATH unless PYTHONSAFEPATH is set)
+        env = {"PYTHONPATH": arm.tree, "PYTHONSAFEPATH": "1"} if arm.tree else None
         return Server.bitserve(repository, threads=threads, cpus=cpus, timeout=900, env=env)
     if arm.server == "vllm":
         python = vllm_python(cfg.vllm_python)
