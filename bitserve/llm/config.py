@@ -34,7 +34,10 @@ PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 
 def check_type(name: str, value: Any, hint: Any) -> None:
     """`value` is a `hint`, strictly (no "8" for 8, no true for 1), else a ValueError
-    that names it: "max_num_seqs must be int, got '8'"."""
+    that names it: "max_num_seqs must be int, got '8'". An integer is a float (TOML's
+    `confidence = 0` is an int; pydantic's strict float would refuse it)."""
+    if type(value) is int and float in _parts(hint):
+        value = float(value)
     try:
         _adapter(hint).validate_python(value, strict=True)
     except ValidationError:
@@ -46,9 +49,14 @@ def _adapter(hint: Any) -> TypeAdapter:
     return TypeAdapter(hint)
 
 
+def _parts(hint: Any) -> tuple:
+    """`int | None` as (int, NoneType)."""
+    return get_args(hint) if get_origin(hint) in (Union, UnionType) else (hint,)
+
+
 def _words(hint: Any) -> str:
     """`int | None` as "int or None"."""
-    parts = get_args(hint) if get_origin(hint) in (Union, UnionType) else (hint,)
+    parts = _parts(hint)
     return " or ".join(
         "None" if p is type(None) else getattr(get_origin(p) or p, "__name__", str(p))
         for p in parts

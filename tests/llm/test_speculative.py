@@ -390,11 +390,23 @@ def test_per_request_opt_out_and_the_metrics(model_dirs):
         ({"method": "draft", "model": "no-such-draft"}, "speculative.model"),
         ({"method": "ngram", "confidence": 1.5}, "speculative.confidence"),
         ({"method": "ngram", "draft_vocab": -1}, "speculative.draft_vocab"),
+        ({"method": "ngram", "confidence": True}, "speculative.confidence"),
+        ({"method": "ngram", "confidence": "0"}, "speculative.confidence"),
     ],
 )
 def test_bad_speculative_configs_are_refused_naming_the_field(model_dirs, spec, field):
     with pytest.raises(ValueError, match=re.escape(field)):
         make_engine(model_dirs["llama"], num_kv_blocks=16, speculative=spec)
+
+
+def test_an_integer_is_a_float_in_the_speculative_table():
+    """TOML's `confidence = 0` is an int: taken as 0.0, as `confidence = 0.0` is."""
+    assert (
+        speculative.SpeculativeConfig.parse({"method": "ngram", "confidence": 0}, None).confidence
+        == 0
+    )
+    with pytest.raises(ValueError, match=r"speculative.confidence must be in \[0, 1\)"):
+        speculative.SpeculativeConfig.parse({"method": "ngram", "confidence": 1}, None)
 
 
 def test_a_draft_with_another_vocabulary_is_refused(model_dirs, small_dirs):
