@@ -44,6 +44,7 @@ from collections import Counter
 
 import torch
 
+from bitserve import kernels
 from bitserve.llm.sequence import Sequence
 from bitserve.llm.structured import apply_masks, mask_rows
 
@@ -202,7 +203,7 @@ class Sampler:
         plan = Plan(seqs, vocab, eos_token_ids, self.rng)
         # all plain greedy rows without logprobs (a batch-1 greedy decode): nothing to send
         d = plan.send(logits.device) if plan.special or plan.logprobs else {}
-        values, tokens = logits.max(-1)  # max propagates NaN: it finds broken rows too
+        values, tokens = kernels.row_max(logits)  # NaN propagates: it finds broken rows
         parts = [tokens, values.isnan()]
         if plan.special:
             rows = d["special"].long()

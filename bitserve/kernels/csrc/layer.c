@@ -190,6 +190,74 @@ void bs_rope_rows(float *x, long T, long ld, long H, long D, const int64_t *posi
     }
 }
 
+/* Each row's largest value and the index of its first occurrence, as torch's max(-1):
+   a row with a NaN gives its first NaN (NaNs found on the bits: -ffast-math may assume
+   none). One pass of vector maxima and a scan for the first equal value, where torch's
+   max with indices runs ~17x slower than its max alone (0.4 ms for 16 x 32000). */
+typedef struct {
+    const float *x;
+    long N;
+    float *values;
+    int64_t *index;
+} RowMax;
+
+static long first_nan(const float *row, long N) {
+    const uint32_t *bits = (const uint32_t *)row;
+    for (long j = 0; j < N; j++)
+        if ((bits[j] & 0x7fffffffu) > 0x7f800000u) return j;
+    return -1;
+}
+
+static void row_max_task(void *job, long m) {
+    const RowMax *J = job;
+    const float *row = J->x + m * J->N;
+    long N = J->N, j = 0, at = -1;
+    float best = row[0];
+#ifdef __AVX512F__
+    if (N >= 16) {
+        __m512 mx = _mm512_loadu_ps(row);
+        __m512i nan = _mm512_setzero_si512(), inf = _mm512_set1_epi32(0x7f800000),
+                abs = _mm512_set1_epi32(0x7fffffff);
+        for (; j + 16 <= N; j += 16) {
+            __m512 v = _mm512_loadu_ps(row + j);
+            __m512i b = _mm512_and_si512(_mm512_castps_si512(v), abs);
+            nan = _mm512_or_si512(nan, _mm512_movm_epi32(_mm512_cmpgt_epi32_mask(b, inf)));
+            mx = _mm512_max_ps(mx, v);
+        }
+        if (_mm512_test_epi32_mask(nan, nan)) j = 0; /* the scalar scan finds it */
+        else {
+            best = _mm512_reduce_max_ps(mx);
+            for (; j < N; j++) best = row[j] > best ? row[j] : best;
+            __m512 b16 = _mm512_set1_ps(best);
+            for (long c = 0; at < 0; c += 16) {
+                if (c + 16 > N) {
+                    for (long k = c; k < N; k++)
+                        if (row[k] == best) { at = k; break; }
+                    break;
+                }
+                __mmask16 eq = _mm512_cmp_ps_mask(_mm512_loadu_ps(row + c), b16, _CMP_EQ_OQ);
+                if (eq) at = c + __builtin_ctz(eq);
+            }
+        }
+    }
+#endif
+    if (at < 0) {
+        at = first_nan(row, N);
+        if (at < 0) {
+            at = 0;
+            for (long k = 1; k < N; k++)
+                if (row[k] > row[at]) at = k;
+        }
+    }
+    J->values[m] = row[at];
+    J->index[m] = at;
+}
+
+void bs_row_max(const float *x, long M, long N, float *values, int64_t *index) {
+    RowMax job = {x, N, values, index};
+    bs_parallel(row_max_task, &job, M);
+}
+
 #define FIELD(T, f) {#T, #f, (long)offsetof(T, f)}
 #define SIZE(T) {#T, "", (long)sizeof(T)}
 static const struct {
