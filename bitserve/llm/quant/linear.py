@@ -467,12 +467,6 @@ def probe(layer: QuantLinear, name: str, kernel, weight: torch.Tensor, rows: int
     return True
 
 
-# a decode step's rows look up in C on the calling thread; a prompt burst's thousands keep
-# torch's parallel gather (the server's TTFT p99 read ~0.15 s worse with C for every row,
-# a suspicion, not an isolated measurement)
-C_LOOKUP_ROWS = 256
-
-
 class Int8Embedding(nn.Module):
     """Token embeddings as per-row int8: a lookup reads and dequantizes only its rows."""
 
@@ -498,7 +492,6 @@ class Int8Embedding(nn.Module):
             and self.dtype is torch.float32
             and self.qweight.device.type == "cpu"
             and ids.dtype is torch.int64
-            and ids.numel() <= C_LOOKUP_ROWS
             and self.qweight.is_contiguous()
             and self.scales.is_contiguous()
         ):  # the same bits: one fp32 product an element
