@@ -200,7 +200,7 @@ class Kernels:
 
     def row_max(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """torch's x.max(-1) (values, first index; a NaN row: its first NaN) for x [M, N]
-        contiguous fp32 with N > 0, in one vector pass on the calling thread."""
+        contiguous fp32 with N > 0, in one vector pass on the pool."""
         m, n = x.shape
         values = torch.empty(m, dtype=torch.float32)
         index = torch.empty(m, dtype=torch.int64)

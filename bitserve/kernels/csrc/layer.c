@@ -255,9 +255,7 @@ static void row_max_task(void *job, long m) {
 
 void bs_row_max(const float *x, long M, long N, float *values, int64_t *index) {
     RowMax job = {x, N, values, index};
-    /* on the calling thread: 16 x 32000 take ~40 us, less than handing rows to a worker
-       that may be off its core (a server's event loop shares the two) */
-    for (long m = 0; m < M; m++) row_max_task(&job, m);
+    bs_parallel(row_max_task, &job, M);
 }
 
 /* out[m] = q[ids[m]] * scales[ids[m]] (-1; else the first m with ids[m] not in [0, V)): M rows of an int8 embedding (per-row scales), on
