@@ -207,17 +207,6 @@ class Kernels:
         self.lib.bs_row_max(ptr(x), m, n, ptr(values), ptr(index, "int64_t *"))
         return values, index
 
-    def embed_i8(self, q: torch.Tensor, scales: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """q [V, H] int8 and scales [V] fp32 (contiguous), ids int64 [M] contiguous ->
-        q[ids] * scales[ids, None], [M, H] fp32; IndexError for an id not in [0, V)."""
-        (v, h), m = q.shape, ids.shape[0]
-        out = torch.empty(m, h, dtype=torch.float32)
-        args = (ptr(q, "int8_t *"), ptr(scales), v, ptr(ids, "int64_t *"), m, h, ptr(out))
-        bad = self.lib.bs_embed_i8(*args)
-        if bad >= 0:
-            raise IndexError(f"token id {int(ids[bad])} is out of range for {v} embeddings")
-        return out
-
     def rope(self, x: torch.Tensor, positions: torch.Tensor, cos, sin) -> None:
         """In place on x [T, H, D] fp32 (heads contiguous in a row, any row stride);
         positions int64 [T] contiguous; cos, sin [max_len, D] contiguous fp32."""

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from bitserve import kernels
-from bitserve.llm.quant.linear import Int8Embedding, Int8Linear
+from bitserve.llm.quant.linear import Int8Linear
 
 pytestmark = pytest.mark.skipif(kernels.get() is None, reason="no C compiler here")
 
@@ -200,19 +200,3 @@ def test_int4_gemm_splits_over_the_pool_with_the_same_bits():
             assert torch.equal(one, two), m
             want = x @ layer.dequantize().t()
             torch.testing.assert_close(one, want, rtol=0.05, atol=0.05)
-
-
-def test_int8_embedding_lookup_in_c_is_torchs():
-    """The C lookup of an int8 embedding (a decode step's rows) gives torch's bits for
-    any id shape, and an id outside the table is an IndexError naming it."""
-    g = torch.Generator().manual_seed(6)
-    table = nn.Embedding(500, 80)
-    nn.init.normal_(table.weight, generator=g)
-    emb = Int8Embedding.from_float(table)
-    ids = torch.randint(0, 500, (3, 9), generator=g)
-    want = emb(ids)
-    emb.kernels = kernels.get()
-    assert torch.equal(emb(ids), want)
-    assert torch.equal(emb(ids[1]), want[1])
-    with pytest.raises(IndexError, match="500"):
-        emb(torch.tensor([3, 500]))

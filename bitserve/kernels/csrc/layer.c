@@ -258,22 +258,6 @@ void bs_row_max(const float *x, long M, long N, float *values, int64_t *index) {
     bs_parallel(row_max_task, &job, M);
 }
 
-/* out[m] = q[ids[m]] * scales[ids[m]] (-1; else the first m with ids[m] not in [0, V)): M rows of an int8 embedding (per-row scales), on
-   the calling thread (a decode step's 16 rows: a few us; torch's gather, cast and multiply
-   handed them to its OpenMP team, which took turns with the pool's spinning workers). */
-long bs_embed_i8(const int8_t *q, const float *scales, long V, const int64_t *ids, long M,
-                 long H, float *out) {
-    for (long m = 0; m < M; m++)
-        if (ids[m] < 0 || ids[m] >= V) return m; /* the first row out of range */
-    for (long m = 0; m < M; m++) {
-        const int8_t *row = q + ids[m] * H;
-        float s = scales[ids[m]], *o = out + m * H;
-#pragma omp simd
-        for (long h = 0; h < H; h++) o[h] = (float)row[h] * s;
-    }
-    return -1;
-}
-
 #define FIELD(T, f) {#T, #f, (long)offsetof(T, f)}
 #define SIZE(T) {#T, "", (long)sizeof(T)}
 static const struct {

@@ -470,8 +470,6 @@ def probe(layer: QuantLinear, name: str, kernel, weight: torch.Tensor, rows: int
 class Int8Embedding(nn.Module):
     """Token embeddings as per-row int8: a lookup reads and dequantizes only its rows."""
 
-    kernels: c.Kernels | None = None  # the lookup in C on the CPU (kernels.attach, at load)
-
     def __init__(self, num_embeddings: int, embedding_dim: int, dtype=torch.float32):
         super().__init__()
         self.num_embeddings, self.embedding_dim, self.dtype = num_embeddings, embedding_dim, dtype
@@ -487,17 +485,6 @@ class Int8Embedding(nn.Module):
         return layer
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        if (
-            self.kernels is not None
-            and self.dtype is torch.float32
-            and self.qweight.device.type == "cpu"
-            and ids.dtype is torch.int64
-            and self.qweight.is_contiguous()
-            and self.scales.is_contiguous()
-        ):  # the same bits: one fp32 product an element
-            flat = ids.reshape(-1).contiguous()
-            out = self.kernels.embed_i8(self.qweight, self.scales, flat)
-            return out.view(*ids.shape, self.embedding_dim)
         rows = self.qweight[ids].to(self.dtype)
         return rows * self.scales[ids].to(self.dtype).unsqueeze(-1)
 
