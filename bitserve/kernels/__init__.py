@@ -198,15 +198,6 @@ class Kernels:
         self.lib.bs_silu_mul(ptr(gate_up), m, two_i // 2, ptr(out))
         return out
 
-    def row_max(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """torch's x.max(-1) (values, first index; a NaN row: its first NaN) for x [M, N]
-        contiguous fp32 with N > 0, in one vector pass on the pool."""
-        m, n = x.shape
-        values = torch.empty(m, dtype=torch.float32)
-        index = torch.empty(m, dtype=torch.int64)
-        self.lib.bs_row_max(ptr(x), m, n, ptr(values), ptr(index, "int64_t *"))
-        return values, index
-
     def rope(self, x: torch.Tensor, positions: torch.Tensor, cos, sin) -> None:
         """In place on x [T, H, D] fp32 (heads contiguous in a row, any row stride);
         positions int64 [T] contiguous; cos, sin [max_len, D] contiguous fp32."""
@@ -379,22 +370,6 @@ _library = Library()
 def get() -> Kernels | None:
     """The compiled kernels, or None (no compiler, build failed, or disabled)."""
     return _library.get()
-
-
-def row_max(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x.max(-1) of a 2-D tensor: the kernel's one pass for contiguous fp32 on the CPU
-    (the same values and indices, ~10x faster at 16 x 32000), torch's otherwise."""
-    lib = get()
-    if (
-        lib is None
-        or x.device.type != "cpu"
-        or x.dtype != torch.float32
-        or x.dim() != 2
-        or x.shape[1] == 0
-        or not x.is_contiguous()
-    ):
-        return x.max(-1)
-    return lib.row_max(x)
 
 
 def reset(enabled: bool | None = None) -> None:

@@ -44,7 +44,6 @@ from collections import Counter
 
 import torch
 
-from bitserve import kernels
 from bitserve.llm.sequence import Sequence
 from bitserve.llm.structured import apply_masks, mask_rows
 
@@ -203,7 +202,7 @@ class Sampler:
         plan = Plan(seqs, vocab, eos_token_ids, self.rng)
         # all plain greedy rows without logprobs (a batch-1 greedy decode): nothing to send
         d = plan.send(logits.device) if plan.special or plan.logprobs else {}
-        values, tokens = kernels.row_max(logits)  # NaN propagates: it finds broken rows
+        values, tokens = logits.max(-1)  # max propagates NaN: it finds broken rows too
         parts = [tokens, values.isnan()]
         if plan.special:
             rows = d["special"].long()

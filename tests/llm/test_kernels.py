@@ -330,28 +330,3 @@ def test_steps_on_the_pool_give_the_same_bits(llama64_dir):
         return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs]
 
     assert run(3) == run(1)
-
-
-@needs_kernels
-@pytest.mark.parametrize("n", [1, 17, 32000])
-def test_row_max_is_torchs_max(n, restore_kernels):
-    """The sampler's greedy max: torch's values and first indices, bit for bit, with
-    ties, signed zeros, infinities and NaNs (a row with one gives its first NaN)."""
-    g = torch.Generator().manual_seed(2)
-    x = torch.randn(12, n, generator=g)
-    x[1] = float("-inf")
-    x[2, n // 2] = float("nan")
-    x[3, 0], x[3, -1] = float("inf"), float("nan")
-    x[4], x[4, n // 3] = 0.0, -0.0
-    x[5] = torch.round(x[5])  # ties
-    x[6] = float("nan")
-    kernels.get().lib.bs_set_threads(2)
-    try:
-        values, index = kernels.row_max(x)
-    finally:
-        kernels.get().lib.bs_set_threads(1)
-    want_values, want_index = x.max(-1)
-    assert torch.equal(index, want_index)
-    assert torch.equal(values.isnan(), want_values.isnan())
-    finite = ~want_values.isnan()
-    assert torch.equal(values[finite].view(torch.int32), want_values[finite].view(torch.int32))

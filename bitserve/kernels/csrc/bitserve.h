@@ -97,7 +97,6 @@ void bs_decode_layer(const LayerParams *p, float *x, long M, const int64_t *posi
 
 /* out [M, I] = silu(gu[:, :I]) * gu[:, I:] */
 void bs_silu_mul(const float *gu, long M, long I, float *out);
-void bs_row_max(const float *x, long M, long N, float *values, int64_t *index);
 
 /* RoPE in place on the H heads of D at the start of each of T rows of x (row stride ld) */
 void bs_rope_rows(float *x, long T, long ld, long H, long D, const int64_t *positions,
