@@ -110,6 +110,44 @@ def test_paged_decode_matches_sdpa(heads, kv_heads, dim):
     assert (out[[0, 3]] == 7.0).all()  # rows that are not decodes are left alone
 
 
+@needs_kernels
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(16, 4, 64), (8, 2, 32), (6, 2, 48)])
+@pytest.mark.parametrize(("window", "softcap"), [(0, 0.0), (40, 0.0), (0, 30.0)])
+def test_paged_decode_shares_kv_heads_with_the_same_bits(
+    threads, heads, kv_heads, dim, window, softcap
+):
+    """The query heads of a KV head read its keys and values once, together: each head's
+    output has the bits of the same head with its own copy of the KV head (kv_heads =
+    heads), at batch 1 (a group split over tasks) and at 9 sequences."""
+    lib = kernels.get()
+    g = torch.Generator().manual_seed(3)
+    bs, nblk, lens = 16, 80, [1, 16, 17, 100, 164, 3, 64, 250, 33]
+    k_pool = torch.randn(kv_heads, nblk, bs, dim, generator=g)
+    v_pool = torch.randn(kv_heads, nblk, bs, dim, generator=g)
+    perm = torch.randperm(nblk, generator=g).tolist()
+    tables, used = [], 0
+    for n in lens:
+        tables.append(perm[used : used + -(-n // bs)])
+        used += len(tables[-1])
+    width = max(len(t) for t in tables)
+    padded = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    q = torch.randn(len(lens), heads, dim, generator=g)
+    rows, n = torch.arange(len(lens), dtype=torch.int32), torch.tensor(lens, dtype=torch.int32)
+    group = heads // kv_heads
+    lib.lib.bs_set_threads(threads)
+    try:
+        for batch in (1, len(lens)):
+            shared, alone = torch.zeros_like(q), torch.zeros_like(q)
+            args = (rows[:batch], padded[:batch], n[:batch], dim**-0.5, window, softcap)
+            lib.paged_decode(q, shared, args[0], k_pool, v_pool, *args[1:])
+            expanded = [p.repeat_interleave(group, 0).contiguous() for p in (k_pool, v_pool)]
+            lib.paged_decode(q, alone, args[0], *expanded, *args[1:])
+            assert torch.equal(shared, alone)
+    finally:
+        lib.lib.bs_set_threads(1)
+
+
 @pytest.fixture(scope="module")
 def llama64_dir(tmp_path_factory):
     """head_dim 64 (the vectorised attention path) and hidden 128 (the GEMV fast path)."""

@@ -47,6 +47,14 @@ static inline void block_scores(const float *qh, const float *kb, long n, long D
 }
 #endif
 
+/* Block `blk` of a KV head's keys and values (n floats each) into L2. */
+static inline void prefetch_block(const float *k, const float *v, long blk, long n) {
+    for (long c = 0; c < n; c += 16) {
+        __builtin_prefetch(k + blk * n + c, 0, 2);
+        __builtin_prefetch(v + blk * n + c, 0, 2);
+    }
+}
+
 typedef struct {
     const float *q;
     long ldq;
@@ -62,47 +70,68 @@ typedef struct {
     float scale;
     long window;
     float softcap;
-    long per; /* (sequence, head) items a task */
+    long split; /* parts of each KV head's group of query heads (1 but for few items) */
+    long per;   /* items a task */
 } Attend;
 
-/* Task t of bs_attend: items [t * per, (t + 1) * per) of the B * Hq (sequence, head)
-   pairs, each independent of the others. */
+/* Task t of bs_attend: items [t * per, (t + 1) * per) of the B * Hkv * split (sequence, KV
+   head, part of its query heads) triples, each independent of the others. The query heads
+   that share a KV head (GQA) read each block of its keys and values once, while it is in
+   L1, one head after another: per head the arithmetic and its order are those of a head
+   alone (the same bits), the pool's K/V is streamed once, not once per query head. */
 static void attend_task(void *job, long t) {
     const Attend *J = job;
     const float *q = J->q, *kpool = J->kpool, *vpool = J->vpool;
     float *out = J->out;
     const int *rows = J->rows, *tables = J->tables, *lens = J->lens;
-    long ldq = J->ldq, ldo = J->ldo, B = J->B, Hq = J->Hq, D = J->D, bs = J->bs;
-    long nblk = J->nblk, max_blocks = J->max_blocks, window = J->window;
+    long ldq = J->ldq, ldo = J->ldo, B = J->B, Hkv = J->Hkv, D = J->D, bs = J->bs;
+    long nblk = J->nblk, max_blocks = J->max_blocks, window = J->window, split = J->split;
     float scale = J->scale, softcap = J->softcap;
-    long group = Hq / J->Hkv, max_len = max_blocks * bs;
-    long first = t * J->per, last = first + J->per < B * Hq ? first + J->per : B * Hq;
-    float *scores = (float *)malloc(sizeof(float) * (max_len > 0 ? max_len : 1));
-    float *acc = (float *)malloc(sizeof(float) * D);
+    long group = J->Hq / Hkv, gper = (group + split - 1) / split, max_len = max_blocks * bs;
+    long items = B * Hkv * split;
+    long first = t * J->per, last = first + J->per < items ? first + J->per : items;
+    long stride = max_len > 0 ? max_len : 1; /* one head's scores */
+    float *scores = (float *)malloc(sizeof(float) * stride * gper);
+    float *acc = (float *)malloc(sizeof(float) * D * gper);
+    float *inv = (float *)malloc(sizeof(float) * gper);
     for (long item = first; item < last; item++) {
-        long i = item / Hq, h = item % Hq;
+        long i = item / (Hkv * split), kvh = item / split % Hkv, part = item % split;
+        long h0 = kvh * group + part * gper;
+        long nh = (kvh + 1) * group - h0 < gper ? (kvh + 1) * group - h0 : gper;
+        if (nh <= 0) continue;
         const int *table = tables + i * max_blocks;
         long len = lens[i], nb = (len + bs - 1) / bs;
         long lo = window > 0 && len > window ? len - window : 0, b0 = lo / bs;
-        {
-            long kvh = h / group;
-            const float *qh = q + (long)rows[i] * ldq + h * D;
-            const float *kh = kpool + kvh * nblk * bs * D;
-            const float *vh = vpool + kvh * nblk * bs * D;
-            /* scores: block by block (each block's keys are bs * D contiguous floats) */
-            float mx = -3.0e38f;
+        const float *qrow = q + (long)rows[i] * ldq;
+        float *orow = out + (long)rows[i] * ldo;
+        const float *kh = kpool + kvh * nblk * bs * D;
+        const float *vh = vpool + kvh * nblk * bs * D;
+        /* the next item's keys and values are other pages (the hardware prefetches none
+           of them): they are asked for into L2 a block per block of this item's keys */
+        long next = item + 1 < items ? item + 1 : item, ni = next / (Hkv * split);
+        long next_kvh = next / split % Hkv, next_nb = next == item ? 0 : (lens[ni] + bs - 1) / bs;
+        const int *next_table = tables + ni * max_blocks;
+        const float *next_k = kpool + next_kvh * nblk * bs * D;
+        const float *next_v = vpool + next_kvh * nblk * bs * D;
+        /* scores: block by block (each block's keys are bs * D contiguous floats) */
 #ifdef __AVX512F__
-            if (bs == 16 && (D == 32 || D == 64)) { /* 16 keys at a time, one reduction */
-                for (long b = b0; b < nb; b++) {
-                    long n = len - b * bs < bs ? len - b * bs : bs;
-                    block_scores(qh, kh + (long)table[b] * bs * D, n, D, scale, scores + b * bs);
-                }
-            } else
+        if (bs == 16 && (D == 32 || D == 64)) { /* 16 keys at a time, one reduction */
+            for (long b = b0; b < nb; b++) {
+                long n = len - b * bs < bs ? len - b * bs : bs;
+                const float *kb = kh + (long)table[b] * bs * D;
+                if (b < next_nb) prefetch_block(next_k, next_v, next_table[b], bs * D);
+                for (long g = 0; g < nh; g++)
+                    block_scores(qrow + (h0 + g) * D, kb, n, D, scale,
+                                 scores + g * stride + b * bs);
+            }
+        } else
 #endif
+        for (long g = 0; g < nh; g++) {
+            const float *qh = qrow + (h0 + g) * D;
             for (long b = b0; b < nb; b++) {
                 const float *kb = kh + (long)table[b] * bs * D;
                 long n = len - b * bs < bs ? len - b * bs : bs;
-                float *sb = scores + b * bs;
+                float *sb = scores + g * stride + b * bs;
                 /* the next block is another page: prefetch it while this one is read */
                 const float *kn = b + 1 < nb ? kh + (long)table[b + 1] * bs * D : kb;
                 for (long j = 0; j < n; j++) {
@@ -110,61 +139,82 @@ static void attend_task(void *job, long t) {
                     sb[j] = dot(qh, kb + j * D, D) * scale;
                 }
             }
+        }
+        for (long b = nb; b < next_nb; b++) prefetch_block(next_k, next_v, next_table[b], bs * D);
+        for (long g = 0; g < nh; g++) {
+            float *s = scores + g * stride, mx = -3.0e38f;
             if (softcap > 0.f) {
                 float inv_cap = 1.f / softcap;
 #pragma omp simd
-                for (long t = lo; t < len; t++) scores[t] = tanhf(scores[t] * inv_cap) * softcap;
+                for (long t = lo; t < len; t++) s[t] = tanhf(s[t] * inv_cap) * softcap;
             }
-            for (long t = lo; t < len; t++) mx = scores[t] > mx ? scores[t] : mx;
+            for (long t = lo; t < len; t++) mx = s[t] > mx ? s[t] : mx;
             float total = 0.f;
 #pragma omp simd reduction(+ : total)
             for (long t = lo; t < len; t++) {
-                float e = expf(scores[t] - mx);
-                scores[t] = e;
+                float e = expf(s[t] - mx);
+                s[t] = e;
                 total += e;
             }
-            float inv = 1.f / total;
-            float *oh = out + (long)rows[i] * ldo + h * D;
+            inv[g] = 1.f / total;
+        }
 #ifdef __AVX512F__
-            if (D == 64) { /* the common head size: the accumulator stays in registers */
-                __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-                for (long b = b0; b < nb; b++) {
-                    const float *vb = vh + (long)table[b] * bs * D;
-                    long n = len - b * bs < bs ? len - b * bs : bs;
-                    const float *sb = scores + b * bs;
-                    const float *vn = b + 1 < nb ? vh + (long)table[b + 1] * bs * D : vb;
+        if (D == 64) { /* the common head size: a head's accumulator in registers a block */
+            memset(acc, 0, sizeof(float) * D * nh);
+            for (long b = b0; b < nb; b++) {
+                const float *vb = vh + (long)table[b] * bs * D;
+                long n = len - b * bs < bs ? len - b * bs : bs;
+                const float *vn = b + 1 < nb ? vh + (long)table[b + 1] * bs * D : vb;
+                for (long g = 0; g < nh; g++) {
+                    const float *sb = scores + g * stride + b * bs;
+                    float *ag = acc + g * 64;
+                    __m512 a0 = _mm512_loadu_ps(ag), a1 = _mm512_loadu_ps(ag + 16),
+                           a2 = _mm512_loadu_ps(ag + 32), a3 = _mm512_loadu_ps(ag + 48);
                     for (long j = b == b0 ? lo - b * bs : 0; j < n; j++) {
                         __m512 p = _mm512_set1_ps(sb[j]);
                         const float *vt = vb + j * 64;
-                        for (long c = 0; c < 64; c += 16) __builtin_prefetch(vn + j * 64 + c);
+                        if (g == 0)
+                            for (long c = 0; c < 64; c += 16) __builtin_prefetch(vn + j * 64 + c);
                         a0 = _mm512_fmadd_ps(p, _mm512_loadu_ps(vt), a0);
                         a1 = _mm512_fmadd_ps(p, _mm512_loadu_ps(vt + 16), a1);
                         a2 = _mm512_fmadd_ps(p, _mm512_loadu_ps(vt + 32), a2);
                         a3 = _mm512_fmadd_ps(p, _mm512_loadu_ps(vt + 48), a3);
                     }
+                    _mm512_storeu_ps(ag, a0);
+                    _mm512_storeu_ps(ag + 16, a1);
+                    _mm512_storeu_ps(ag + 32, a2);
+                    _mm512_storeu_ps(ag + 48, a3);
                 }
-                __m512 vi = _mm512_set1_ps(inv);
-                _mm512_storeu_ps(oh, _mm512_mul_ps(a0, vi));
-                _mm512_storeu_ps(oh + 16, _mm512_mul_ps(a1, vi));
-                _mm512_storeu_ps(oh + 32, _mm512_mul_ps(a2, vi));
-                _mm512_storeu_ps(oh + 48, _mm512_mul_ps(a3, vi));
-                continue;
             }
+            for (long g = 0; g < nh; g++) {
+                __m512 vi = _mm512_set1_ps(inv[g]);
+                const float *ag = acc + g * 64;
+                float *oh = orow + (h0 + g) * 64;
+                for (long c = 0; c < 64; c += 16)
+                    _mm512_storeu_ps(oh + c, _mm512_mul_ps(_mm512_loadu_ps(ag + c), vi));
+            }
+            continue;
+        }
 #endif
-            memset(acc, 0, sizeof(float) * D);
+        for (long g = 0; g < nh; g++) {
+            const float *s = scores + g * stride;
+            float *a = acc;
+            memset(a, 0, sizeof(float) * D);
             for (long b = b0; b < nb; b++) {
                 const float *vb = vh + (long)table[b] * bs * D;
                 long n = len - b * bs < bs ? len - b * bs : bs;
                 for (long j = b == b0 ? lo - b * bs : 0; j < n; j++) {
                     const float *vt = vb + j * D;
-                    float p = scores[b * bs + j];
+                    float p = s[b * bs + j];
 #pragma omp simd
-                    for (long d = 0; d < D; d++) acc[d] += p * vt[d];
+                    for (long d = 0; d < D; d++) a[d] += p * vt[d];
                 }
             }
-            for (long d = 0; d < D; d++) oh[d] = acc[d] * inv;
+            float *oh = orow + (h0 + g) * D;
+            for (long d = 0; d < D; d++) oh[d] = a[d] * inv[g];
         }
     }
+    free(inv);
     free(acc);
     free(scores);
 }
@@ -175,15 +225,21 @@ static void attend_task(void *job, long t) {
    new token, already written to the pool). window > 0: only the last `window` keys
    (sliding-window layers; blocks before them are never read, they may be freed);
    softcap > 0: scores become softcap * tanh(score / softcap) (Gemma 2). The pool's
-   threads share the (sequence, head) pairs, a few tasks per thread. */
+   threads share the (sequence, KV head) pairs, a few tasks per thread; a KV head's query
+   heads split into parts only where there are too few pairs for the tasks (batch 1). */
 void bs_attend(const float *q, long ldq, float *out, long ldo, const int *rows, long B, long Hq,
                long Hkv, long D, const float *kpool, const float *vpool, long nblk, long bs,
                const int *tables, long max_blocks, const int *lens, float scale, long window,
                float softcap) {
-    long items = B * Hq, tasks = 4 * bs_get_threads();
-    Attend job = {q,    ldq,   out,        ldo,  rows,  B,      Hq,      Hkv,
-                  D,    kpool, vpool,      nblk, bs,    tables, max_blocks, lens,
-                  scale, window, softcap, (items + tasks - 1) / tasks};
+    long pairs = B * Hkv, tasks = 4 * bs_get_threads(), group = Hq / Hkv, split = 1;
+    if (pairs > 0 && pairs < tasks) {
+        split = (tasks + pairs - 1) / pairs;
+        if (split > group) split = group;
+    }
+    long items = pairs * split;
+    Attend job = {q,     ldq,   out,        ldo,  rows,  B,      Hq,    Hkv,     D,
+                  kpool, vpool, nblk,       bs,   tables, max_blocks, lens, scale, window,
+                  softcap, split, (items + tasks - 1) / tasks};
     if (job.per < 1) job.per = 1;
     bs_parallel(attend_task, &job, (items + job.per - 1) / job.per);
 }
