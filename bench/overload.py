@@ -38,6 +38,14 @@ throughput (2050 against 1100 chunks/s; 3075 against 1840 with refusals only) bu
 refusals' p99 stayed 60-140 ms: the loop still handles every step's outputs of the 96
 chats (the router side), and the engine process takes the second core the loop used.
 
+`--probe N` repeats the soak's overload probe (issue 35's check: `--burst` chats at once
+on tinylm, the engine idle before each, 64 admitted and the rest refused) N times on
+connections opened just before the burst and N times on connections the server has
+accepted already, alternately, then times the event loop's CPU per connection on `full`:
+accepting it, reading a request and writing its 429, closing it (2026-12-05, this VM:
+~27-41, ~40-68 and ~27 us: a burst of 400 new clients is ~40 ms of the loop before
+anything else it does).
+
 `--tree` runs the same measurement against the server code of another checkout (e.g.
 `--tree . --tree /work/main`: after and before, in one run, on one box). Prints a table
 and a JSON line. A benchmark, not a test: it asserts nothing.
@@ -48,6 +56,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import heapq
+import itertools
 import json
 import multiprocessing
 import os
@@ -140,9 +149,16 @@ SO_TIMESTAMPNS = 35  # Linux: the kernel's receive time of a segment, in recvmsg
 
 
 def timed_clients(
-    port: int, request: bytes, n: int, retry: str = "once", seconds: float = 0.0
+    port: int,
+    request: bytes,
+    n: int,
+    retry: str = "once",
+    seconds: float = 0.0,
+    settle: float = 0.0,
 ) -> list[tuple[int, float, float, bool]]:
-    """`n` keep-alive connections, opened beforehand, each sending `request` at once.
+    """`n` keep-alive connections, opened beforehand (`settle` seconds before: the
+    server has accepted them; 0: the burst meets their accepts), each sending `request`
+    at once.
     `retry` is what a client does after an answer, until `seconds` pass: "once" nothing
     (a burst), "hammer" sends again at once, "retry-after" waits the Retry-After of a 429
     or 503 first (as the openai SDK does), then sends again.
@@ -169,6 +185,7 @@ def timed_clients(
 
     for i, sock in enumerate(socks):
         selector.register(sock, selectors.EVENT_READ, i)
+    time.sleep(settle)
     for i in range(n):
         send(i)
     give_up = end + 120
@@ -490,6 +507,48 @@ def run_hostile(tree: Path, repo: Path, args: argparse.Namespace) -> dict:
     return {"tree": str(tree), "rounds": rounds, "p99_ratios": ratios}
 
 
+def run_probe(tree: Path, repo: Path, args: argparse.Namespace) -> dict:
+    """--probe: the soak's overload probe, `args.probe` times on one server: `--burst`
+    chats at once on tinylm with the engine idle before each (it admits 64 and refuses
+    the rest), on connections opened just before (the burst meets their accepts) or
+    0.5 s before (accepted already), alternately; p99 of the 429s per burst. Then, on
+    `full` (every request refused), the event loop's CPU per connection: accept,
+    request and refusal, close (schedstat of the loop thread, 400 connections at a time)."""
+    port = free_port()
+    env = {"PYTHONPATH": str(tree.resolve())}
+    chat = http_request("/v1/chat/completions", chat_body(64, False))
+    full = http_request("/v1/chat/completions", chat_body(64, False, "full"))
+    p99 = {"fresh": [], "accepted": []}
+    costs = []
+    with Server("bitserve", bitserve_command(repo, port), port, env=env) as server:
+        pid = server.proc.pid
+        timed_clients(port, chat, 8)
+        for b in range(2 * args.probe):
+            time.sleep(6.0)  # the last burst's 64 admitted are done
+            kind = ("fresh", "accepted")[b % 2]
+            answers = timed_clients(port, chat, args.burst, settle=0.5 * (kind == "accepted"))
+            refused = [a[1] for a in answers if a[0] == 429 and a[3]]
+            p99[kind].append(float(np.percentile(refused, 99)) if refused else None)
+        for _ in range(args.probe):
+            time.sleep(1.0)
+            cpu = [loop_sched(pid)[0]]
+            socks = [socket.create_connection(("127.0.0.1", port)) for _ in range(400)]
+            time.sleep(0.5)
+            cpu.append(loop_sched(pid)[0])
+            for sock in socks:
+                sock.sendall(full)
+            for sock in socks:
+                sock.recv(65536)
+            time.sleep(0.3)
+            cpu.append(loop_sched(pid)[0])
+            for sock in socks:
+                sock.close()
+            time.sleep(0.5)
+            cpu.append(loop_sched(pid)[0])
+            costs.append([(b - a) / 400 / 1e3 for a, b in itertools.pairwise(cpu)])
+    return {"tree": str(tree), "p99_ms": p99, "loop_us_per_connection": costs}
+
+
 def run_tree(tree: Path, repo: Path, args: argparse.Namespace, env: dict) -> dict:
     """One server of `tree`'s code (with `env`): a round of refusals alone (--alone),
     then one under saturation."""
@@ -562,6 +621,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--grpc", action="store_true", help="also v2 gRPC (a burst)")
     parser.add_argument("--hostile", action="store_true", help="slow and hostile clients")
+    parser.add_argument(
+        "--probe",
+        type=int,
+        default=0,
+        help="the soak's overload probe this many times (and as many on connections "
+        "accepted already), then the loop's CPU per connection",
+    )
     parser.add_argument("--seconds", type=float, default=20.0, help="--hostile: per phase")
     args = parser.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="bitserve-overload-"))
@@ -578,6 +644,26 @@ def main(argv: list[str] | None = None) -> int:
             config = config.replace("268435456", "16777216")
             (repo / "full" / "config.toml").write_text(config + group)
     load_before = os.getloadavg()
+    if args.probe:
+        results = [run_probe(tree, r, args) for tree in args.tree or [ROOT] for r in repos.values()]
+        shutil.rmtree(work, ignore_errors=True)
+        print(f"load average before {load_before[0]:.1f}, after {os.getloadavg()[0]:.1f}")
+        for r in results:
+            for kind, values in r["p99_ms"].items():
+                print(
+                    f"{r['tree'][-30:]:30s} {args.burst} chats at once, connections {kind:8s}:"
+                    f" 429 p99 {_spread(values)} ms over {len(values)} bursts"
+                )
+            accept, refuse, close = (
+                np.median(c) for c in zip(*r["loop_us_per_connection"], strict=True)
+            )
+            print(
+                f"{r['tree'][-30:]:30s} event loop CPU per connection (median of "
+                f"{args.probe}): accept {accept:.1f} us, request + 429 {refuse:.1f} us, "
+                f"close {close:.1f} us"
+            )
+        print(json.dumps({"bench": "overload-probe", "results": results}))
+        return 0
     if args.hostile:
         results = [
             run_hostile(tree, r, args) for tree in args.tree or [ROOT] for r in repos.values()
