@@ -98,6 +98,15 @@ def test_builds_without_vnni_give_the_same_sums(tmp_path, march):
             assert torch.equal(y, int_mm(x, w)), (march, m, n, k)
 
 
+def gemv_at(lib, threads: int, weight, x: torch.Tensor) -> torch.Tensor:
+    """The C GEMV on `threads` threads of the pool (then back to one)."""
+    lib.lib.bs_set_threads(threads)
+    try:
+        return lib.gemv(weight, x)
+    finally:
+        lib.lib.bs_set_threads(1)
+
+
 def test_fp32_x_gemv_splits_over_the_pool_with_the_same_bits():
     """Up to 4 rows x stays fp32 (the GEMV, its output rows split over the pool): two
     threads give one thread's bits, and both the dequantized weights' product to fp32
@@ -109,11 +118,7 @@ def test_fp32_x_gemv_splits_over_the_pool_with_the_same_bits():
         layer(torch.randn(5, 256))  # prepares the C view
         for m in (1, 2, 3, 4):
             x = torch.randn(m, 256)
-            lib.lib.bs_set_threads(1)
-            one = lib.gemv(layer.c_weight, x)
-            lib.lib.bs_set_threads(2)
-            two = lib.gemv(layer.c_weight, x)
-            lib.lib.bs_set_threads(1)
+            one, two = (gemv_at(lib, threads, layer.c_weight, x) for threads in (1, 2))
             assert torch.equal(one, two), m
             want = x @ layer.int8_weight().t()  # (the layer adds its bias after)
             torch.testing.assert_close(one, want, rtol=1e-4, atol=1e-4)
@@ -192,11 +197,7 @@ def test_int4_gemm_splits_over_the_pool_with_the_same_bits():
         layer(torch.randn(5, 256))  # prepares the C view
         for m in (1, 3, 9, 70):
             x = torch.randn(m, 256)
-            lib.lib.bs_set_threads(1)
-            one = lib.gemv(layer.c_weight, x)
-            lib.lib.bs_set_threads(2)
-            two = lib.gemv(layer.c_weight, x)
-            lib.lib.bs_set_threads(1)
+            one, two = (gemv_at(lib, threads, layer.c_weight, x) for threads in (1, 2))
             assert torch.equal(one, two), m
             want = x @ layer.dequantize().t()
             torch.testing.assert_close(one, want, rtol=0.05, atol=0.05)
