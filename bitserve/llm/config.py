@@ -36,8 +36,8 @@ def check_type(name: str, value: Any, hint: Any) -> None:
     """`value` is a `hint`, strictly (no "8" for 8, no true for 1), else a ValueError
     that names it: "max_num_seqs must be int, got '8'". An integer is a float (TOML's
     `confidence = 0` is an int; pydantic's strict float would refuse it)."""
-    if type(value) is int and float in _parts(hint):
-        value = float(value)
+    if type(value) is int and float in _parts(hint) and abs(value) < 1 << 1023:
+        value = float(value)  # (a larger one is refused below, naming the field)
     try:
         _adapter(hint).validate_python(value, strict=True)
     except ValidationError:

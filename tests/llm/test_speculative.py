@@ -392,6 +392,7 @@ def test_per_request_opt_out_and_the_metrics(model_dirs):
         ({"method": "ngram", "draft_vocab": -1}, "speculative.draft_vocab"),
         ({"method": "ngram", "confidence": True}, "speculative.confidence"),
         ({"method": "ngram", "confidence": "0"}, "speculative.confidence"),
+        ({"method": "ngram", "confidence": 10**400}, "speculative.confidence"),
     ],
 )
 def test_bad_speculative_configs_are_refused_naming_the_field(model_dirs, spec, field):
