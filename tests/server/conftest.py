@@ -223,7 +223,9 @@ def build_pipeline_repository(root: Path) -> Path:
     write_model(repository, "slow", XY_CONFIG, SLOW)
     write_model(repository, "xy_chain", CHAIN)
     write_model(repository, "bls_text", TEXT_IN, BLS_TEXT)
-    write_model(repository, "bls_async", TEXT_IN, BLS_ASYNC)
+    # 50 ms: the 32 callers share batches even when a loaded box slows the 16 client threads.
+    gathered = TEXT_IN.replace("max_queue_delay_ms = 2", "max_queue_delay_ms = 50")
+    write_model(repository, "bls_async", gathered, BLS_ASYNC)
     write_model(repository, "bls_stream", STREAM_CONFIG, BLS_STREAM)
     write_model(repository, "bls_errors", ERRORS_CONFIG, BLS_ERRORS)
     cache = "[response_cache]\nenable = true\nmax_bytes = 2048\n"
