@@ -7,8 +7,9 @@ written: a client that sent its headers or its body a byte a second (slowloris) 
 connection for ever, and one that never read its stream held the response's task, its
 version lease (a drain waited on it) and, until its last token, its KV blocks.
 
-`protocol(limits)` is uvicorn's httptools protocol with three timers, each of which
-closes the connection when it runs out:
+`protocol(limits)` is uvicorn's httptools protocol with three timeouts, each of which
+closes the connection when it runs out (the reading ones and uvicorn's keep-alive are
+swept on one timer for all connections, `_Sweep`, up to a quarter of the shortest late):
 
 - `header_timeout`: from a request's first byte (or the connection's opening) to the
   end of its headers;
@@ -36,6 +37,7 @@ import asyncio
 import functools
 import http
 import logging
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,10 +57,17 @@ class ClientLimits:
 def protocol(limits: ClientLimits, admission: Any = None) -> type:
     """uvicorn's httptools protocol class with `limits` (uvicorn.Config's `http`), that
     lets `admission` (admission.Admission) refuse a request before its ASGI task exists."""
+    from uvicorn.logging import TRACE_LOG_LEVEL
+    from uvicorn.protocols.http.flow_control import FlowControl
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+    sweeps: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # uvicorn's ServerState's
+    tick = min(1.0, limits.header_timeout / 4, limits.body_timeout / 4)  # and keep-alive's
+
     class TimedProtocol(HttpToolsProtocol):
-        _reading: asyncio.TimerHandle | None = None
+        _due: float | None = None  # when the connection is closed (loop time), unless moved
+        _idle = False  # _due is the keep-alive timeout (no 408)
+        _sweep: _Sweep | None = None  # the server's sweep of the connections due
         _writing: asyncio.TimerHandle | None = None
         _held: tuple | None = None  # a cycle whose start waits for its body
 
@@ -106,23 +115,46 @@ def protocol(limits: ClientLimits, admission: Any = None) -> type:
             self.on_response_complete()
 
         def connection_made(self, transport: Any) -> None:
-            super().connection_made(transport)
-            self._read_within(limits.header_timeout)  # a connection that sends nothing
+            """uvicorn's, but with the addresses the event loop took at the accept
+            (get_extra_info): uvicorn's own helpers wrap the socket in two Python socket
+            objects and ask the kernel again, 5 syscalls a connection (issue 35: a burst
+            of 400 new clients is the loop's CPU before anything else)."""
+            self.connections.add(self)
+            self.transport = transport
+            self.flow = FlowControl(transport)
+            self.server = _address(transport.get_extra_info("sockname"))
+            self.client = _address(transport.get_extra_info("peername"))
+            self.scheme = "https" if transport.get_extra_info("sslcontext") else "http"
+            if self.logger.level <= TRACE_LOG_LEVEL:
+                prefix = f"{self.client[0]}:{self.client[1]} - " if self.client else ""
+                self.logger.log(TRACE_LOG_LEVEL, "%sHTTP connection made", prefix)
+            self._due_within(limits.header_timeout)  # a connection that sends nothing
 
         def on_message_begin(self) -> None:
             super().on_message_begin()
-            self._read_within(limits.header_timeout)
+            self._due_within(limits.header_timeout)
 
         def on_headers_complete(self) -> None:
             super().on_headers_complete()
-            self._read_within(limits.body_timeout)
+            self._due_within(limits.body_timeout)
 
         def on_message_complete(self) -> None:
             super().on_message_complete()
-            self._read_within(None)
+            self._due = None
             if self._held is not None:
                 held, self._held = self._held, None
                 self._start_asgi_task(*held)
+
+        def on_response_complete(self) -> None:
+            """uvicorn's, with its keep-alive timeout swept as the reading ones (_Sweep)."""
+            self.server_state.total_requests += 1
+            if self.transport.is_closing():
+                return
+            self.flow.resume_reading()
+            if self.pipeline:
+                self._start_asgi_task(*self.pipeline.pop())
+            else:
+                self._due_within(self.timeout_keep_alive, idle=True)
 
         def pause_writing(self) -> None:
             super().pause_writing()
@@ -136,19 +168,33 @@ def protocol(limits: ClientLimits, admission: Any = None) -> type:
                 self._writing = None
 
         def connection_lost(self, exc: Exception | None) -> None:
-            self._held = None
-            self._read_within(None)
+            self._held = self._due = None
             self.resume_writing()
             super().connection_lost(exc)
 
-        def _read_within(self, seconds: float | None) -> None:
-            if self._reading is not None:
-                self._reading.cancel()
-            self._reading = None if seconds is None else self.loop.call_later(seconds, self._late)
+        def _due_within(self, seconds: float, idle: bool = False) -> None:
+            """Close the connection in `seconds` unless a request's reading moves on
+            (idle: a keep-alive connection between requests, closed without a 408)."""
+            self._due, self._idle = self.loop.time() + seconds, idle
+            sweep = self._sweep
+            if sweep is None:
+                sweep = self._sweep = sweeps.get(self.server_state)
+                if sweep is None:
+                    every = min(tick, self.timeout_keep_alive / 4)
+                    sweep = sweeps[self.server_state] = _Sweep(self.loop, self.connections, every)
+            if sweep.timer is None:
+                sweep.arm()
+
+        def _expire(self) -> None:
+            self._due = None
+            if not self._idle:
+                self._late()
+            elif not self.transport.is_closing():
+                self.transport.close()
 
         def _late(self) -> None:
             """The request did not arrive in time: 408 unless answered, then close."""
-            self._reading = None
+            self._due = None
             cycle: Any = self.cycle
             if cycle is None or not cycle.response_started:
                 self.transport.write(TIMEOUT_408)
@@ -163,6 +209,46 @@ def protocol(limits: ClientLimits, admission: Any = None) -> type:
             self.transport.abort()
 
     return TimedProtocol
+
+
+class _Sweep:
+    """The reading and keep-alive timeouts of a server's connections, on one timer.
+
+    A connection notes when it is due (`_due`, loop time) as a request's reading moves
+    on; the sweep closes those past it every `tick` seconds while any is due (up to a
+    tick late). A timer of its own per connection was 4-5 a request, each made and
+    cancelled (1.7 us and 4 objects for the garbage collector a connection, issue 35:
+    a burst of 400 new clients costs the loop before anything else)."""
+
+    def __init__(self, loop: Any, connections: set, tick: float):
+        self.loop, self.connections, self.tick = loop, connections, tick
+        self.timer: asyncio.TimerHandle | None = None
+
+    def arm(self) -> None:
+        self.timer = self.loop.call_later(self.tick, self.run)
+
+    def run(self) -> None:
+        self.timer = None
+        now, pending = self.loop.time(), False
+        for connection in tuple(self.connections):
+            due = getattr(connection, "_due", None)  # the set holds websockets too
+            if due is None:
+                continue
+            if due <= now:
+                connection._expire()
+            else:
+                pending = True
+        if pending:
+            self.arm()
+
+
+def _address(info: Any) -> tuple[str, int | None] | None:
+    """uvicorn's (host, port) of a socket address: (path, None) for a Unix socket."""
+    if type(info) is tuple and len(info) == 2 and type(info[0]) is str and type(info[1]) is int:
+        return info  # IPv4, as the loop gives it: no new tuple
+    if isinstance(info, (tuple, list)) and len(info) >= 2:
+        return (str(info[0]), int(info[1]))
+    return (info, None) if isinstance(info, str) and info else None
 
 
 def _nothing() -> None:
