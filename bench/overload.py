@@ -41,13 +41,15 @@ chats (the router side), and the engine process takes the second core the loop u
 `--probe N` repeats the soak's overload probe (issue 35's check: `--burst` chats at once
 on tinylm, the engine idle before each, 64 admitted and the rest refused) N times on
 connections opened just before the burst and N times on connections the server has
-accepted already, alternately, then times the event loop's CPU per connection on `full`:
+accepted already, alternately (each with the loop's CPU per client of the burst, to its
+last 429), then times the event loop's CPU per connection on `full`:
 accepting it, reading a request and writing its 429, closing it (2026-12-05, this VM:
 ~27-41, ~40-68 and ~27 us: a burst of 400 new clients is ~40 ms of the loop before
 anything else it does).
 
 `--tree` runs the same measurement against the server code of another checkout (e.g.
-`--tree . --tree /work/main`: after and before, in one run, on one box). Prints a table
+`--tree . --tree /work/main`: after and before, in one run, on one box; with `--probe`
+the trees' servers are up at once and their bursts interleaved, the order rotated). Prints a table
 and a JSON line. A benchmark, not a test: it asserts nothing.
 """
 
@@ -55,6 +57,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import heapq
 import itertools
 import json
@@ -67,6 +70,7 @@ import struct
 import tempfile
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -507,46 +511,81 @@ def run_hostile(tree: Path, repo: Path, args: argparse.Namespace) -> dict:
     return {"tree": str(tree), "rounds": rounds, "p99_ratios": ratios}
 
 
-def run_probe(tree: Path, repo: Path, args: argparse.Namespace) -> dict:
-    """--probe: the soak's overload probe, `args.probe` times on one server: `--burst`
+def run_probe(trees: list[Path], repo: Path, args: argparse.Namespace) -> list[dict]:
+    """--probe: the soak's overload probe, `args.probe` times on one server per tree (all
+    up at once, the trees' bursts interleaved, their order rotated every round): `--burst`
     chats at once on tinylm with the engine idle before each (it admits 64 and refuses
     the rest), on connections opened just before (the burst meets their accepts) or
-    0.5 s before (accepted already), alternately; p99 of the 429s per burst. Then, on
-    `full` (every request refused), the event loop's CPU per connection: accept,
-    request and refusal, close (schedstat of the loop thread, 400 connections at a time)."""
-    port = free_port()
-    env = {"PYTHONPATH": str(tree.resolve())}
+    0.5 s before (accepted already), alternately; p99 of the 429s per burst, and the
+    event loop's CPU per client of the burst (schedstat of its thread, sampled: from
+    before the connections are opened to the last 429). Then, on `full` (every request
+    refused), the event loop's CPU per connection: accept, request and refusal, close
+    (400 connections at a time)."""
     chat = http_request("/v1/chat/completions", chat_body(64, False))
     full = http_request("/v1/chat/completions", chat_body(64, False, "full"))
-    p99 = {"fresh": [], "accepted": []}
-    costs = []
-    with Server("bitserve", bitserve_command(repo, port), port, env=env) as server:
-        pid = server.proc.pid
-        timed_clients(port, chat, 8)
+    results = [
+        {
+            "tree": str(t),
+            "p99_ms": {"fresh": [], "accepted": []},
+            "loop_us_to_last_429": {"fresh": [], "accepted": []},
+            "loop_us_per_connection": [],
+        }
+        for t in trees
+    ]
+    with contextlib.ExitStack() as stack:
+        servers = []
+        for tree in trees:
+            port = free_port()
+            env = {"PYTHONPATH": str(tree.resolve())}
+            server = stack.enter_context(
+                Server("bitserve", bitserve_command(repo, port), port, env=env)
+            )
+            timed_clients(port, chat, 8)
+            servers.append((port, server.proc.pid))
+        order = list(range(len(trees)))
         for b in range(2 * args.probe):
-            time.sleep(6.0)  # the last burst's 64 admitted are done
             kind = ("fresh", "accepted")[b % 2]
-            answers = timed_clients(port, chat, args.burst, settle=0.5 * (kind == "accepted"))
-            refused = [a[1] for a in answers if a[0] == 429 and a[3]]
-            p99[kind].append(float(np.percentile(refused, 99)) if refused else None)
-        for _ in range(args.probe):
-            time.sleep(1.0)
-            cpu = [loop_sched(pid)[0]]
-            socks = [socket.create_connection(("127.0.0.1", port)) for _ in range(400)]
-            time.sleep(0.5)
-            cpu.append(loop_sched(pid)[0])
-            for sock in socks:
-                sock.sendall(full)
-            for sock in socks:
-                sock.recv(65536)
-            time.sleep(0.3)
-            cpu.append(loop_sched(pid)[0])
-            for sock in socks:
-                sock.close()
-            time.sleep(0.5)
-            cpu.append(loop_sched(pid)[0])
-            costs.append([(b - a) / 400 / 1e3 for a, b in itertools.pairwise(cpu)])
-    return {"tree": str(tree), "p99_ms": p99, "loop_us_per_connection": costs}
+            for i in order[b % len(order) :] + order[: b % len(order)]:
+                port, pid = servers[i]
+                time.sleep(6.0 / len(trees))  # the last burst's 64 admitted are done
+                stop = threading.Event()
+                with ThreadPoolExecutor(1) as pool:
+                    sampling = pool.submit(sample_loop, pid, stop)
+                    time.sleep(0.01)
+                    start = time.time_ns()
+                    settle = 0.5 * (kind == "accepted")
+                    answers = timed_clients(port, chat, args.burst, settle=settle)
+                    stop.set()
+                    samples = sampling.result()
+                refused = [a for a in answers if a[0] == 429 and a[3]]
+                p99 = float(np.percentile([a[1] for a in refused], 99)) if refused else None
+                results[i]["p99_ms"][kind].append(p99)
+                last = max((a[4] for a in refused if a[4] is not None), default=None)
+                if last is not None:  # the loop's CPU from the connections to the last 429
+                    cpu = before(samples, last)[1] - before(samples, start)[1]
+                    results[i]["loop_us_to_last_429"][kind].append(cpu / args.burst / 1e3)
+        for r in range(args.probe):
+            for i in order[r % len(order) :] + order[: r % len(order)]:
+                port, pid = servers[i]
+                time.sleep(1.0)
+                cpu = [loop_sched(pid)[0]]
+                socks = [socket.create_connection(("127.0.0.1", port)) for _ in range(400)]
+                time.sleep(0.5)
+                cpu.append(loop_sched(pid)[0])
+                for sock in socks:
+                    sock.sendall(full)
+                for sock in socks:
+                    sock.recv(65536)
+                time.sleep(0.3)
+                cpu.append(loop_sched(pid)[0])
+                for sock in socks:
+                    sock.close()
+                time.sleep(0.5)
+                cpu.append(loop_sched(pid)[0])
+                results[i]["loop_us_per_connection"].append(
+                    [(b - a) / 400 / 1e3 for a, b in itertools.pairwise(cpu)]
+                )
+    return results
 
 
 def run_tree(tree: Path, repo: Path, args: argparse.Namespace, env: dict) -> dict:
@@ -645,22 +684,22 @@ def main(argv: list[str] | None = None) -> int:
             (repo / "full" / "config.toml").write_text(config + group)
     load_before = os.getloadavg()
     if args.probe:
-        results = [run_probe(tree, r, args) for tree in args.tree or [ROOT] for r in repos.values()]
+        results = [x for r in repos.values() for x in run_probe(args.tree or [ROOT], r, args)]
         shutil.rmtree(work, ignore_errors=True)
         print(f"load average before {load_before[0]:.1f}, after {os.getloadavg()[0]:.1f}")
         for r in results:
             for kind, values in r["p99_ms"].items():
                 print(
                     f"{r['tree'][-30:]:30s} {args.burst} chats at once, connections {kind:8s}:"
-                    f" 429 p99 {_spread(values)} ms over {len(values)} bursts"
+                    f" 429 p99 {_spread(values)} ms over {len(values)} bursts, loop CPU per"
+                    f" client to the last 429 {_spread(r['loop_us_to_last_429'][kind])} us"
                 )
             accept, refuse, close = (
-                np.median(c) for c in zip(*r["loop_us_per_connection"], strict=True)
+                _spread(c) for c in zip(*r["loop_us_per_connection"], strict=True)
             )
             print(
-                f"{r['tree'][-30:]:30s} event loop CPU per connection (median of "
-                f"{args.probe}): accept {accept:.1f} us, request + 429 {refuse:.1f} us, "
-                f"close {close:.1f} us"
+                f"{r['tree'][-30:]:30s} event loop CPU per connection, us (median (min-max) of "
+                f"{args.probe}): accept {accept}, request + 429 {refuse}, close {close}"
             )
         print(json.dumps({"bench": "overload-probe", "results": results}))
         return 0
