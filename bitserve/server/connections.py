@@ -235,7 +235,10 @@ class _Sweep:
             if due is None:
                 continue
             if due <= now:
-                connection._expire()
+                try:
+                    connection._expire()
+                except Exception:  # one connection's failure must not stop the sweep
+                    log.exception("closing a connection past its timeout")
             else:
                 pending = True
         if pending:
