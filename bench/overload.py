@@ -468,11 +468,18 @@ def engine_idle(port: int, limit: float) -> float:
     return time.monotonic() - start
 
 
+def tree_env(tree: Path) -> dict[str, str]:
+    """The environment that runs `tree`'s server code: on PYTHONPATH, and the working
+    directory not first on sys.path (`python -m` puts it there, ahead of PYTHONPATH: run
+    from a checkout, every --tree served that checkout's code)."""
+    return {"PYTHONPATH": str(tree.resolve()), "PYTHONSAFEPATH": "1"}
+
+
 def run_hostile(tree: Path, repo: Path, args: argparse.Namespace) -> dict:
     """`args.rounds` rounds of a clean phase and a hostile one on one server, their
     order swapped every round; the ratio of the p99s per round."""
     port = free_port()
-    env = {"PYTHONPATH": str(tree.resolve())}
+    env = tree_env(tree)
     ctx = multiprocessing.get_context("spawn")
     rounds = []
     with Server("bitserve", bitserve_command(repo, port), port, env=env):
@@ -536,7 +543,7 @@ def run_probe(trees: list[Path], repo: Path, args: argparse.Namespace) -> list[d
         servers = []
         for tree in trees:
             port = free_port()
-            env = {"PYTHONPATH": str(tree.resolve())}
+            env = tree_env(tree)
             server = stack.enter_context(
                 Server("bitserve", bitserve_command(repo, port), port, env=env)
             )
@@ -594,7 +601,7 @@ def run_tree(tree: Path, repo: Path, args: argparse.Namespace, env: dict) -> dic
     grpc_port = free_port()
     port = free_port()
     cmd = bitserve_command(repo, port, "--grpc-port", str(grpc_port))
-    env = {"PYTHONPATH": str(tree.resolve())} | env
+    env = tree_env(tree) | env
     with Server("bitserve", cmd, port, env=env) as server:
         target, pid = f"127.0.0.1:{grpc_port}", server.proc.pid
         idle = None
