@@ -29,6 +29,8 @@ import shutil
 import subprocess
 import tempfile
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -304,6 +306,46 @@ def attach(model: torch.nn.Module, kernels: Kernels | None) -> None:
             own = all(uses[id(p)] == 1 for p in module.parameters(recurse=False))
             if kernels is not None and own and hasattr(module, "pack"):
                 module.pack()
+
+
+@cache
+def omp_set_num_threads() -> Any:
+    """`omp_set_num_threads` of the OpenMP runtime torch's ops run on (looked up through
+    libtorch_cpu, so the one it linked: torch's bundled libgomp, not another library's),
+    or None where there is none (another threading backend, no such library)."""
+    lib = Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"
+    if "OpenMP" not in torch.__config__.parallel_info() or not lib.exists():
+        return None
+    try:
+        fn = ctypes.CDLL(str(lib)).omp_set_num_threads
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes, fn.restype = [ctypes.c_int], None
+    return fn
+
+
+@contextmanager
+def torch_threads_here(n: int) -> Iterator[None]:
+    """Torch's ops on the calling thread use at most `n` OpenMP threads inside the block;
+    every other thread keeps its count (OpenMP's is per thread; `torch.set_num_threads`
+    would also change the default every thread not yet started takes).
+
+    For a step the C kernels run on their pool: its torch ops are small (the sampler's
+    max over the vocabulary, an embedding gather), but one that crosses torch's grain
+    size wakes an OpenMP team, whose workers then spin (libgomp: ~300,000 pauses, some
+    milliseconds) on the cores the pool's workers need: a 246M int8 decode step at two
+    threads took 27 ms against 21 with them kept asleep.
+    """
+    set_threads = omp_set_num_threads()
+    before = torch.get_num_threads()  # also torch's first setting of this thread's count
+    if set_threads is None or before <= n:
+        yield
+        return
+    set_threads(n)
+    try:
+        yield
+    finally:
+        set_threads(before)
 
 
 HUGE_PAGE = 2 << 20

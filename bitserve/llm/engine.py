@@ -255,7 +255,8 @@ class LLMEngine:
         if not batch:
             return []
         start = time.perf_counter()
-        outputs = self.run(batch)
+        with self.runner.torch_threads(batch):
+            outputs = self.run(batch)
         # a step that is mostly prompt tokens times them (decode rows cost another rate)
         prompt_tokens = sum(n for _, n in batch.scheduled if n > 1)
         if prompt_tokens >= PREFILL_TOKENS and 2 * prompt_tokens >= batch.num_tokens:

@@ -39,6 +39,7 @@ engines) would remove it, but needs a scheduler that skips sequences in flight.
 from __future__ import annotations
 
 import logging
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -497,6 +498,16 @@ class ModelRunner:
         return StepTensors(tensors[0], tensors[1], meta, sample_rows)
 
     @torch.inference_mode()
+    def torch_threads(self, batch: SchedulerOutput) -> AbstractContextManager:
+        """Around a step on the engine's thread: its torch ops on that thread alone where
+        the C layer runs the step on the kernels' pool (kernels.torch_threads_here: torch's
+        OpenMP workers would spin on the pool's cores); torch keeps its threads for a step
+        its own layers run."""
+        fuses = getattr(self.model, "fuses", None)
+        if self.kernels is None or self.flash is not None or fuses is None:
+            return nullcontext()
+        return kernels.torch_threads_here(1) if fuses(batch.num_tokens) else nullcontext()
+
     def execute(self, batch: SchedulerOutput) -> ModelOutput:
         """Rank 0: plan the step, send it to the other ranks, run, collect the logits."""
         steps, out = self.plan(batch)

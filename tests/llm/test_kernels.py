@@ -201,6 +201,47 @@ def test_fused_decode_of_a_big_batch_matches_torch(model_dirs, fused_calls, rest
     assert fused == generate(make_engine(folder, num_kv_blocks=128, max_num_seqs=72), prompts)
 
 
+@pytest.fixture
+def two_torch_threads():
+    """torch at two threads for the test (the suite pins one), one again after."""
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(1)
+
+
+@pytest.mark.skipif(kernels.omp_set_num_threads() is None, reason="torch without OpenMP")
+def test_torch_threads_here_is_this_threads_alone(two_torch_threads):
+    """Inside the block this thread's torch ops take one thread; a thread that starts
+    meanwhile keeps torch's count (torch.set_num_threads would change it too)."""
+    seen = {}
+    with kernels.torch_threads_here(1):
+        seen["inside"] = torch.get_num_threads()
+        with ThreadPoolExecutor(1) as pool:
+            seen["other thread"] = pool.submit(torch.get_num_threads).result()
+    seen["after"] = torch.get_num_threads()
+    assert seen == {"inside": 1, "other thread": 2, "after": 2}
+
+
+@needs_kernels
+@pytest.mark.skipif(kernels.omp_set_num_threads() is None, reason="torch without OpenMP")
+def test_a_step_the_c_layer_runs_keeps_torch_to_one_thread(
+    llama64_dir, fused_calls, two_torch_threads, restore_kernels
+):
+    """torch's OpenMP workers would spin on the cores the kernels' pool needs: a step the
+    C layer runs has torch at one thread on the engine's thread; without the kernels the
+    step is torch's and keeps its two threads; after a step, two again."""
+    counts = {}
+    for enabled in (True, False):
+        kernels.reset(enabled=enabled)
+        engine = make_engine(llama64_dir, num_kv_blocks=64, max_num_seqs=4)
+        seen = counts[enabled] = []
+        engine.fault_hook = lambda seqs, seen=seen: seen.append(torch.get_num_threads())
+        generate(engine, MIXED)
+        assert torch.get_num_threads() == 2
+    assert fused_calls and set(counts[True]) == {1}
+    assert counts[False] and set(counts[False]) == {2}
+
+
 def test_fallback_without_compiler(llama_dir, tmp_path, monkeypatch, restore_kernels):
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
     monkeypatch.setenv("BITSERVE_KERNEL_CACHE", str(tmp_path / "cache"))

@@ -250,10 +250,12 @@ static void q4t_gemv(const Weight *w, const float *x, long ldx, long M, float *y
    The register tile is up to 4 rows of x by 4 rows of W (16 accumulators, 8 loads per
    16 VNNI; 1-2 rows of x take 8 rows of W), k in steps of 64, and the 16 partial-sum
    vectors are reduced together at the end (a transpose-and-add, ~3 instructions an
-   output, against K / 64 VNNI). A pool task is I8_NC output rows for a chunk of rows of
-   x small enough to stay in L2 (I8_MC_BYTES), so W's rows (in L1) meet every row of x
-   in the chunk before the next rows of W are read. */
-#define I8_NC 64                 /* output rows a task */
+   output, against K / 64 VNNI). A pool task is 64-256 output rows (i8_rows_a_task) for a
+   chunk of rows of x small enough to stay in L2 (I8_MC_BYTES), so W's rows (in L1) meet
+   every row of x in the chunk before the next rows of W are read. */
+#define I8_NC_MIN 64             /* output rows a task, at least */
+#define I8_NC_MAX 256            /* and at most */
+#define I8_PF_ROWS 12            /* W prefetched this many rows ahead, into L2 */
 #define I8_MC_BYTES (256 * 1024) /* rows of x a task: their u8 copy within this */
 
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
@@ -288,9 +290,12 @@ static inline __attribute__((always_inline)) void i8_step(__m512i *acc, const ui
                                                           long k, __mmask64 mask, int pf,
                                                           const long MR, const long NR) {
     __m512i wv[8];
-    if (pf) /* the same columns of W 32 rows on (4 blocks ahead), into L2: from DRAM this took
-               M=16 from 100 to 147 GMAC/s (prefetcht0 one block ahead: no gain) */
-        for (long n = 0; n < NR; n++) _mm_prefetch((const char *)(w + (n + 32) * K + k), _MM_HINT_T2);
+    if (pf) /* the same columns of W I8_PF_ROWS rows on, into L2: from DRAM, 32 rows on took
+               M=16 from 100 to 147 GMAC/s (prefetcht0 one block ahead: no gain); 12 rows
+               rather than 32 took a 246M decode step (16 rows, 2 threads, 256-row tasks)
+               from 20.8 to 19.1-19.3 ms: a task's first rows are the ones nobody prefetched */
+        for (long n = 0; n < NR; n++)
+            _mm_prefetch((const char *)(w + (n + I8_PF_ROWS) * K + k), _MM_HINT_T2);
     for (long n = 0; n < NR; n++) wv[n] = _mm512_maskz_loadu_epi8(mask, w + n * K + k);
     for (long m = 0; m < MR; m++) {
         __m512i xv = _mm512_loadu_si512(xu + m * ldq + k);
@@ -330,7 +335,7 @@ typedef struct {
     const uint8_t *xu;
     long ldq, M, K;
     const int8_t *w;
-    long N, mc, tasks_n; /* rows of x a chunk, tasks a chunk */
+    long N, mc, nc, tasks_n; /* rows of x a chunk, rows of W a task, tasks a chunk */
     int32_t *acc;        /* [M][N] raw sums */
     /* y != NULL: each task also turns its block of sums into y (i8_scale) */
     const int32_t *wsum;
@@ -351,7 +356,7 @@ static void i8_task(void *ctx, long t) {
     const I8Job *J = ctx;
     long K = J->K, N = J->N, ldq = J->ldq;
     long c0 = t / J->tasks_n * J->mc, c1 = c0 + J->mc < J->M ? c0 + J->mc : J->M;
-    long n0 = t % J->tasks_n * I8_NC, n1 = n0 + I8_NC < N ? n0 + I8_NC : N;
+    long n0 = t % J->tasks_n * J->nc, n1 = n0 + J->nc < N ? n0 + J->nc : N;
     long n = n0;
 #ifdef I8_VNNI
     for (; n + 8 <= n1; n += 8) { /* these 8 rows of W stay in L1 for the chunk's rows; */
@@ -381,6 +386,14 @@ static void i8_task(void *ctx, long t) {
         i8_scale(J->acc, N, c0, c1, n0, n1, J->wsum, J->xs, J->scale, J->bias, J->y);
 }
 
+/* Rows of W a task: long runs, as each task's first I8_PF_ROWS rows come from DRAM
+   unprefetched (a 246M decode step at 2 threads: 21.7 ms with 64 rows a task, 20.5 with
+   256), but at least 4 tasks a thread, so a late worker leaves little to the caller. */
+static long i8_rows_a_task(long N) {
+    long nc = N / (4 * bs_get_threads()) / 8 * 8;
+    return nc < I8_NC_MIN ? I8_NC_MIN : (nc > I8_NC_MAX ? I8_NC_MAX : nc);
+}
+
 /* acc [M][N] = the raw sums (x + 128) . w for xu [M][ldq] (ldq a multiple of 64); with
    y, also y = i8_scale(acc), block by block on the task that summed it */
 static void i8_gemm_raw(const uint8_t *xu, long ldq, long M, long K, const int8_t *w, long N,
@@ -389,8 +402,9 @@ static void i8_gemm_raw(const uint8_t *xu, long ldq, long M, long K, const int8_
     long mc = I8_MC_BYTES / ldq & ~3L;
     if (mc < 4) mc = 4;
     if (mc > M) mc = M;
-    long tasks_n = (N + I8_NC - 1) / I8_NC, chunks = (M + mc - 1) / mc;
-    I8Job job = {xu, ldq, M, K, w, N, mc, tasks_n, acc, wsum, xs, scale, bias, y};
+    long nc = i8_rows_a_task(N);
+    long tasks_n = (N + nc - 1) / nc, chunks = (M + mc - 1) / mc;
+    I8Job job = {xu, ldq, M, K, w, N, mc, nc, tasks_n, acc, wsum, xs, scale, bias, y};
     bs_parallel(i8_task, &job, chunks * tasks_n);
 }
 

@@ -294,13 +294,17 @@ class LlamaForCausalLM(nn.Module):
         """Every row is a one-token decode and the C layer suits the row count; rows with
         a LoRA adapter only when the C layer adds its deltas (lora.py's "c" path)."""
         return (
-            (self.lora is None or self.lora.fuses())
+            self.fuses(x.shape[0])
             and meta.decode is not None
             and not meta.seqs
-            and x.shape[0] <= self.fuse_rows
             and x.dtype is torch.float32
             and not torch.is_grad_enabled()
         )
+
+    def fuses(self, rows: int) -> bool:
+        """Whether a batched step (every row's attention through the paged decode) of
+        `rows` rows runs the C layer: what can_fuse_decode knows before the step."""
+        return rows <= self.fuse_rows and (self.lora is None or self.lora.fuses())
 
     def fused_rows(self) -> int:
         """Up to how many rows the C decode layer runs (0: never), the fewest any of its
