@@ -497,7 +497,6 @@ class ModelRunner:
         sample_rows = self.to_device(torch.tensor(step.sample_rows, dtype=torch.int64))
         return StepTensors(tensors[0], tensors[1], meta, sample_rows)
 
-    @torch.inference_mode()
     def torch_threads(self, batch: SchedulerOutput) -> AbstractContextManager:
         """Around a step on the engine's thread: its torch ops on that thread alone where
         the C layer runs the step on the kernels' pool (kernels.torch_threads_here: torch's
@@ -508,6 +507,7 @@ class ModelRunner:
             return nullcontext()
         return kernels.torch_threads_here(1) if fuses(batch.num_tokens) else nullcontext()
 
+    @torch.inference_mode()
     def execute(self, batch: SchedulerOutput) -> ModelOutput:
         """Rank 0: plan the step, send it to the other ranks, run, collect the logits."""
         steps, out = self.plan(batch)
