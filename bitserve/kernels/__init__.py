@@ -379,6 +379,24 @@ def empty_huge_pages(shape: tuple[int, ...], dtype: torch.dtype = torch.float32)
     return buf[offset : offset + numel].view(shape)
 
 
+def onto_huge_pages_together(tensors: list[torch.Tensor]) -> None:
+    """Move the tensors' data, one after another, into one buffer on huge pages, in place
+    (`set_`: every reference to a tensor reads the new copy; the old storage is freed once
+    nothing else holds it). CPU tensors only; each starts on a 64-byte boundary."""
+    tensors = [t for t in tensors if t.device.type == "cpu" and t.is_contiguous()]
+    if not tensors:
+        return
+    nbytes = [t.numel() * t.element_size() for t in tensors]
+    arena = empty_huge_pages((sum(-(-n // 64) * 64 for n in nbytes),), torch.uint8)
+    offset = 0
+    with torch.no_grad():
+        for t, n in zip(tensors, nbytes, strict=True):
+            moved = arena[offset : offset + n].view(t.dtype).view(t.shape)
+            moved.copy_(t)
+            t.set_(moved.untyped_storage(), moved.storage_offset(), moved.shape, moved.stride())
+            offset += -(-n // 64) * 64
+
+
 def zeros_huge_pages(shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """`torch.zeros(shape)` on huge pages (`empty_huge_pages`): the KV pool."""
     return empty_huge_pages(shape, dtype).zero_()

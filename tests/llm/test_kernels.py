@@ -3,6 +3,7 @@ the clean fallback to torch when no compiler is there."""
 
 from __future__ import annotations
 
+import platform
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -266,6 +267,22 @@ def test_zeros_huge_pages():
     assert big.shape == (2, 1024, 1024) and big.is_contiguous() and not big.any()
     big += 1  # the whole view is writable
     assert big.sum().item() == 2 * 1024 * 1024
+
+
+def test_onto_huge_pages_together_moves_the_data_in_place():
+    """Each tensor keeps its values and stays the same object (every reference, a tied
+    head's too, reads the move), now one after another in a buffer that starts on a
+    2 MiB boundary, each on a 64-byte one."""
+    g = torch.Generator().manual_seed(0)
+    a = torch.randint(-128, 128, (2048, 1100), dtype=torch.int8, generator=g)  # > 2 MiB
+    b = torch.randn(3, 5, generator=g)
+    expect, tied = [a.clone(), b.clone()], a
+    kernels.onto_huge_pages_together([a, b])
+    assert torch.equal(a, expect[0]) and torch.equal(b, expect[1]) and tied is a
+    assert a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+    assert b.data_ptr() - a.data_ptr() == -(-a.numel() // 64) * 64
+    if platform.system() == "Linux":
+        assert a.data_ptr() % (2 << 20) == 0
 
 
 @needs_kernels

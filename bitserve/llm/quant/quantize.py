@@ -30,6 +30,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
+from bitserve import kernels as c
 from bitserve.llm.quant.linear import (
     Int4Linear,
     Int8Embedding,
@@ -44,6 +45,7 @@ log = logging.getLogger("bitserve.quant")
 METHODS = ("int8", "int8-outlier", "int4")
 GROUP_SIZES = (32, 64, 128)
 WEIGHTS_FILE = "model.safetensors"
+HUGE_WEIGHTS_FROM = 32 << 20  # int8 weights' bytes: from here, on huge pages
 
 
 def is_quantized(hf_config: dict[str, Any]) -> bool:
@@ -246,6 +248,14 @@ def load_weights(model: nn.Module, folder: Path, qconfig: dict[str, Any]) -> Non
 def prepare_kernels(model: nn.Module) -> None:
     """Pick every layer's kernels now (not on the first request); free what they copied.
     (Small decode steps then run one C call per decoder layer, through `c_view()`.)"""
+    # the int8 weights every decode step streams from memory, in one buffer on 2 MiB pages
+    # (a tied head's are the embedding's tensor: moved once, both read the copy): a 246M
+    # step at 2 threads 20.5-20.9 ms against 21.0-21.5 on 4 KiB pages, its prefill 2.5%
+    # faster; weights that a CPU's cache holds stay where they are (the buffer's alignment
+    # slack, up to 2 MiB, would be a tenth of a small model's int8 weights)
+    weights = {id(m.qweight): m.qweight for m in model.modules() if isinstance(m, Int8Linear)}
+    if sum(w.numel() for w in weights.values()) >= HUGE_WEIGHTS_FROM:
+        c.onto_huge_pages_together(list(weights.values()))
     for module in model.modules():
         if isinstance(module, QuantLinear):
             module.prepare()
