@@ -25,7 +25,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from bitserve.llm import SamplingParams
+from bitserve.llm import LLM, SamplingParams
 from bitserve.llm.gguf import hf_name, unpermute
 from bitserve.llm.quant.ggml import GgmlLinear
 from bitserve.quantize.evaluate import evaluate_llm
@@ -186,6 +186,65 @@ def test_int8_activations_by_default(k_files, kind):
     error = float((got - want).abs().max() / want.abs().max())
     assert 1e-5 < error < 3e-2, f"{kind}: logits off by {error:.2e} of the largest"
     assert (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.9
+
+
+@needs_quantize
+def test_a_prompt_step_past_256_rows_runs_the_c_layer_on_tiles(k_files, monkeypatch):
+    """int8 activations, every part on tiles: a burst of prompts whose step passes 256
+    rows runs the C decoder layer (in chunks of FUSED_CHUNK rows), as bitserve's own int8
+    does, rather than the torch path layer by layer. The same tile GEMMs either way; the
+    C layer's norms, RoPE and attention round differently, so an activation may now and
+    then round to the next int8 code: the prompt step's greedy tokens are the torch
+    path's, and its top-5 logprobs nearer the torch path's than those are to the fp32-x
+    path's in the median and at most twice its worst (x's rounding, the format's own
+    error; a wrong row or chunk would be nats off; later steps of a random-weight model
+    may flip a token on such a rounding)."""
+    from bitserve import kernels
+    from bitserve.llm.models import llama
+    from tests.llm.test_engine import random_prompts
+
+    engine = make_engine(k_files["Q4_K_M"], num_kv_blocks=128, enable_prefix_caching=False)
+    model = engine.runner.model
+    assert model.fuse_rows > 256
+    prompts = random_prompts([60] * 6, seed=9)  # 360 prompt rows in one step
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True, logprobs=5)
+    llm = LLM.__new__(LLM)
+    llm.engine = engine
+    rows = []
+    original = kernels.Kernels.decode_layer
+    monkeypatch.setattr(
+        kernels.Kernels,
+        "decode_layer",
+        lambda s, p, x, *a: rows.append(x.shape[0]) or original(s, p, x, *a),
+    )
+    fused = [o.outputs[0] for o in llm.generate(prompts, params)]
+    assert rows[0] > 256  # the prompts' step, one call a layer
+    monkeypatch.setattr(llama, "FUSED_CHUNK", 128)
+    rows.clear()
+    chunked = [o.outputs[0] for o in llm.generate(prompts, params)]
+    assert max(rows) == 128
+    assert [o.logprobs for o in chunked] == [o.logprobs for o in fused]  # rows independent
+    monkeypatch.setattr(model, "fuse_rows", 0)  # the torch path
+    rows.clear()
+    torch_path = [o.outputs[0] for o in llm.generate(prompts, params)]
+    assert not rows
+    exact = make_engine(k_files["Q4_K_M"], num_kv_blocks=128, gguf_activations="fp32")
+    llm.engine = exact
+    fp32_x = [o.outputs[0] for o in llm.generate(prompts, params)]
+    assert [o.token_ids for o in fused] == [o.token_ids for o in torch_path]
+
+    def gaps(one: list, other: list) -> list[float]:
+        return sorted(
+            abs(a[t] - b[t])
+            for f, g in zip(one, other, strict=True)
+            for a, b in zip(f.logprobs, g.logprobs, strict=True)
+            for t in a.keys() & b.keys()
+        )
+
+    near, rounding = gaps(fused, torch_path), gaps(torch_path, fp32_x)
+    assert len(near) >= 5 * len(prompts) - 2
+    assert near[len(near) // 2] < rounding[len(rounding) // 2]  # mostly the same bits
+    assert near[-1] < 2 * rounding[-1]  # a flipped code costs what x's rounding costs
 
 
 def test_gguf_activations_is_checked_naming_the_field(llama_dir):
