@@ -154,3 +154,18 @@ def make_engine(path: Path, **kwargs) -> LLMEngine:
     engine = LLMEngine(path, **kwargs)
     _engines.append(engine)
     return engine
+
+
+def record_decode_rows(monkeypatch) -> list[int]:
+    """The row count of every C decoder-layer call from now on (one entry a layer call),
+    the call itself unchanged."""
+    from bitserve import kernels
+
+    rows: list[int] = []
+    original = kernels.Kernels.decode_layer
+    monkeypatch.setattr(
+        kernels.Kernels,
+        "decode_layer",
+        lambda s, p, x, *a: rows.append(x.shape[0]) or original(s, p, x, *a),
+    )
+    return rows

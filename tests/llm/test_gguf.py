@@ -30,7 +30,7 @@ from bitserve.llm.gguf import hf_name, unpermute
 from bitserve.llm.quant.ggml import GgmlLinear
 from bitserve.quantize.evaluate import evaluate_llm
 from bitserve.quantize.scoring import window_logits
-from tests.llm.conftest import COMMON, build_model, make_engine
+from tests.llm.conftest import COMMON, build_model, make_engine, record_decode_rows
 from tests.llm.test_engine import MIXED, generate, reference
 from tests.quant.conftest import HELDOUT, TINYLM
 from tools.llama_cpp import CONVERTER, QUANTIZE, convert, convert_all, quantize
@@ -199,7 +199,6 @@ def test_a_prompt_step_past_256_rows_runs_the_c_layer_on_tiles(k_files, monkeypa
     path's in the median and at most twice its worst (x's rounding, the format's own
     error; a wrong row or chunk would be nats off; later steps of a random-weight model
     may flip a token on such a rounding)."""
-    from bitserve import kernels
     from bitserve.llm.models import llama
     from tests.llm.test_engine import random_prompts
 
@@ -210,13 +209,7 @@ def test_a_prompt_step_past_256_rows_runs_the_c_layer_on_tiles(k_files, monkeypa
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True, logprobs=5)
     llm = LLM.__new__(LLM)
     llm.engine = engine
-    rows = []
-    original = kernels.Kernels.decode_layer
-    monkeypatch.setattr(
-        kernels.Kernels,
-        "decode_layer",
-        lambda s, p, x, *a: rows.append(x.shape[0]) or original(s, p, x, *a),
-    )
+    rows = record_decode_rows(monkeypatch)
     fused = [o.outputs[0] for o in llm.generate(prompts, params)]
     assert rows[0] > 256  # the prompts' step, one call a layer
     monkeypatch.setattr(llama, "FUSED_CHUNK", 128)

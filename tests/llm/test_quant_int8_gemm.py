@@ -12,6 +12,7 @@ from torch import nn
 
 from bitserve import kernels
 from bitserve.llm.quant.linear import Int8Linear
+from tests.llm.conftest import record_decode_rows
 
 pytestmark = pytest.mark.skipif(kernels.get() is None, reason="no C compiler here")
 
@@ -159,13 +160,7 @@ def test_a_prompt_step_past_256_rows_runs_the_c_layer(tmp_path, monkeypatch):
         return gaps[len(gaps) // 2]
 
     llm = LLM(out / "1", num_kv_blocks=256, enable_prefix_caching=False)  # every row run
-    rows = []
-    original = kernels.Kernels.decode_layer
-    monkeypatch.setattr(
-        kernels.Kernels,
-        "decode_layer",
-        lambda s, p, x, *a: rows.append(x.shape[0]) or original(s, p, x, *a),
-    )
+    rows = record_decode_rows(monkeypatch)
     whole = generate(llm)
     assert rows[0] > 256  # the prompts' step, one call a layer
     monkeypatch.setattr(llama, "FUSED_CHUNK", 128)

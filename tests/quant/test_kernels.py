@@ -13,6 +13,7 @@ from bitserve import kernels
 from bitserve.llm import LLM, SamplingParams
 from bitserve.llm.quant.linear import Int4Linear, Int8Linear, qweight
 from bitserve.quantize.folders import resolve_source
+from tests.llm.conftest import record_decode_rows
 
 pytestmark = pytest.mark.skipif(kernels.get() is None, reason="no C compiler")
 
@@ -122,13 +123,7 @@ def test_batched_decode_is_fused_and_matches(quantized_tinylm, monkeypatch, meth
     prompts *= 3  # int8 and int4 fuse up to 256 rows
     greedy = SamplingParams(temperature=0, max_tokens=8)
     llm = LLM(quantized_tinylm[method] / "1", num_kv_blocks=128)
-    rows = []
-    original = kernels.Kernels.decode_layer
-    monkeypatch.setattr(
-        kernels.Kernels,
-        "decode_layer",
-        lambda s, p, x, *a: rows.append(x.shape[0]) or original(s, p, x, *a),
-    )
+    rows = record_decode_rows(monkeypatch)
     fast = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
     assert len(prompts) in rows  # all decodes in one call per layer
     monkeypatch.setattr(llm.engine.runner.model, "fuse_rows", 0)
