@@ -387,14 +387,15 @@ def onto_huge_pages_together(tensors: list[torch.Tensor]) -> None:
     if not tensors:
         return
     nbytes = [t.numel() * t.element_size() for t in tensors]
-    arena = empty_huge_pages((sum(-(-n // 64) * 64 for n in nbytes),), torch.uint8)
+    slots = [-(-n // 64) * 64 for n in nbytes]  # each rounded up to 64 bytes
+    arena = empty_huge_pages((sum(slots),), torch.uint8)
     offset = 0
     with torch.no_grad():
-        for t, n in zip(tensors, nbytes, strict=True):
+        for t, n, slot in zip(tensors, nbytes, slots, strict=True):
             moved = arena[offset : offset + n].view(t.dtype).view(t.shape)
             moved.copy_(t)
             t.set_(moved.untyped_storage(), moved.storage_offset(), moved.shape, moved.stride())
-            offset += -(-n // 64) * 64
+            offset += slot
 
 
 def zeros_huge_pages(shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from bitserve import kernels as c
+from bitserve.llm.quant.linear import I8_FUSE_ROWS
 
 TYPES = {  # ggml type ids (gguf.GGMLQuantizationType) the kernels read
     "F32": 0,
@@ -49,10 +50,6 @@ TYPES = {  # ggml type ids (gguf.GGMLQuantizationType) the kernels read
 BLOCKS = {"F32": (1, 4), "F16": (1, 2), "BF16": (1, 2), "Q4_0": (32, 18), "Q5_0": (32, 22)}
 BLOCKS |= {"Q8_0": (32, 34), "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210)}
 FUSE_ROWS = 256  # the C decode layer takes up to this many rows (panels above 4 rows)
-# every part on int8 tiles: any number of rows (a prompt's in chunks of FUSED_CHUNK), as
-# bitserve's own int8 (quant/linear.py): past 256 rows the torch path ran the same tile
-# GEMMs between torch's elementwise ops, whose OpenMP threads took turns with the pool
-TILED_FUSE_ROWS = 1 << 30
 ACTIVATIONS = ("int8", "fp32")  # what x meets the block-format weights as
 
 
@@ -146,8 +143,11 @@ class GgmlLinear(nn.Module):
 
     @property
     def fuse_rows(self) -> int:
-        """Up to how many rows the C decode layer takes this layer."""
-        return TILED_FUSE_ROWS if len(self.tiles) == len(self.types) else FUSE_ROWS
+        """Up to how many rows the C decode layer takes this layer: with every part on
+        int8 tiles any number (a prompt's in chunks of FUSED_CHUNK), as bitserve's own
+        int8: past 256 rows the torch path ran the same tile GEMMs between torch's
+        elementwise ops, whose OpenMP threads took turns with the kernels' pool."""
+        return I8_FUSE_ROWS if len(self.tiles) == len(self.types) else FUSE_ROWS
 
     def rows(self, i: int) -> int:
         return getattr(self, f"part{i}").shape[0]
